@@ -1,0 +1,260 @@
+"""Tests for harness.report: the JSON, Markdown, HTML and terminal renderings of a matrix."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from harness.matrix import STATUSES, Cell, Failure, Matrix
+from harness.report import (
+    check_report_dir,
+    render_html,
+    render_json,
+    render_markdown,
+    render_table,
+    write_reports,
+)
+
+PLANTED_MESSAGE = "'gen.weight' on rank 1 at step 3: not synced <b>& friends</b>"
+
+CELL_KEYS = {"case", "variant", "world_size", "status", "summary", "max_abs_diff", "duration_s"}
+FAILURE_KEYS = {"rank", "step", "model", "param", "kind", "max_abs_diff", "message"}
+
+
+def make_failure(rank: int = 1, step: int = 3, message: str = PLANTED_MESSAGE) -> Failure:
+    return Failure(
+        rank=rank,
+        step=step,
+        model="gen",
+        param="weight",
+        kind="not_synced",
+        max_abs_diff=0.125,
+        message=message,
+    )
+
+
+def make_matrix(*, complete: bool = True) -> Matrix:
+    cells = [
+        Cell("accumulate", "steps=2", 1, "pass", duration_s=0.05),
+        Cell("accumulate", "steps=2", 2, "pass", duration_s=0.07),
+        Cell("accumulate", "steps=2", 4, "skip", summary="needs 4 GPUs, have 2"),
+        Cell(
+            "accumulate_multi_model",
+            "steps=2-bf16",
+            2,
+            "fail",
+            summary="gen.weight not synced on rank 1",
+            max_abs_diff=0.125,
+            failures=[make_failure(rank=r, step=s) for r in (0, 1) for s in (1, 2, 3, 4)],
+            rerun="pytest 'cases/test_accumulate.py::test_multi[steps=2-bf16-ws2]'",
+        ),
+        Cell("accumulate_multi_model", "steps=2-bf16", 1, "pass"),
+        Cell("accumulate_nested", "", 2, "detected", summary="caught nested accumulate"),
+        Cell("accumulate_nested", "", 4, "missed", summary="nested accumulate went unnoticed"),
+        Cell("no_sync", "a|b", 2, "error", summary="rank 1 hung after 120 s"),
+        Cell("unused_parameters", "default", 1, "unsupported", summary="needs Accelerator.foo"),
+    ]
+    return Matrix(
+        environment={
+            "python": "3.11.7",
+            "torch": "2.5.1",
+            "accelerate": "1.2.0",
+            "backend": "gloo",
+            "device": "cpu",
+            "world_sizes": [1, 2, 4],
+            "seed": 1234,
+        },
+        cells=cells,
+        created="2025-01-01T00:00:00+00:00",
+        complete=complete,
+    )
+
+
+def table_rows(markdown: str) -> list[list[str]]:
+    rows = []
+    for line in markdown.splitlines():
+        if line.startswith("| ") and not line.startswith("| ---"):
+            rows.append([c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]])
+    return rows
+
+
+def test_json_round_trips() -> None:
+    matrix = make_matrix()
+    text = render_json(matrix)
+    assert text.endswith("\n")
+    data = json.loads(text)
+    assert Matrix.from_dict(data).to_dict() == matrix.to_dict()
+    assert data == matrix.to_dict()
+
+
+def test_json_has_schema_1_keys_in_every_cell() -> None:
+    data = json.loads(render_json(make_matrix()))
+    assert data["schema_version"] == 1
+    assert {"created", "environment", "cells"} <= data.keys()
+    assert len(data["cells"]) == len(make_matrix().cells)
+    for cell in data["cells"]:
+        assert CELL_KEYS | {"failures"} <= cell.keys()
+        for failure in cell["failures"]:
+            assert FAILURE_KEYS <= failure.keys()
+    assert any(cell["failures"] for cell in data["cells"])
+
+
+def test_markdown_pivot_shows_every_cell_in_its_column() -> None:
+    matrix = make_matrix()
+    markdown = render_markdown(matrix)
+    assert markdown.startswith("# Gradient-sync matrix\n")
+    rows = table_rows(markdown)
+    header, body = rows[0], rows[1:]
+    assert header == ["case", "variant", "ws=1", "ws=2", "ws=4"]
+    by_row = {(row[0], row[1].replace("\\|", "|")): row for row in body}
+    assert len(by_row) == len({(c.case, c.variant) for c in matrix.cells})
+    for cell in matrix.cells:
+        row = by_row[(cell.case, cell.variant)]
+        entry = row[header.index(f"ws={cell.world_size}")]
+        assert entry.endswith(cell.status), (cell.key, entry)
+    assert by_row[("accumulate_nested", "")][2] == "—"
+
+
+def test_markdown_escapes_pipes_in_table_text() -> None:
+    markdown = render_markdown(make_matrix())
+    assert "| a\\|b |" in markdown
+    assert "| a|b |" not in markdown
+
+
+def test_markdown_header_names_environment_and_counts() -> None:
+    markdown = render_markdown(make_matrix())
+    for word in ("3.11.7", "2.5.1", "1.2.0", "gloo", "cpu", "1,2,4", "1234"):
+        assert word in markdown
+    assert "9 cells: 3 pass, 1 fail, 1 error, 1 skip, 1 unsupported, 1 detected, 1 missed" in markdown
+
+
+def test_markdown_incomplete_banner_only_when_incomplete() -> None:
+    banner = "**Incomplete run**: only the cells that finished are shown."
+    assert banner not in render_markdown(make_matrix(complete=True))
+    assert banner in render_markdown(make_matrix(complete=False))
+
+
+def test_markdown_failures_section_lists_bad_cells_only() -> None:
+    markdown = render_markdown(make_matrix())
+    section = markdown.split("## Failures", 1)[1]
+    assert "accumulate_multi_model / steps=2-bf16 / ws=2: ❌ fail — gen.weight not synced" in section
+    assert "no_sync / a|b / ws=2: 💥 error — rank 1 hung" in section
+    assert "accumulate_nested /  / ws=4: ⚠️ missed" in section
+    assert "unsupported — needs Accelerator.foo" in section
+    assert "needs 4 GPUs" not in section
+    assert "caught nested accumulate" not in section
+    bullets = [line for line in section.splitlines() if line.startswith("  - rank ")]
+    assert len(bullets) == 5
+    assert "rank 0, step 1, `gen.weight`: not_synced, max abs diff 0.125" in bullets[0]
+    assert "… and 3 more" in section
+    assert "rerun: `pytest 'cases/test_accumulate.py::test_multi[steps=2-bf16-ws2]'`" in section
+
+
+def test_markdown_of_all_passing_matrix_has_no_failures_section() -> None:
+    matrix = Matrix(environment={}, cells=[Cell("accumulate", "x", 1, "pass")])
+    assert "## Failures" not in render_markdown(matrix)
+
+
+def test_html_is_self_contained() -> None:
+    page = render_html(make_matrix())
+    assert page.startswith("<!DOCTYPE html>")
+    assert "<style>" in page
+    for forbidden in ("http://", "https://", "<script", "<link", "src="):
+        assert forbidden not in page
+
+
+def test_html_has_a_box_per_status_and_escaped_failure_text() -> None:
+    page = render_html(make_matrix())
+    for status in STATUSES:
+        assert f'<span class="status {status}">{status}</span>' in page
+        assert f".status.{status} {{" in page
+    assert "&lt;b&gt;&amp; friends&lt;/b&gt;" in page
+    assert "<b>&" not in page
+    assert "<details" in page and "<pre>" in page
+    assert "a|b" in page
+
+
+def test_html_incomplete_banner_only_when_incomplete() -> None:
+    assert "Incomplete run" not in render_html(make_matrix(complete=True))
+    assert "Incomplete run" in render_html(make_matrix(complete=False))
+
+
+def test_html_escapes_environment_and_names() -> None:
+    matrix = Matrix(
+        environment={"torch": "<i>2.5</i>"},
+        cells=[Cell("<case>", "v&1", 1, "pass", summary='say "hi"')],
+    )
+    page = render_html(matrix)
+    assert "<i>" not in page and "&lt;i&gt;2.5&lt;/i&gt;" in page
+    assert "<case>" not in page and "&lt;case&gt;" in page
+    assert "v&amp;1" in page
+    assert 'title="say &quot;hi&quot;"' in page
+
+
+def test_table_is_aligned_and_counts_are_right() -> None:
+    text = render_table(make_matrix())
+    lines = text.splitlines()
+    header, rows, counts = lines[0], lines[1:-1], lines[-1]
+    assert header.split() == ["case", "variant", "ws=1", "ws=2", "ws=4"]
+    assert len(rows) == 5
+    for column in ("variant", "ws=1", "ws=2", "ws=4"):
+        start = header.index(column)
+        for row in rows:
+            assert row[start - 2 : start] == "  ", (column, row)
+            assert row[start] != " " or column == "variant"
+    fail_row = next(row for row in rows if row.startswith("accumulate_multi_model"))
+    assert fail_row[header.index("ws=1") :].split() == ["pass", "fail", "-"]
+    assert counts == "9 cells: 3 pass, 1 fail, 1 error, 1 skip, 1 unsupported, 1 detected, 1 missed"
+
+
+def test_table_of_empty_matrix_says_so() -> None:
+    assert render_table(Matrix(environment={}, cells=[])) == "no cells ran"
+
+
+def test_table_counts_line_for_good_run() -> None:
+    cells = [Cell("c", "v", ws, "pass") for ws in (1, 2, 4)] + [Cell("n", "", 2, "detected")]
+    assert render_table(Matrix(environment={}, cells=cells)).splitlines()[-1] == (
+        "4 cells: 3 pass, 1 detected"
+    )
+
+
+def test_write_reports_writes_three_files_and_no_temporaries(tmp_path: Path) -> None:
+    matrix = make_matrix()
+    report_dir = tmp_path / "nested" / "reports"
+    paths = write_reports(matrix, report_dir)
+    assert [p.name for p in paths] == ["matrix.json", "matrix.md", "matrix.html"]
+    assert sorted(p.name for p in report_dir.iterdir()) == sorted(p.name for p in paths)
+    assert paths[0].read_text(encoding="utf-8") == render_json(matrix)
+    assert paths[1].read_text(encoding="utf-8") == render_markdown(matrix)
+    assert paths[2].read_text(encoding="utf-8") == render_html(matrix)
+
+
+def test_write_reports_replaces_old_reports(tmp_path: Path) -> None:
+    write_reports(make_matrix(complete=False), tmp_path)
+    paths = write_reports(make_matrix(complete=True), tmp_path)
+    assert "Incomplete run" not in paths[1].read_text(encoding="utf-8")
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_check_report_dir_accepts_a_fresh_nested_dir(tmp_path: Path) -> None:
+    target = tmp_path / "x" / "y"
+    assert check_report_dir(target) is None
+    assert target.is_dir()
+    assert list(target.iterdir()) == []
+
+
+def test_check_report_dir_rejects_a_regular_file(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    reason = check_report_dir(blocker)
+    assert reason is not None
+    assert reason.startswith(f"cannot write to reports dir '{blocker}': ")
+    assert "\n" not in reason
+
+
+def test_check_report_dir_rejects_a_path_under_a_regular_file(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    reason = check_report_dir(blocker / "sub")
+    assert reason == f"cannot write to reports dir '{blocker / 'sub'}': Not a directory"
