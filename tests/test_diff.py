@@ -1,0 +1,259 @@
+"""Tests for harness.diff and the `diff` subcommand."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.cli import main
+from harness.diff import diff_matrices, label_matrices, render_diff_markdown, render_diff_text
+from harness.matrix import STATUSES, Cell, Matrix
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_matrix(cells, *, accelerate="1.15.0", world_sizes=(1, 2), complete=True) -> Matrix:
+    environment = {"python": "3.11.7", "torch": "2.13.0", "backend": "gloo", "device": "cpu",
+                   "world_sizes": list(world_sizes), "seed": 1234}
+    if accelerate is not None:
+        environment["accelerate"] = accelerate
+    parsed = [Cell(*c) if isinstance(c, tuple) else c for c in cells]
+    return Matrix(environment=environment, cells=parsed, created="2025-01-01T00:00:00", complete=complete)
+
+
+def write_matrix(path: Path, matrix: Matrix) -> Path:
+    path.write_text(json.dumps(matrix.to_dict()), encoding="utf-8")
+    return path
+
+
+def single_cell_diff(before: str, after: str):
+    base = make_matrix([("accumulate", "steps=2", 2, before, f"was {before}")])
+    candidate = make_matrix([("accumulate", "steps=2", 2, after, f"now {after}")])
+    return diff_matrices(base, candidate)
+
+
+CLASSES = ("regressions", "improvements", "changed_other")
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "expected"),
+    [
+        ("pass", "fail", "regressions"),
+        ("detected", "missed", "regressions"),
+        ("pass", "error", "regressions"),
+        ("pass", "skip", "regressions"),
+        ("pass", "unsupported", "regressions"),
+        ("detected", "error", "regressions"),
+        ("fail", "pass", "improvements"),
+        ("missed", "detected", "improvements"),
+        ("skip", "pass", "improvements"),
+        ("fail", "error", "changed_other"),
+        ("error", "skip", "changed_other"),
+        ("pass", "detected", "changed_other"),
+        ("pass", "pass", None),
+        ("fail", "fail", None),
+    ],
+)
+def test_status_transition_is_classified_once(before, after, expected):
+    diff = single_cell_diff(before, after)
+    for name in CLASSES:
+        assert len(getattr(diff, name)) == (1 if name == expected else 0), name
+    assert diff.unchanged == (1 if expected is None else 0)
+    assert diff.has_regressions == (expected == "regressions")
+    assert not diff.only_in_base and not diff.only_in_candidate
+
+
+def test_every_pair_of_statuses_lands_in_exactly_one_place():
+    for before in STATUSES:
+        for after in STATUSES:
+            diff = single_cell_diff(before, after)
+            placed = sum(len(getattr(diff, name)) for name in CLASSES) + diff.unchanged
+            assert placed == 1, (before, after)
+
+
+def test_cells_only_in_one_matrix():
+    base = make_matrix([("a", "v", 1, "pass"), ("b", "v", 1, "pass"), ("b", "v", 2, "fail")])
+    candidate = make_matrix([("a", "v", 1, "pass"), ("c", "v", 1, "error")])
+    diff = diff_matrices(base, candidate)
+    assert [c.key for c in diff.only_in_base] == [("b", "v", 1), ("b", "v", 2)]
+    assert [c.key for c in diff.only_in_candidate] == [("c", "v", 1)]
+    assert diff.unchanged == 1
+    # A cell that disappeared is reported, but it is not a regression: the note explains why.
+    assert not diff.has_regressions
+
+
+def test_world_size_note_only_when_sets_differ():
+    cells = [("a", "v", 1, "pass"), ("a", "v", 2, "pass")]
+    base = make_matrix(cells + [("a", "v", 4, "pass")], world_sizes=(1, 2, 4))
+    candidate = make_matrix(cells, world_sizes=(1, 2))
+    diff = diff_matrices(base, candidate)
+    assert "compared only where cells meet: base world sizes [1,2,4], candidate [1,2]" in diff.notes
+    assert diff_matrices(candidate, candidate).notes == []
+
+
+def test_text_report_orders_sections_and_counts():
+    base = make_matrix(
+        [
+            ("accumulate", "steps=2", 2, "pass"),
+            ("no_sync", "plain", 2, "detected"),
+            ("fused_loss", "plain", 2, "fail"),
+            ("gone", "a", 1, "pass"),
+            ("gone", "b", 1, "pass"),
+            ("gone", "c", 1, "pass"),
+        ]
+    )
+    candidate = make_matrix(
+        [
+            Cell("accumulate", "steps=2", 2, "fail", "'model.weight' on rank 1 at step 3: not synced",
+                 rerun="pytest cases/test_accumulate.py -k 'steps=2 and ws2'"),
+            ("no_sync", "plain", 2, "missed", "canary went unnoticed"),
+            ("fused_loss", "plain", 2, "pass"),
+        ]
+    )
+    text = render_diff_text(diff_matrices(base, candidate), "accelerate 0.28.0", "accelerate 1.15.0")
+    lines = text.splitlines()
+    assert lines[0] == "base: accelerate 0.28.0"
+    assert lines[1] == "candidate: accelerate 1.15.0"
+    regression = "REGRESSION accumulate / steps=2 / ws=2: pass -> fail — 'model.weight' on rank 1 at step 3: not synced"
+    assert regression in lines
+    assert "    rerun: pytest cases/test_accumulate.py -k 'steps=2 and ws2'" in lines
+    assert "REGRESSION no_sync / plain / ws=2: detected -> missed — canary went unnoticed" in lines
+    improvement = "IMPROVEMENT fused_loss / plain / ws=2: fail -> pass"
+    assert improvement in lines
+    first_only = next(i for i, line in enumerate(lines) if line.startswith("ONLY IN BASE"))
+    assert lines.index(regression) < lines.index(improvement) < first_only
+    assert lines[-1] == "2 regressions, 1 improvement, 0 other changes, 3 cells only in base, 0 only in candidate"
+
+
+def test_labels_prefer_accelerate_version_then_file_name():
+    with_version = make_matrix([], accelerate="0.28.0")
+    without = make_matrix([], accelerate=None)
+    assert label_matrices([("a/matrix.json", with_version), ("b/other.json", without)]) == [
+        "accelerate 0.28.0",
+        "other.json",
+    ]
+    same = label_matrices([("x/one.json", with_version), ("y/two.json", with_version)])
+    assert same == ["accelerate 0.28.0 (one.json)", "accelerate 0.28.0 (two.json)"]
+
+
+def test_markdown_report():
+    base = make_matrix([("accumulate", "steps=2", 2, "pass"), ("only", "here", 1, "skip")])
+    candidate = make_matrix([("accumulate", "steps=2", 2, "fail", "grad | not synced")], world_sizes=(1,))
+    md = render_diff_markdown(diff_matrices(base, candidate), "accelerate 0.28.0", "accelerate 1.15.0")
+    assert md.startswith("### Matrix diff: accelerate 0.28.0 → accelerate 1.15.0")
+    assert "#### Regressions (1)" in md
+    assert "| accumulate | steps=2 | 2 | pass | fail | grad \\| not synced |" in md
+    assert "#### Only in base (1)" in md
+    assert "> note: compared only where cells meet: base world sizes [1,2], candidate [1]" in md
+    assert "**1 regression, 0 improvements, 0 other changes, 1 cell only in base, 0 only in candidate**" in md
+
+
+# The command line.
+
+
+def test_matrix_against_itself_exits_zero(tmp_path, capsys):
+    path = write_matrix(tmp_path / "m.json", make_matrix([("a", "v", 1, "pass"), ("b", "v", 2, "fail")]))
+    assert main(["diff", str(path), str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1] == "0 regressions, 0 improvements, 0 other changes, 0 cells only in base, 0 only in candidate"
+
+
+def test_regression_exits_one_and_improvement_zero(tmp_path, capsys):
+    good = write_matrix(tmp_path / "good.json", make_matrix([("a", "v", 1, "pass")], accelerate="0.28.0"))
+    bad = write_matrix(tmp_path / "bad.json", make_matrix([("a", "v", 1, "fail")], accelerate="1.15.0"))
+    assert main(["diff", str(good), str(bad)]) == 1
+    out = capsys.readouterr().out
+    assert "REGRESSION a / v / ws=1: pass -> fail" in out
+    assert "base: accelerate 0.28.0" in out
+    assert main(["diff", str(bad), str(good)]) == 0
+
+
+def test_markdown_format_and_output_file(tmp_path, capsys):
+    good = write_matrix(tmp_path / "good.json", make_matrix([("a", "v", 1, "pass")]))
+    bad = write_matrix(tmp_path / "bad.json", make_matrix([("a", "v", 1, "error")]))
+    out_file = tmp_path / "summary.md"
+    assert main(["diff", str(good), str(bad), "--format", "markdown", "--output", str(out_file)]) == 1
+    stdout = capsys.readouterr().out
+    assert "#### Regressions (1)" in stdout
+    assert out_file.read_text(encoding="utf-8") == stdout
+
+
+def _assert_one_line_error(capsys, fragment: str) -> None:
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("harness diff: error: ")
+    assert fragment in lines[0]
+    assert "Traceback" not in captured.err
+
+
+@pytest.mark.parametrize(
+    ("content", "fragment"),
+    [
+        (None, "no such file"),
+        ("this is { not json", "not JSON"),
+        (json.dumps({"schema_version": 2, "cells": []}), "schema_version is 2"),
+        (json.dumps([1, 2, 3]), "not a matrix"),
+    ],
+)
+def test_unusable_input_exits_two_with_one_line(tmp_path, capsys, content, fragment):
+    good = write_matrix(tmp_path / "good.json", make_matrix([("a", "v", 1, "pass")]))
+    broken = tmp_path / "broken.json"
+    if content is not None:
+        broken.write_text(content, encoding="utf-8")
+    assert main(["diff", str(broken), str(good)]) == 2
+    _assert_one_line_error(capsys, fragment)
+    assert main(["diff", str(good), str(broken)]) == 2
+    _assert_one_line_error(capsys, fragment)
+
+
+def test_unwritable_output_exits_two(tmp_path, capsys):
+    good = write_matrix(tmp_path / "good.json", make_matrix([("a", "v", 1, "pass")]))
+    target = tmp_path / "no" / "such" / "dir" / "out.txt"
+    assert main(["diff", str(good), str(good), "--output", str(target)]) == 2
+    _assert_one_line_error(capsys, "cannot write")
+
+
+def test_usage_errors_exit_two(capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        main(["diff", "only-one.json"])
+    assert excinfo.value.code == 2
+    with pytest.raises(SystemExit) as excinfo:
+        main(["diff", "a.json", "b.json", "--format", "html"])
+    assert excinfo.value.code == 2
+    with pytest.raises(SystemExit) as excinfo:
+        main([])
+    assert excinfo.value.code == 2
+
+
+def test_help_describes_exit_status(capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        main(["diff", "--help"])
+    assert excinfo.value.code == 0
+    help_text = capsys.readouterr().out
+    assert "exit status" in help_text
+    assert "1  at least one regression" in help_text
+
+
+def test_python_dash_m_harness_missing_file(tmp_path):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    result = subprocess.run(
+        [sys.executable, "-m", "harness", "diff", str(tmp_path / "missing.json"), str(tmp_path / "x.json")],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.startswith("harness diff: error: ")
+    assert "missing.json" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""
