@@ -1,0 +1,85 @@
+"""Typed messages between the controller and its ranks; both sides import this and nothing of each other."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ProtocolError(RuntimeError):
+    """A message of a type the receiver does not accept at this point."""
+
+
+@dataclass(frozen=True)
+class CellSpec:
+    """Everything a rank needs to run one cell."""
+
+    case: str
+    variant: str
+    variant_params: dict[str, Any]
+    world_size: int
+    seed: int
+    backend: str
+    case_file: str
+    case_attr: str
+    fault: str | None = None
+
+
+# controller -> rank
+
+
+@dataclass(frozen=True)
+class RunCell:
+    spec: CellSpec
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+# rank -> controller
+
+
+@dataclass(frozen=True)
+class Ready:
+    rank: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class StartupFailed:
+    rank: int
+    traceback: str
+
+
+# How a rank's part of a cell ended.
+OK = "ok"
+RAISED = "raised"
+UNSUPPORTED = "unsupported"
+SKIPPED = "skipped"
+
+
+@dataclass(frozen=True)
+class RankResult:
+    rank: int
+    outcome: str
+    detail: str = ""
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    omitted_failures: int = 0
+    checks: int = 0
+    vacuous_checks: int = 0
+    max_abs_diff: float = 0.0
+    duration_s: float = 0.0
+
+
+TO_RANK = (RunCell, Shutdown)
+TO_CONTROLLER = (Ready, StartupFailed, RankResult)
+
+
+def expect(message: Any, *types: type) -> Any:
+    """Return the message if it is one of the types, else raise ProtocolError naming both."""
+    if isinstance(message, types):
+        return message
+    wanted = ", ".join(t.__name__ for t in types)
+    raise ProtocolError(f"unexpected message {type(message).__name__} (expected {wanted})")

@@ -1,0 +1,292 @@
+"""The pytest plugin: options, one test item per cell, rank pools per process, and the merged matrix."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import re
+import shlex
+import signal
+import time
+from typing import Any
+
+import pytest
+
+from harness.catalogue import CaseInfo, Variant, case_info
+from harness.matrix import BAD_STATUSES, GOOD_STATUSES, SKIP, Cell, Matrix, merge_cells
+from harness.messages import CellSpec
+from harness.options import DEFAULT_CASE_TIMEOUT_S, DEFAULT_SEED, OptionError, Settings, resolve
+from harness.pool import PoolSet, PoolStartError
+from harness.report import check_report_dir, render_table, write_reports
+from harness.verdict import format_message, judge
+
+SETTINGS = pytest.StashKey[Settings]()
+STATE = pytest.StashKey["HarnessState"]()
+CELL_PROPERTY = "harness_cell"
+_CELL_ID = re.compile(r"-ws(\d+)\]$")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("harness", "gradient-sync harness (cells of case x variant x world size)")
+    group.addoption("--world-sizes", default="auto", metavar="LIST",
+                    help="comma list of world sizes (1,2,4) or auto: 1,2,4 on CPU; powers of two up to "
+                         "the GPU count with nccl. Default: auto.")
+    group.addoption("--backend", default="auto", metavar="NAME",
+                    help="auto, gloo or nccl. auto: nccl when every rank can have its own GPU, else gloo "
+                         "on CPU. Default: auto.")
+    group.addoption("--report-dir", default="reports", metavar="DIR",
+                    help="where matrix.json, matrix.md and matrix.html go. Default: reports.")
+    group.addoption("--case-timeout", default=str(DEFAULT_CASE_TIMEOUT_S), metavar="SECONDS",
+                    help="seconds one cell may take before its ranks are declared hung and the cell "
+                         f"is an error. Default: {DEFAULT_CASE_TIMEOUT_S:g}.")
+    group.addoption("--seed", default=str(DEFAULT_SEED), metavar="N",
+                    help=f"base seed for models and data; each rank derives its own. Default: {DEFAULT_SEED}.")
+    group.addoption("--harness-fault", default=None, metavar="NAME",
+                    help="inject a named sync fault into accelerate inside the ranks (used by "
+                         "'python -m harness selfcheck'; never for a real run).")
+
+
+def _is_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+class HarnessState:
+    """Per pytest process: its pools (workers and serial runs) and the cells it has seen."""
+
+    def __init__(self, config: pytest.Config, settings: Settings) -> None:
+        self.config = config
+        self.settings = settings
+        self.pools = PoolSet(backend=settings.backend)
+        self.cells: list[Cell] = []
+        self.expected_ids: set[str] = set()
+        self.interrupted = False
+        self.reports_written: list[str] = []
+        self.matrix: Matrix | None = None
+
+    # registered as a plugin object, so that these are hooks of this process's state
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when != "call":
+            return
+        for name, value in report.user_properties:
+            if name == CELL_PROPERTY:
+                self.cells.append(Cell.from_dict(value))
+
+    def pytest_keyboard_interrupt(self, excinfo: Any) -> None:
+        self.interrupted = True
+
+    def environment(self) -> dict[str, Any]:
+        import torch
+
+        try:
+            import accelerate
+
+            accelerate_version = accelerate.__version__
+        except Exception:
+            accelerate_version = "not installed"
+        return {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "accelerate": accelerate_version,
+            "backend": self.settings.backend,
+            "device": self.settings.device,
+            "world_sizes": list(self.settings.world_sizes),
+            "seed": self.settings.seed,
+            "fault": self.config.getoption("harness_fault"),
+        }
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    try:
+        settings = resolve(
+            world_sizes=config.getoption("world_sizes"),
+            backend=config.getoption("backend"),
+            report_dir=config.getoption("report_dir"),
+            case_timeout=config.getoption("case_timeout"),
+            seed=config.getoption("seed"),
+        )
+        fault = config.getoption("harness_fault")
+        if fault is not None:
+            from harness.faults import resolve as resolve_fault
+
+            try:
+                resolve_fault(fault)
+            except ValueError as exc:
+                raise OptionError(f"--harness-fault: {exc}") from None
+    except OptionError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    if not _is_worker(config):
+        problem = check_report_dir(settings.report_dir)
+        if problem is not None:
+            raise pytest.UsageError(f"--report-dir: {problem}")
+    config.stash[SETTINGS] = settings
+    state = HarnessState(config, settings)
+    config.stash[STATE] = state
+    config.pluginmanager.register(state, "harness-state")
+    config.addinivalue_line("markers", "harness_case: a gradient-sync cell (added by the harness plugin)")
+    signal.signal(signal.SIGTERM, _terminate)
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    # Ctrl-C and SIGTERM end the run the same way: pytest's interrupt path, which still writes
+    # the reports of the finished cells and tears the pools down.
+    raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
+
+
+def _cell_id(variant: Variant, world_size: int) -> str:
+    return f"{variant.name}-ws{world_size}"
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    info = case_info(metafunc.function)
+    if info is None:
+        return
+    settings = metafunc.config.stash[SETTINGS]
+    params = [(info, variant, ws) for variant in info.variants for ws in settings.world_sizes]
+    metafunc.parametrize(
+        "harness_cell", params, ids=[_cell_id(v, ws) for _, v, ws in params], indirect=True
+    )
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Largest world size first: under xdist it is the biggest group of cells, handed out first;
+    # in a serial run it keeps each pool's cells together.
+    def world_size(item: pytest.Item) -> int:
+        match = _CELL_ID.search(item.nodeid)
+        return int(match.group(1)) if match else 0
+
+    harness_items = [i for i in items if world_size(i)]
+    if not harness_items:
+        return
+    order = {id(item): n for n, item in enumerate(items)}
+    items.sort(key=lambda i: (0 if world_size(i) else 1, -world_size(i), order[id(i)]))
+    for item in harness_items:
+        item.add_marker("harness_case")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # After deselection (-k, -m): the cells this run is expected to finish.
+    state = session.config.stash[STATE]
+    state.expected_ids = {i.nodeid for i in session.items if _CELL_ID.search(i.nodeid)}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Send all cells of one world size to one worker, so that no worker starts a pool it barely uses."""
+    if config.getoption("dist", "load") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorldSizeScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            match = _CELL_ID.search(nodeid)
+            return f"world-size-{match.group(1)}" if match else nodeid
+
+    return WorldSizeScheduling(config, log)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
+    state = node.config.stash.get(STATE, None)
+    if state is not None and not state.expected_ids:
+        state.expected_ids = {i for i in ids if _CELL_ID.search(i)}
+
+
+class CellRunner:
+    """The ``harness_cell`` fixture: runs its cell on the pool of its world size."""
+
+    def __init__(self, request: pytest.FixtureRequest) -> None:
+        self.info: CaseInfo
+        self.variant: Variant
+        self.info, self.variant, self.world_size = request.param
+        self.item = request.node
+        self.state: HarnessState = request.config.stash[STATE]
+
+    def rerun_command(self) -> str:
+        s = self.state.settings
+        parts = ["pytest", self.item.nodeid, "--world-sizes", str(self.world_size), "--backend", s.backend,
+                 "--seed", str(s.seed)]
+        if s.case_timeout_s != DEFAULT_CASE_TIMEOUT_S:
+            parts += ["--case-timeout", f"{s.case_timeout_s:g}"]
+        fault = self.state.config.getoption("harness_fault")
+        if fault:
+            parts += ["--harness-fault", fault]
+        return shlex.join(parts)
+
+    def judge(self) -> Cell:
+        s = self.state.settings
+        common = dict(case=self.info.name, variant=self.variant.name, world_size=self.world_size,
+                      nodeid=self.item.nodeid, rerun=self.rerun_command())
+        if s.backend == "nccl" and self.world_size > s.gpu_count:
+            return Cell(status=SKIP, summary=f"nccl needs one GPU per rank: world size {self.world_size}, "
+                                             f"{s.gpu_count} GPU(s) here", **common)
+        spec = CellSpec(
+            case=self.info.name, variant=self.variant.name, variant_params=dict(self.variant.params),
+            world_size=self.world_size, seed=s.seed, backend=s.backend,
+            case_file=str(self.item.path), case_attr=self.item.function.__name__,
+            fault=self.state.config.getoption("harness_fault"),
+        )
+        try:
+            pool = self.state.pools.get(self.world_size)
+        except PoolStartError as exc:
+            return judge(canary=self.info.canary, outcome=None, timeout_s=s.case_timeout_s,
+                         duration_s=0.0, start_error=str(exc), **common)
+        started = time.perf_counter()  # the cell's own time; starting the pool is not part of it
+        outcome = pool.run(spec, timeout_s=s.case_timeout_s)
+        return judge(canary=self.info.canary, outcome=outcome, timeout_s=s.case_timeout_s,
+                     duration_s=time.perf_counter() - started, **common)
+
+    def run(self) -> None:
+        cell = self.judge()
+        self.item.user_properties.append((CELL_PROPERTY, cell.to_dict()))
+        if cell.status in GOOD_STATUSES:
+            return
+        if cell.status in BAD_STATUSES:
+            pytest.fail(format_message(cell), pytrace=False)
+        pytest.skip(f"{cell.status}: {cell.summary}")
+
+
+@pytest.fixture
+def harness_cell(request: pytest.FixtureRequest) -> CellRunner:
+    return CellRunner(request)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    state = session.config.stash.get(STATE, None)
+    if state is None:
+        return
+    state.pools.close()
+    if _is_worker(session.config) or not (state.cells or state.expected_ids):
+        return
+    cells = merge_cells(state.cells)
+    finished = {c.nodeid for c in cells}
+    complete = not state.interrupted and exitstatus != pytest.ExitCode.INTERRUPTED and state.expected_ids <= finished
+    matrix = Matrix(
+        environment=state.environment(),
+        cells=cells,
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        complete=complete,
+    )
+    state.reports_written = [str(p) for p in write_reports(matrix, state.settings.report_dir)]
+    state.matrix = matrix
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    state = config.stash.get(STATE, None)
+    if state is not None:
+        state.pools.close()
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    state = config.stash.get(STATE, None)
+    matrix = state.matrix if state is not None else None
+    if matrix is None:
+        return
+    title = "gradient-sync matrix" + ("" if matrix.complete else " (INCOMPLETE)")
+    terminalreporter.write_sep("=", title)
+    for line in render_table(matrix).splitlines():
+        terminalreporter.write_line(line)
+    terminalreporter.write_line("reports: " + ", ".join(os.path.relpath(p) for p in state.reports_written))

@@ -1,0 +1,272 @@
+"""The controller side of a rank pool: spawn N live ranks, send them cells, contain their faults."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from harness import rank as rank_side
+from harness.messages import CellSpec, RankResult, Ready, RunCell, Shutdown, StartupFailed, expect
+
+# Seconds a pool may take to start: spawning, importing torch and accelerate, joining the group.
+START_TIMEOUT_S = 180.0
+# After the first rank fails, how long the others get to report before they are judged stuck.
+GRACE_S = 3.0
+_TAIL_CHARS = 4000
+
+
+class PoolStartError(RuntimeError):
+    """The ranks could not be started; the message says which rank and why."""
+
+
+@dataclass
+class RankFault:
+    """What went wrong with one rank during a cell."""
+
+    rank: int
+    what: str  # "raised", "exited", "killed", "hung", "blocked"
+    detail: str = ""
+
+
+@dataclass
+class PoolOutcome:
+    """The ranks' results for one cell, or the faults that kept them from reporting."""
+
+    results: dict[int, RankResult] = field(default_factory=dict)
+    faults: list[RankFault] = field(default_factory=list)
+    timed_out: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.faults
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(code).name
+    except ValueError:
+        return f"signal {code}"
+
+
+def _tail(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            text = handle.read()
+    except OSError:
+        return ""
+    return text[-_TAIL_CHARS:]
+
+
+def _in_collective(stack: str) -> bool:
+    return "distributed_c10d" in stack or "torch/nn/parallel/distributed" in stack
+
+
+class RankPool:
+    """N live rank processes of one world size, joined in one process group through a FileStore."""
+
+    def __init__(self, world_size: int, *, backend: str, pg_timeout_s: float = 1800.0) -> None:
+        self.world_size = world_size
+        self.backend = backend
+        self.pg_timeout_s = pg_timeout_s
+        self.processes: list[Any] = []
+        self.conns: list[Connection] = []
+        self.workdir: str | None = None
+        self.generation = 0
+
+    @property
+    def alive(self) -> bool:
+        return bool(self.processes) and all(p.is_alive() for p in self.processes)
+
+    def _path(self, kind: str, rank: int) -> str:
+        assert self.workdir is not None
+        return os.path.join(self.workdir, f"gen{self.generation}-rank{rank}.{kind}")
+
+    def start(self) -> None:
+        """Spawn the ranks and wait until every one has joined the group."""
+        self.generation += 1
+        if self.workdir is None:
+            self.workdir = tempfile.mkdtemp(prefix=f"harness-ws{self.world_size}-")
+        ctx = multiprocessing.get_context("spawn")
+        store_path = os.path.join(self.workdir, f"gen{self.generation}.store")
+        for rank in range(self.world_size):
+            parent_conn, child_conn = ctx.Pipe(duplex=True)
+            process = ctx.Process(
+                target=rank_side.main,
+                name=f"harness-ws{self.world_size}-rank{rank}",
+                args=(rank, self.world_size, self.backend, store_path, self._path("log", rank),
+                      self._path("stack", rank), child_conn, os.getpid(), self.pg_timeout_s),
+                daemon=True,
+            )
+            process.start()
+            child_conn.close()
+            self.processes.append(process)
+            self.conns.append(parent_conn)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        waiting = set(range(self.world_size))
+        while waiting:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.kill()
+                raise PoolStartError(f"ranks {sorted(waiting)} did not join the process group within {START_TIMEOUT_S:.0f} s")
+            ready = wait([self.conns[r] for r in waiting] + [self.processes[r].sentinel for r in waiting], remaining)
+            for rank in sorted(waiting):
+                conn, process = self.conns[rank], self.processes[rank]
+                if conn in ready or (process.sentinel in ready and conn.poll()):
+                    try:
+                        message = expect(conn.recv(), Ready, StartupFailed)
+                    except EOFError:
+                        message = None
+                    if isinstance(message, Ready):
+                        waiting.discard(rank)
+                        continue
+                    detail = message.traceback if isinstance(message, StartupFailed) else _tail(self._path("log", rank))
+                    self.kill()
+                    raise PoolStartError(f"rank {rank} of {self.world_size} failed to start:\n{detail}")
+                if process.sentinel in ready:
+                    process.join(timeout=1)
+                    code = process.exitcode
+                    self.kill()
+                    raise PoolStartError(
+                        f"rank {rank} of {self.world_size} exited with code {code} while starting:\n"
+                        f"{_tail(self._path('log', rank))}"
+                    )
+
+    def run(self, spec: CellSpec, *, timeout_s: float) -> PoolOutcome:
+        """Run one cell on every rank; a rank that raises, dies or hangs becomes a RankFault.
+
+        After any fault the pool is dead (killed) and must be started again before the next cell."""
+        if not self.alive:
+            self.close()
+            self.start()
+        for conn in self.conns:
+            conn.send(RunCell(spec))
+        outcome = PoolOutcome()
+        deadline = time.monotonic() + timeout_s
+        pending = set(range(self.world_size))
+        first_fault_at: float | None = None
+        while pending:
+            now = time.monotonic()
+            limit = deadline if first_fault_at is None else min(deadline, first_fault_at + GRACE_S)
+            if now >= limit:
+                break
+            handles = [self.conns[r] for r in pending] + [self.processes[r].sentinel for r in pending]
+            ready = wait(handles, limit - now)
+            for rank in sorted(pending):
+                conn, process = self.conns[rank], self.processes[rank]
+                message: Any = None
+                if conn in ready or (process.sentinel in ready and conn.poll()):
+                    try:
+                        message = expect(conn.recv(), RankResult)
+                    except EOFError:
+                        message = None
+                if isinstance(message, RankResult):
+                    outcome.results[rank] = message
+                    pending.discard(rank)
+                    if message.outcome == "raised":
+                        outcome.faults.append(RankFault(rank, "raised", message.detail))
+                        first_fault_at = first_fault_at or time.monotonic()
+                    continue
+                if process.sentinel in ready or not process.is_alive():
+                    process.join(timeout=1)
+                    outcome.faults.append(self._death(rank))
+                    pending.discard(rank)
+                    first_fault_at = first_fault_at or time.monotonic()
+        if pending:
+            outcome.timed_out = first_fault_at is None
+            stacks = self._dump_stacks(pending)
+            for rank in sorted(pending):
+                stack = stacks.get(rank, "")
+                if first_fault_at is not None:
+                    what = "blocked"
+                elif _in_collective(stack) and any(not _in_collective(stacks.get(r, "")) for r in pending):
+                    what = "blocked"
+                else:
+                    what = "hung"
+                outcome.faults.append(RankFault(rank, what, stack))
+        if outcome.faults:
+            self.kill()
+        return outcome
+
+    def _death(self, rank: int) -> RankFault:
+        code = self.processes[rank].exitcode
+        log = _tail(self._path("log", rank))
+        if code is not None and code < 0:
+            return RankFault(rank, "killed", f"killed by {_signal_name(-code)}\n{log}".rstrip())
+        return RankFault(rank, "exited", f"exited with code {code}\n{log}".rstrip())
+
+    def _dump_stacks(self, ranks: set[int]) -> dict[int, str]:
+        """Ask faulthandler in each stuck rank for every thread's stack."""
+        for rank in ranks:
+            path = self._path("stack", rank)
+            try:
+                os.truncate(path, 0)
+                os.kill(self.processes[rank].pid, rank_side.DUMP_SIGNAL)
+            except (OSError, TypeError):
+                pass
+        time.sleep(0.5)
+        return {rank: _tail(self._path("stack", rank)) for rank in ranks}
+
+    def kill(self) -> None:
+        """End every rank at once and forget them."""
+        for process in self.processes:
+            if process.is_alive():
+                try:
+                    process.kill()
+                except OSError:
+                    pass
+        for process in self.processes:
+            process.join(timeout=5)
+        for conn in self.conns:
+            conn.close()
+        self.processes = []
+        self.conns = []
+
+    def close(self) -> None:
+        """Ask the ranks to leave the group and exit; kill whoever does not within a few seconds."""
+        for conn in self.conns:
+            try:
+                conn.send(Shutdown())
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + 5.0
+        for process in self.processes:
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.kill()
+
+    def remove_workdir(self) -> None:
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.workdir = None
+
+
+class PoolSet:
+    """One pool per world size, started when first needed and kept until ``close``."""
+
+    def __init__(self, *, backend: str) -> None:
+        self.backend = backend
+        self.pools: dict[int, RankPool] = {}
+
+    def get(self, world_size: int) -> RankPool:
+        pool = self.pools.get(world_size)
+        if pool is None:
+            pool = self.pools[world_size] = RankPool(world_size, backend=self.backend)
+        if not pool.alive:
+            pool.kill()
+            pool.start()
+        return pool
+
+    def rank_pids(self) -> list[int]:
+        return [p.pid for pool in self.pools.values() for p in pool.processes if p.pid is not None]
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
+            pool.remove_workdir()
+        self.pools.clear()

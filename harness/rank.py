@@ -1,0 +1,211 @@
+"""The rank side of a pool: join the process group once, then run cells until told to stop."""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import importlib.util
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+from harness.messages import (
+    OK,
+    RAISED,
+    SKIPPED,
+    UNSUPPORTED,
+    CellSpec,
+    RankResult,
+    Ready,
+    RunCell,
+    Shutdown,
+    StartupFailed,
+    expect,
+)
+
+# Signal that makes a rank dump every thread's stack (faulthandler) into its stack file.
+DUMP_SIGNAL = signal.SIGUSR1
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """A rank must never outlive the process that owns its pool, however that process ends."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(70)
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent_pid:
+                os._exit(70)
+
+    threading.Thread(target=watch, name="harness-parent-watch", daemon=True).start()
+
+
+def _set_environment(rank: int, world_size: int, backend: str) -> None:
+    # accelerate reads these to learn that it runs distributed; the process group itself is
+    # created here, through a FileStore, so no port is ever opened. World size 1 is a plain
+    # single process (``python train.py``): accelerate sees no launcher and wraps nothing in DDP.
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name, None)
+    if world_size > 1:
+        os.environ["RANK"] = str(rank)
+        os.environ["WORLD_SIZE"] = str(world_size)
+        os.environ["LOCAL_RANK"] = str(rank)
+        os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+    # one thread a rank: ranks share the machine's cores with each other and with other pools
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["MKL_NUM_THREADS"] = "1"
+    os.environ.setdefault("ACCELERATE_DISABLE_RICH", "1")
+    if backend == "nccl":
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+
+
+_case_modules: dict[str, Any] = {}
+
+
+def _load_case(spec: CellSpec) -> Any:
+    module = _case_modules.get(spec.case_file)
+    if module is None:
+        name = "harness_case_" + str(abs(hash(spec.case_file)))
+        module_spec = importlib.util.spec_from_file_location(name, spec.case_file)
+        if module_spec is None or module_spec.loader is None:
+            raise ImportError(f"cannot import the case file {spec.case_file}")
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        module_spec.loader.exec_module(module)
+        _case_modules[spec.case_file] = module
+    function = getattr(module, spec.case_attr, None)
+    info = getattr(function, "__harness_case__", None)
+    if info is None:
+        raise LookupError(f"{spec.case_file} has no case function {spec.case_attr}")
+    return info.body
+
+
+def _reset_accelerate() -> None:
+    """Forget the last cell's Accelerator; keep the process group."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    try:
+        AcceleratorState._reset_state(True)
+    except TypeError:  # releases whose _reset_state takes no argument
+        AcceleratorState._reset_state()
+        PartialState._reset_state()
+    GradientState._reset_state()
+
+
+def run_cell(spec: CellSpec, rank: int, device: Any) -> RankResult:
+    import torch
+
+    from harness.catalogue import SkipCell, Unsupported
+    from harness.context import RankContext
+    from harness.faults import apply_fault
+
+    started = time.perf_counter()
+    ctx = None
+    try:
+        _reset_accelerate()
+        body = _load_case(spec)
+        ctx = RankContext(
+            case=spec.case, variant=spec.variant, params=spec.variant_params, rank=rank,
+            world_size=spec.world_size, seed=spec.seed, device=device,
+        )
+        torch.manual_seed(ctx.seed + rank)
+        with apply_fault(spec.fault, rank=rank):
+            body(ctx)
+        outcome, detail = OK, ""
+    except Unsupported as exc:
+        outcome, detail = UNSUPPORTED, str(exc)
+    except SkipCell as exc:
+        outcome, detail = SKIPPED, str(exc)
+    except Exception:
+        outcome, detail = RAISED, traceback.format_exc()
+    finally:
+        try:
+            _reset_accelerate()
+        except Exception:
+            pass
+    recorder = ctx.recorder if ctx is not None else None
+    return RankResult(
+        rank=rank,
+        outcome=outcome,
+        detail=detail,
+        failures=[f.to_dict() for f in recorder.failures] if recorder else [],
+        omitted_failures=recorder.omitted if recorder else 0,
+        checks=recorder.checks if recorder else 0,
+        vacuous_checks=recorder.vacuous_checks if recorder else 0,
+        max_abs_diff=recorder.max_abs_diff if recorder else 0.0,
+        duration_s=time.perf_counter() - started,
+    )
+
+
+def _warm_up(device: Any) -> None:
+    """Pay the one-time costs at start-up, not in the first cell: importing accelerate, torch's
+    lazy import of torch._dynamo on the first optimizer (seconds), and a first collective."""
+    import torch
+    import torch.distributed as dist
+    from accelerate import Accelerator  # noqa: F401
+
+    torch.optim.SGD([torch.zeros(1, device=device, requires_grad=True)], lr=0.1)
+    probe = torch.ones(1, device=device)
+    dist.all_reduce(probe)
+    if int(probe.item()) != dist.get_world_size():
+        raise RuntimeError(f"all_reduce of ones gave {probe.item()}, expected the world size {dist.get_world_size()}")
+
+
+def main(rank: int, world_size: int, backend: str, store_path: str, log_path: str, stack_path: str,
+         conn: Any, parent_pid: int, pg_timeout_s: float) -> None:
+    """Entry point of a rank process (the target of a spawned process)."""
+    _die_with_parent(parent_pid)
+    log = open(log_path, "a", buffering=1, encoding="utf-8")
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    stacks = open(stack_path, "a", encoding="utf-8")  # O_APPEND: the controller truncates it before each dump
+    faulthandler.enable(file=stacks, all_threads=True)
+    faulthandler.register(DUMP_SIGNAL, file=stacks, all_threads=True, chain=False)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
+    _set_environment(rank, world_size, backend)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            device = torch.device("cuda", rank)
+        else:
+            device = torch.device("cpu")
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
+        )
+        _warm_up(device)
+    except BaseException:
+        conn.send(StartupFailed(rank=rank, traceback=traceback.format_exc()))
+        raise SystemExit(3)
+    conn.send(Ready(rank=rank, pid=os.getpid()))
+    while True:
+        try:
+            message = expect(conn.recv(), RunCell, Shutdown)
+        except EOFError:
+            break
+        if isinstance(message, Shutdown):
+            break
+        print(f"--- cell {message.spec.case}[{message.spec.variant}] ws={world_size}", flush=True)
+        conn.send(run_cell(message.spec, rank, device))
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+    conn.close()

@@ -1,0 +1,85 @@
+"""Expected sync points and optimizer steps, from accelerate's documented accumulation contract."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class MicroStep:
+    """One micro-batch of the schedule.
+
+    ``sync``: the backward of this micro-batch must leave the all-rank average.
+    ``optimizer_step``: the optimizer (and scheduler) must step, and zero_grad must clear.
+    """
+
+    index: int  # 1-based over the whole cell; the ``step`` of a failure
+    epoch: int
+    batch: int  # 0-based within the epoch
+    sync: bool
+    optimizer_step: bool
+    end_of_dataloader: bool
+
+    def where(self) -> str:
+        return f"step {self.index} (epoch {self.epoch}, batch {self.batch})"
+
+
+def accumulation_schedule(
+    batches_per_epoch: int | Sequence[int],
+    *,
+    epochs: int,
+    num_steps: int,
+    sync_with_dataloader: bool = True,
+    sync_each_batch: bool = False,
+) -> list[MicroStep]:
+    """The contract of ``accumulate()`` with ``GradientAccumulationPlugin``:
+
+    - a counter advances by one per micro-batch; gradients sync and the optimizer steps when it
+      reaches a multiple of ``num_steps``;
+    - with ``sync_with_dataloader``, the last batch of the dataloader also syncs and steps, and the
+      counter starts again (a window never spans epochs); without it, windows continue across epochs;
+    - with ``sync_each_batch``, every backward averages gradients, but the optimizer still steps only
+      at the points above.
+    """
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    if isinstance(batches_per_epoch, int):
+        lengths = [batches_per_epoch] * epochs
+    else:
+        lengths = list(batches_per_epoch)
+        if len(lengths) != epochs:
+            raise ValueError(f"{len(lengths)} epoch lengths given for {epochs} epochs")
+    points = []
+    counter = 0
+    index = 0
+    for epoch, length in enumerate(lengths):
+        for batch in range(length):
+            index += 1
+            end = batch == length - 1
+            if sync_with_dataloader and end:
+                counter = 0
+                boundary = True
+            else:
+                counter += 1
+                boundary = counter % num_steps == 0
+            points.append(
+                MicroStep(
+                    index=index,
+                    epoch=epoch,
+                    batch=batch,
+                    sync=boundary or sync_each_batch,
+                    optimizer_step=boundary,
+                    end_of_dataloader=end,
+                )
+            )
+    return points
+
+
+def batches_per_rank(samples: int, *, batch_size: int, world_size: int, split_batches: bool = False) -> int:
+    """How many batches each rank's prepared dataloader yields with ``even_batches=True`` (the default):
+    the dataset is cut into global batches of ``batch_size * world_size`` samples (``batch_size`` with
+    ``split_batches``), the last one completed from the start, and each rank gets one slice of each."""
+    global_batch = batch_size if split_batches else batch_size * world_size
+    return math.ceil(samples / global_batch)
