@@ -55,17 +55,35 @@ def _signal_name(code: int) -> str:
         return f"signal {code}"
 
 
-def _tail(path: str) -> str:
+def _tail(path: str, since: int = 0) -> str:
+    """The end of a rank's log (its stdout and stderr), from byte ``since`` on."""
     try:
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            text = handle.read()
+        with open(path, "rb") as handle:
+            handle.seek(since)
+            text = handle.read().decode("utf-8", errors="replace")
     except OSError:
         return ""
     return text[-_TAIL_CHARS:]
 
 
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
 def _in_collective(stack: str) -> bool:
     return "distributed_c10d" in stack or "torch/nn/parallel/distributed" in stack
+
+
+# How a collective fails on the ranks that survive a peer's death: they are its victims, not its cause.
+_COLLECTIVE_ERRORS = ("DistBackendError", "Connection closed by peer", "Connection reset by peer",
+                      "ProcessGroupGloo", "ProcessGroupNCCL", "NCCL communicator was aborted")
+
+
+def _collective_error(detail: str) -> bool:
+    return any(marker in detail for marker in _COLLECTIVE_ERRORS)
 
 
 class RankPool:
@@ -79,6 +97,7 @@ class RankPool:
         self.conns: list[Connection] = []
         self.workdir: str | None = None
         self.generation = 0
+        self.log_offsets: list[int] = []
 
     @property
     def alive(self) -> bool:
@@ -145,6 +164,7 @@ class RankPool:
         if not self.alive:
             self.close()
             self.start()
+        self.log_offsets = [_size(self._path("log", rank)) for rank in range(self.world_size)]
         for conn in self.conns:
             conn.send(RunCell(spec))
         outcome = PoolOutcome()
@@ -190,13 +210,18 @@ class RankPool:
                 else:
                     what = "hung"
                 outcome.faults.append(RankFault(rank, what, stack))
+        # A rank whose collective failed because a peer died or raised is that peer's victim.
+        victims = [f for f in outcome.faults if f.what == "raised" and _collective_error(f.detail)]
+        if any(f.what != "blocked" and f not in victims for f in outcome.faults):
+            for fault in victims:
+                fault.what = "blocked"
         if outcome.faults:
             self.kill()
         return outcome
 
     def _death(self, rank: int) -> RankFault:
         code = self.processes[rank].exitcode
-        log = _tail(self._path("log", rank))
+        log = _tail(self._path("log", rank), since=self.log_offsets[rank])
         if code is not None and code < 0:
             return RankFault(rank, "killed", f"killed by {_signal_name(-code)}\n{log}".rstrip())
         return RankFault(rank, "exited", f"exited with code {code}\n{log}".rstrip())

@@ -202,7 +202,6 @@ def main(rank: int, world_size: int, backend: str, store_path: str, log_path: st
             break
         if isinstance(message, Shutdown):
             break
-        print(f"--- cell {message.spec.case}[{message.spec.variant}] ws={world_size}", flush=True)
         conn.send(run_cell(message.spec, rank, device))
     try:
         dist.destroy_process_group()
