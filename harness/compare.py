@@ -116,6 +116,8 @@ KIND_TEXT = {
     "stale": "stale from the last window (the gradient was not cleared after the optimizer step)",
     "wrong_scale": "scaled by {factor:.4g}",
     "params_diverged": "parameters diverged across ranks (replicas are no longer equal)",
+    "stepped_early": "the optimizer stepped where the schedule has no step",
+    "step_skipped": "the optimizer did not step where the schedule has one",
     "mismatch": "does not match the oracle",
 }
 

@@ -32,6 +32,8 @@ FAILURE_KINDS = (
     "wrong_scale",
     "stale",
     "params_diverged",
+    "stepped_early",
+    "step_skipped",
     "sync_flag",
     "schedule",
     "mismatch",

@@ -99,6 +99,7 @@ class Oracle:
         num_steps: int = 1,
         optimizer: OptimizerFactory | Mapping[str, OptimizerFactory] | None = None,
         scheduler: SchedulerFactory | None = None,
+        scheduler_steps: int = 1,
     ) -> None:
         if not models:
             raise ValueError("the oracle needs at least one model")
@@ -119,12 +120,17 @@ class Oracle:
         self.local = {name: {p: torch.zeros_like(t) for p, t in ps.items()} for name, ps in self.params.items()}
         self.previous: dict[str, dict[str, torch.Tensor]] | None = None
         self.last_sync = False
+        self.stepped = False
+        self.before_step: dict[str, dict[str, torch.Tensor]] | None = None
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         if optimizer is not None:
             for name, replica in self.replicas.items():
                 factory = optimizer[name] if isinstance(optimizer, Mapping) else optimizer
                 self.optimizers[name] = factory(replica.parameters())
         self.schedulers = [scheduler(opt) for opt in self.optimizers.values()] if scheduler else []
+        if scheduler_steps < 1:
+            raise ValueError(f"scheduler_steps must be >= 1, got {scheduler_steps}")
+        self.scheduler_steps = scheduler_steps
 
     # the contract, step by step
 
@@ -166,20 +172,26 @@ class Oracle:
             out[pname] = piece
         return out
 
-    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> None:
-        """Clip each model's replica gradients, as ``clip_grad_norm_`` on synced gradients does."""
-        for replica in self.replicas.values():
-            torch.nn.utils.clip_grad_norm_(replica.parameters(), max_norm, norm_type=norm_type)
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> dict[str, float]:
+        """Clip each model's replica gradients, as ``clip_grad_norm_`` on synced gradients does;
+        the total norm of each model's gradients before clipping."""
+        norms = {}
+        for name, replica in self.replicas.items():
+            norms[name] = float(torch.nn.utils.clip_grad_norm_(replica.parameters(), max_norm, norm_type=norm_type))
+        return norms
 
     def step(self, point: MicroStep | bool) -> None:
         """At an optimizer step of the schedule: step, advance the schedulers, clear the gradients."""
         due = point.optimizer_step if isinstance(point, MicroStep) else bool(point)
+        self.stepped = due
+        self.before_step = {name: {p: t.detach().clone() for p, t in ps.items()} for name, ps in self.params.items()}
         if not due:
             return
         for optimizer in self.optimizers.values():
             optimizer.step()
         for scheduler in self.schedulers:
-            scheduler.step()
+            for _ in range(self.scheduler_steps):
+                scheduler.step()
         self.previous = {
             name: {p: (t.grad.detach().clone() if t.grad is not None else torch.zeros_like(t)) for p, t in ps.items()}
             for name, ps in self.params.items()
@@ -212,6 +224,7 @@ class Oracle:
             flat_synced = torch.cat([t.reshape(-1) for t in synced_alt.values()])
             if not distinguishable(flat_local, flat_synced, self.tol):
                 self.recorder.vacuous_checks += 1
+            failed = False
             for pname, expected_param in self.params[name].items():
                 expected = expected_param.grad if expected_param.grad is not None else torch.zeros_like(expected_param)
                 actual_param = actual_params.get(pname)
@@ -234,12 +247,15 @@ class Oracle:
                     ),
                     self.tol,
                 )
+                failed = True
                 self.recorder.add(
                     make_failure(
                         rank=self.rank, step=index, where=where, model=name, param=pname,
                         checked="grad", kind=kind, factor=factor, diff=diff, tol=self.tol,
                     )
                 )
+            if failed:
+                self._anchor(name, actual_params, grads=True)
 
     def check_params(self, step: MicroStep | int, models: Mapping[str, nn.Module]) -> None:
         """Compare every parameter with the oracle's replica, and with rank 0's copy."""
@@ -251,19 +267,47 @@ class Oracle:
             if self.world_size > 1:
                 dist.broadcast(reference, src=0)
             rank0 = self._scatter(reference, self.params[name], into_grad=False)
+            failed = False
             for pname, expected in self.params[name].items():
                 actual = actual_params[pname].detach()
                 diff = difference(actual, expected.detach(), self.tol)
                 self.recorder.observe(diff.max_abs)
                 if diff.close:
                     continue
-                diverged = not difference(actual, rank0[pname], self.tol).close
+                failed = True
                 self.recorder.add(
                     make_failure(
                         rank=self.rank, step=index, where=where, model=name, param=pname, checked="param",
-                        kind="params_diverged" if diverged else "mismatch", factor=None, diff=diff, tol=self.tol,
+                        kind=self._param_kind(name, pname, actual, rank0[pname]), factor=None, diff=diff,
+                        tol=self.tol,
                     )
                 )
+            if failed:
+                self._anchor(name, actual_params, grads=False)
+
+    def _param_kind(self, name: str, pname: str, actual: torch.Tensor, rank0: torch.Tensor) -> str:
+        if not difference(actual, rank0, self.tol).close:
+            return "params_diverged"
+        if self.before_step is not None:
+            unmoved = difference(actual, self.before_step[name][pname], self.tol).close
+            if self.stepped and unmoved:
+                return "step_skipped"
+            if not self.stepped and not unmoved:
+                return "stepped_early"
+        return "mismatch"
+
+    def _anchor(self, name: str, actual_params: Mapping[str, torch.Tensor], *, grads: bool) -> None:
+        """After a mismatch, carry on from the state the rank is really in, so that each later
+        step is judged on its own and one early fault does not turn every later check into noise."""
+        with torch.no_grad():
+            for pname, replica_param in self.params[name].items():
+                actual = actual_params[pname]
+                cleared = actual.grad is None or not bool(actual.grad.any())
+                if not grads:
+                    replica_param.copy_(actual.detach())
+                    if cleared:  # the rank zeroed its gradients: its next window starts here
+                        self.local[name][pname].zero_()
+                replica_param.grad = None if actual.grad is None else actual.grad.detach().clone()
 
     def check_sync_flag(self, step: MicroStep, flag: bool) -> None:
         """Report where ``accelerator.sync_gradients`` disagrees with the schedule (its own kind)."""
@@ -279,4 +323,25 @@ class Oracle:
                 ),
             )
         )
+
+    def check_lr(self, step: MicroStep | int, optimizers: Mapping[str, Any]) -> None:
+        """Compare each optimizer's learning rates with the oracle's (whose schedulers advanced only
+        at the schedule's optimizer steps, ``scheduler_steps`` times each)."""
+        index, where = _where(step)
+        for name, optimizer in optimizers.items():
+            expected_groups = self.optimizers[name].param_groups
+            for group, (actual, expected) in enumerate(zip(optimizer.param_groups, expected_groups)):
+                gap = abs(float(actual["lr"]) - float(expected["lr"]))
+                if gap <= 1e-12 + 1e-6 * abs(float(expected["lr"])):
+                    continue
+                self.recorder.add(
+                    Failure(
+                        rank=self.rank, step=index, model=name, param=f"param_groups[{group}].lr",
+                        kind="mismatch", max_abs_diff=gap, checked="lr",
+                        message=(
+                            f"learning rate of optimizer '{name}' (param group {group}) on rank {self.rank} at "
+                            f"{where}: is {float(actual['lr']):.6g}, the contract says {float(expected['lr']):.6g}"
+                        ),
+                    )
+                )
 
