@@ -1,0 +1,97 @@
+"""Helpers for the harness's own tests: run pytest sessions in subprocesses and count their processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PLANTED = "tests/planted/planted_cases.py"
+
+
+@dataclass
+class Session:
+    returncode: int
+    stdout: str
+    stderr: str
+    report_dir: Path
+    token: str
+    seconds: float
+
+    @property
+    def matrix(self) -> dict:
+        return json.loads((self.report_dir / "matrix.json").read_text())
+
+    def cells(self) -> dict[tuple[str, str, int], dict]:
+        return {(c["case"], c["variant"], c["world_size"]): c for c in self.matrix["cells"]}
+
+
+def processes_with(token: str) -> list[int]:
+    """PIDs of live processes whose environment carries ``token`` (a session and all it started)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if token.encode() in (entry / "environ").read_bytes():
+                status = (entry / "status").read_text()
+                if "\nState:\tZ" not in status:
+                    found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def wait_for_no_processes(token: str, timeout: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        left = processes_with(token)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
+def session_env(token: str, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["HARNESS_TEST_TOKEN"] = token
+    env["PYTHONPATH"] = str(ROOT)
+    env.pop("PYTEST_XDIST_WORKER", None)
+    env.pop("PYTEST_ADDOPTS", None)
+    env.update(extra)
+    return env
+
+
+def start_pytest(args: list[str], report_dir: Path, **extra_env: str) -> tuple[subprocess.Popen, str]:
+    token = f"harness-test-{uuid.uuid4().hex}"
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--report-dir", str(report_dir), *args]
+    process = subprocess.Popen(command, cwd=ROOT, env=session_env(token, **extra_env), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return process, token
+
+
+@pytest.fixture
+def run_pytest(tmp_path):
+    """Run ``python -m pytest ARGS`` from the checkout's root and return what came of it."""
+    counter = iter(range(1000))
+
+    def run(*args: str, timeout: float = 600, report_dir: Path | None = None) -> Session:
+        directory = report_dir or tmp_path / f"reports-{next(counter)}"
+        started = time.monotonic()
+        process, token = start_pytest(list(args), directory)
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, 9)
+            stdout, stderr = process.communicate()
+            raise AssertionError(f"pytest {' '.join(args)} did not finish in {timeout} s:\n{stdout[-3000:]}")
+        return Session(process.returncode, stdout, stderr, directory, token, time.monotonic() - started)
+
+    return run

@@ -1,0 +1,112 @@
+"""Planted faults in real rank processes; run only by the harness's own tests (not a test module)."""
+
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from harness import Variant, case
+from harness.models import regression_loss
+
+RANK_FAULTS = ("raise", "exit", "kill", "hang_in_collective", "hang_outside")
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.05)
+
+
+def healthy_steps(ctx, accelerator, model, optimizer, oracle, steps):
+    models = {"model": model}
+    for step in steps:
+        batch = ctx.batch(step)
+        accelerator.backward(regression_loss(model, batch))
+        oracle.backward(lambda m: regression_loss(m["model"], batch), sync=True)
+        oracle.check_grads(step, models)
+        optimizer.step()
+        optimizer.zero_grad()
+        oracle.step(True)
+        oracle.check_params(step, models)
+
+
+def plant(fault, rank):
+    """The fault, on rank 1 only; the other ranks go on to their next collective."""
+    if rank != 1:
+        return
+    if fault == "raise":
+        raise ZeroDivisionError("planted on rank 1")
+    if fault == "exit":
+        os._exit(7)
+    if fault == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault == "hang_in_collective":
+        dist.all_reduce(torch.ones(1))  # no other rank joins this one
+    if fault == "hang_outside":
+        time.sleep(3600)
+
+
+def _variants():
+    out = []
+    for fault in RANK_FAULTS:
+        out += [Variant(fault, {"fault": fault}), Variant(f"after_{fault}", {"fault": None})]
+    return out
+
+
+@case("planted_rank_fault", variants=_variants())
+def test_planted_rank_fault(ctx):
+    """One correct step, then rank 1 fails in the variant's way; each faulty variant is followed
+    by a healthy one, which must pass on the rebuilt pool."""
+    fault = ctx.variant["fault"]
+    accelerator = ctx.accelerator()
+    model = ctx.model("regressor")
+    oracle = ctx.oracle({"model": model}, optimizer=sgd)
+    optimizer = sgd(model.parameters())
+    model, optimizer = accelerator.prepare(model, optimizer)
+    healthy_steps(ctx, accelerator, model, optimizer, oracle, [1])
+    if fault is None:
+        healthy_steps(ctx, accelerator, model, optimizer, oracle, [2, 3])
+        return
+    plant(fault, ctx.rank)
+    if fault == "hang_in_collective":
+        return  # the others finish: only rank 1 is left waiting
+    if fault == "hang_outside":
+        dist.barrier()  # blocked, waiting for rank 1
+    healthy_steps(ctx, accelerator, model, optimizer, oracle, [2])
+
+
+@case("planted_left_out_of_no_sync", variants=[Variant("fp32", {"precision": "fp32"})])
+def test_planted_left_out_of_no_sync(ctx):
+    """A user's bug: two models trained together, only ``gen`` put under ``no_sync``. ``disc``
+    syncs on every backward, where the pattern promises local gradients."""
+    accelerator = ctx.accelerator()
+    gen, disc = ctx.model("generator", "gen"), ctx.model("discriminator", "disc")
+    oracle = ctx.oracle({"gen": gen, "disc": disc}, optimizer=sgd)
+    gen, disc = accelerator.prepare(gen, disc)
+    models = {"gen": gen, "disc": disc}
+
+    def loss(m, noise):
+        return m["disc"](m["gen"](noise)).pow(2).mean()
+
+    for step in (1, 2):
+        noise = ctx.batch(step, features=3)[0]
+        with accelerator.no_sync(gen):
+            accelerator.backward(loss(models, noise))
+        oracle.backward(lambda m: loss(m, noise), sync=False)
+        oracle.check_grads(step, models)
+
+
+@case("planted_slow", variants=[Variant(f"n{i}", {}) for i in range(6)])
+def test_planted_slow(ctx):
+    """A correct cell that takes a while: lets a test interrupt a run half-way. Rank 0 leaves a
+    file in $PLANTED_PROGRESS_DIR as each cell starts, so the test knows when to interrupt."""
+    progress = os.environ.get("PLANTED_PROGRESS_DIR")
+    if progress and ctx.rank == 0:
+        open(os.path.join(progress, ctx.variant_name), "w").close()
+    time.sleep(1.0)
+    accelerator = ctx.accelerator()
+    model = ctx.model("regressor")
+    oracle = ctx.oracle({"model": model}, optimizer=sgd)
+    optimizer = sgd(model.parameters())
+    model, optimizer = accelerator.prepare(model, optimizer)
+    healthy_steps(ctx, accelerator, model, optimizer, oracle, [1])

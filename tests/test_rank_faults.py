@@ -1,0 +1,61 @@
+"""A rank that raises, exits, is killed or hangs becomes an error cell naming it; the run goes on."""
+
+import time
+
+import pytest
+
+from conftest import PLANTED, Session, start_pytest, wait_for_no_processes
+from harness.pool import GRACE_S
+
+TIMEOUT_S = 4
+
+
+@pytest.fixture(scope="module")
+def faults_session(tmp_path_factory):
+    """One session through every planted rank fault, each followed by a healthy cell."""
+    report_dir = tmp_path_factory.mktemp("faults")
+    started = time.monotonic()
+    process, token = start_pytest([PLANTED, "-k", "planted_rank_fault", "--world-sizes", "2",
+                                   "--case-timeout", str(TIMEOUT_S)], report_dir)
+    stdout, stderr = process.communicate(timeout=600)
+    return Session(process.returncode, stdout, stderr, report_dir, token, time.monotonic() - started)
+
+
+EXPECTED = {
+    "raise": "rank 1 raised ZeroDivisionError: planted on rank 1 (rank 0 blocked waiting for it)",
+    "exit": "rank 1 exited with code 7 (rank 0 blocked waiting for it)",
+    "kill": "rank 1 killed by SIGKILL (rank 0 blocked waiting for it)",
+    "hang_in_collective": f"rank 1 hung (no result within {TIMEOUT_S} s)",
+    "hang_outside": f"rank 1 hung (no result within {TIMEOUT_S} s) (rank 0 blocked waiting for it)",
+}
+
+
+@pytest.mark.parametrize("fault", sorted(EXPECTED))
+def test_fault_becomes_an_error_cell_naming_the_rank(faults_session, fault):
+    cell = faults_session.cells()[("planted_rank_fault", fault, 2)]
+    assert cell["status"] == "error"
+    assert cell["summary"] == EXPECTED[fault]
+    # ended within the timeout plus a few seconds (the grace for the others, the stack dump)
+    assert cell["duration_s"] <= TIMEOUT_S + GRACE_S + 5
+
+
+@pytest.mark.parametrize("fault", sorted(EXPECTED))
+def test_the_next_cell_runs_on_a_rebuilt_pool_and_passes(faults_session, fault):
+    assert faults_session.cells()[("planted_rank_fault", f"after_{fault}", 2)]["status"] == "pass"
+
+
+def test_error_details_carry_the_traceback_or_the_stacks(faults_session):
+    cells = faults_session.cells()
+    raised = cells[("planted_rank_fault", "raise", 2)]["detail"]
+    assert "Traceback" in raised and "in plant" in raised
+    in_collective = cells[("planted_rank_fault", "hang_in_collective", 2)]["detail"]
+    assert "all_reduce" in in_collective  # the faulthandler dump of rank 1
+    outside = cells[("planted_rank_fault", "hang_outside", 2)]["detail"]
+    hung, _, blocked = outside.partition("--- rank 0 was blocked")
+    assert "in plant" in hung and "barrier" in blocked
+
+
+def test_the_session_fails_and_leaves_no_process(faults_session):
+    assert faults_session.returncode == 1
+    assert "5 failed, 5 passed" in faults_session.stdout
+    assert wait_for_no_processes(faults_session.token) == []
