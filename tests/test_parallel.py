@@ -1,0 +1,64 @@
+"""Parallel runs: pytest-xdist workers and concurrent sessions in one checkout do not interfere,
+and each gives the same merged matrix as a serial run."""
+
+import json
+import subprocess
+import time
+
+from conftest import start_pytest, wait_for_no_processes
+
+SELECTION = ["cases/test_fused_loss.py", "cases/test_no_sync.py", "-k", "fp32", "--world-sizes", "1,2"]
+
+
+def statuses(report_dir):
+    matrix = json.loads((report_dir / "matrix.json").read_text())
+    assert matrix["complete"] is True
+    return {(c["case"], c["variant"], c["world_size"]): c["status"] for c in matrix["cells"]}
+
+
+def finish(process, token):
+    stdout, stderr = process.communicate(timeout=900)
+    assert process.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert wait_for_no_processes(token) == []
+    return stdout
+
+
+def test_xdist_and_concurrent_sessions_give_the_serial_matrix(tmp_path):
+    serial = tmp_path / "serial"
+    finish(*start_pytest(SELECTION, serial))
+    expected = statuses(serial)
+    assert len(expected) == 8 and set(expected.values()) == {"pass"}
+
+    xdist = tmp_path / "xdist"
+    stdout = finish(*start_pytest(["-n", "4", *SELECTION], xdist))
+    assert "gradient-sync matrix" in stdout
+    assert statuses(xdist) == expected
+
+    # two sessions at once in one checkout, each with its own report dir: no shared ports
+    # (FileStore rendezvous), no shared temporary files
+    first, second = tmp_path / "first", tmp_path / "second"
+    a = start_pytest(SELECTION, first)
+    b = start_pytest(["-n", "2", *SELECTION], second)
+    finish(*a)
+    finish(*b)
+    assert statuses(first) == expected
+    assert statuses(second) == expected
+
+
+def test_no_rank_outlives_a_session_that_is_killed_outright(tmp_path):
+    """SIGKILL gives pytest no chance to clean up: the ranks must still go (parent-death signal)."""
+    progress = tmp_path / "progress"
+    progress.mkdir()
+    process, token = start_pytest(["tests/planted/planted_cases.py", "-k", "planted_slow", "--world-sizes", "2"],
+                                  tmp_path / "r", PLANTED_PROGRESS_DIR=str(progress))
+    try:
+        deadline = time.monotonic() + 300
+        while not list(progress.iterdir()):
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        process.kill()
+        process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+    assert wait_for_no_processes(token) == []
