@@ -121,6 +121,7 @@ class Oracle:
         self.previous: dict[str, dict[str, torch.Tensor]] | None = None
         self.last_sync = False
         self.stepped = False
+        self.diverged: set[tuple[str, str]] = set()
         self.before_step: dict[str, dict[str, torch.Tensor]] | None = None
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         if optimizer is not None:
@@ -273,6 +274,7 @@ class Oracle:
                 diff = difference(actual, expected.detach(), self.tol)
                 self.recorder.observe(diff.max_abs)
                 if diff.close:
+                    self._check_equal_to_rank0(index, where, name, pname, actual, rank0[pname])
                     continue
                 failed = True
                 self.recorder.add(
@@ -284,6 +286,24 @@ class Oracle:
                 )
             if failed:
                 self._anchor(name, actual_params, grads=False)
+
+    def _check_equal_to_rank0(
+        self, index: int, where: str, name: str, pname: str, actual: torch.Tensor, rank0: torch.Tensor
+    ) -> None:
+        """DDP keeps every rank's parameters equal; report the step where they first part (once)."""
+        key = (name, pname)
+        if key in self.diverged:
+            return
+        diff = difference(actual, rank0, self.tol)
+        if diff.close:
+            return
+        self.diverged.add(key)
+        self.recorder.add(
+            make_failure(
+                rank=self.rank, step=index, where=where, model=name, param=pname, checked="param",
+                kind="params_diverged", factor=None, diff=diff, tol=self.tol,
+            )
+        )
 
     def _param_kind(self, name: str, pname: str, actual: torch.Tensor, rank0: torch.Tensor) -> str:
         if not difference(actual, rank0, self.tol).close:

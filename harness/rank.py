@@ -37,11 +37,14 @@ def _die_with_parent(parent_pid: int) -> None:
     """A rank must never outlive the process that owns its pool, however that process ends."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
+        armed = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) == 0
+    except (OSError, AttributeError):
+        armed = False
     if os.getppid() != parent_pid:
         os._exit(70)
+    if armed:
+        return
+    # no parent-death signal on this platform: poll for the parent instead
 
     def watch() -> None:
         while True:

@@ -20,6 +20,9 @@ def test_a_perturbed_rank_fails_the_cell_naming_rank_step_model_and_kind(run_pyt
     first = cell["failures"][0]
     assert (first["rank"], first["step"], first["model"], first["param"]) == (1, 1, "model", "fc1.weight")
     assert first["kind"] == "wrong_scale" and first["factor"] == pytest.approx(1.01, rel=1e-4)
+    # rank 1 stepped with its own gradient: its parameters part from rank 0's, reported once each
+    diverged = [f for f in cell["failures"] if f["kind"] == "params_diverged"]
+    assert {(f["rank"], f["step"]) for f in diverged} == {(1, 1)} and len(diverged) == 4
     # at step 1 rank 0's gradient was right: the fault is rank 1's alone
     assert not [f for f in cell["failures"] if f["rank"] == 0 and f["step"] == 1 and f["checked"] == "grad"]
     assert "gradient of 'model.fc1.weight' on rank 1 at step 1: scaled by 1.01" in session.stdout
