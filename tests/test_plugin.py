@@ -1,6 +1,7 @@
 """The pytest plugin end to end: planted faults are found where they are, bad input stops the run at
 once, interrupted runs keep their finished cells, and no process outlives a session."""
 
+import json
 import os
 import signal
 import time
@@ -94,11 +95,11 @@ def test_nccl_without_gpus_gives_skip_cells_with_the_reason(run_pytest):
     assert session.matrix["environment"]["backend"] == "nccl"
 
 
-def interrupt_half_way(tmp_path, how):
+def interrupt_half_way(tmp_path, how, extra):
     progress = tmp_path / "progress"
     progress.mkdir()
     report_dir = tmp_path / "reports"
-    process, token = start_pytest([PLANTED, "-k", "planted_slow", "--world-sizes", "2"], report_dir,
+    process, token = start_pytest([*extra, PLANTED, "-k", "planted_slow", "--world-sizes", "2"], report_dir,
                                   PLANTED_PROGRESS_DIR=str(progress))
     deadline = time.monotonic() + 300
     while len(list(progress.iterdir())) < 3:  # the third cell has started: two have finished
@@ -111,17 +112,18 @@ def interrupt_half_way(tmp_path, how):
 
 
 @pytest.mark.parametrize(
-    "how",
+    "how, extra",
     [
-        pytest.param(lambda p: os.killpg(p.pid, signal.SIGINT), id="ctrl-c-to-the-process-group"),
-        pytest.param(lambda p: p.send_signal(signal.SIGTERM), id="sigterm"),
+        pytest.param(lambda p: os.killpg(p.pid, signal.SIGINT), [], id="ctrl-c-to-the-process-group"),
+        pytest.param(lambda p: p.send_signal(signal.SIGTERM), [], id="sigterm"),
+        pytest.param(lambda p: p.send_signal(signal.SIGTERM), ["-n", "2"], id="sigterm-to-the-xdist-controller"),
     ],
 )
-def test_an_interrupted_run_writes_the_finished_cells_marks_the_matrix_incomplete_and_leaves_no_process(tmp_path, how):
-    returncode, stdout, report_dir, token = interrupt_half_way(tmp_path, how)
+def test_an_interrupted_run_writes_the_finished_cells_marks_the_matrix_incomplete_and_leaves_no_process(
+    tmp_path, how, extra
+):
+    returncode, stdout, report_dir, token = interrupt_half_way(tmp_path, how, extra)
     assert returncode == pytest.ExitCode.INTERRUPTED, stdout
-    import json
-
     matrix = json.loads((report_dir / "matrix.json").read_text())
     assert matrix["complete"] is False
     assert len(matrix["cells"]) >= 2
