@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -69,6 +70,10 @@ def parse_seed(text: str | int) -> int:
 
 
 def count_gpus() -> int:
+    """CUDA devices this process can see. Without an NVIDIA driver there are none, and importing
+    torch (seconds, in the controller and every xdist worker) is not needed to know it."""
+    if not os.path.exists("/proc/driver/nvidia") and not os.path.exists("/dev/nvidiactl"):
+        return 0
     try:
         import torch
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import os
 import platform
 import re
@@ -77,24 +78,24 @@ class HarnessState:
         self.interrupted = True
 
     def environment(self) -> dict[str, Any]:
-        import torch
-
-        try:
-            import accelerate
-
-            accelerate_version = accelerate.__version__
-        except Exception:
-            accelerate_version = "not installed"
         return {
             "python": platform.python_version(),
-            "torch": torch.__version__,
-            "accelerate": accelerate_version,
+            "torch": _installed_version("torch"),
+            "accelerate": _installed_version("accelerate"),
             "backend": self.settings.backend,
             "device": self.settings.device,
             "world_sizes": list(self.settings.world_sizes),
             "seed": self.settings.seed,
             "fault": self.config.getoption("harness_fault"),
         }
+
+
+def _installed_version(distribution: str) -> str:
+    # from the package metadata: the controller never needs to import torch or accelerate
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
 
 
 @pytest.hookimpl(tryfirst=True)
