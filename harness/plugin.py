@@ -259,12 +259,14 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     state = session.config.stash.get(STATE, None)
     if state is None:
         return
-    state.pools.close()
+    state.interrupted = state.interrupted or exitstatus == pytest.ExitCode.INTERRUPTED
+    # after an interruption the ranks may be busy in a cell: do not wait for them
+    state.pools.close(graceful=not state.interrupted)
     if _is_worker(session.config) or not (state.cells or state.expected_ids):
         return
     cells = merge_cells(state.cells)
     finished = {c.nodeid for c in cells}
-    complete = not state.interrupted and exitstatus != pytest.ExitCode.INTERRUPTED and state.expected_ids <= finished
+    complete = not state.interrupted and state.expected_ids <= finished
     matrix = Matrix(
         environment=state.environment(),
         cells=cells,

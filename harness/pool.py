@@ -13,7 +13,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from harness import rank as rank_side
-from harness.messages import CellSpec, RankResult, Ready, RunCell, Shutdown, StartupFailed, expect
+from harness.messages import CellSpec, ProtocolError, RankResult, Ready, RunCell, Shutdown, StartupFailed, expect
 
 # Seconds a pool may take to start: spawning, importing torch and accelerate, joining the group.
 START_TIMEOUT_S = 180.0
@@ -184,8 +184,13 @@ class RankPool:
                 if conn in ready or (process.sentinel in ready and conn.poll()):
                     try:
                         message = expect(conn.recv(), RankResult)
-                    except EOFError:
+                    except (EOFError, OSError):
                         message = None
+                    except ProtocolError as exc:
+                        outcome.faults.append(RankFault(rank, "raised", f"protocol error: {exc}"))
+                        pending.discard(rank)
+                        first_fault_at = first_fault_at or time.monotonic()
+                        continue
                 if isinstance(message, RankResult):
                     outcome.results[rank] = message
                     pending.discard(rank)
@@ -277,21 +282,32 @@ class PoolSet:
     def __init__(self, *, backend: str) -> None:
         self.backend = backend
         self.pools: dict[int, RankPool] = {}
+        self.start_errors: dict[int, str] = {}
 
     def get(self, world_size: int) -> RankPool:
+        """The live pool of this world size, (re)started if needed. A world size whose pool failed
+        to start once is not tried again in this session: every later cell would wait for the
+        same failure."""
+        if world_size in self.start_errors:
+            raise PoolStartError(f"{self.start_errors[world_size].splitlines()[0]} (failed earlier in this session)")
         pool = self.pools.get(world_size)
         if pool is None:
             pool = self.pools[world_size] = RankPool(world_size, backend=self.backend)
         if not pool.alive:
             pool.kill()
-            pool.start()
+            try:
+                pool.start()
+            except PoolStartError as exc:
+                self.start_errors[world_size] = str(exc)
+                raise
         return pool
 
-    def rank_pids(self) -> list[int]:
-        return [p.pid for pool in self.pools.values() for p in pool.processes if p.pid is not None]
-
-    def close(self) -> None:
+    def close(self, *, graceful: bool = True) -> None:
+        """End every pool: ask the ranks to leave (``graceful``), or kill them at once."""
         for pool in self.pools.values():
-            pool.close()
+            if graceful:
+                pool.close()
+            else:
+                pool.kill()
             pool.remove_workdir()
         self.pools.clear()
