@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
@@ -10,6 +11,7 @@ from typing import Callable, Sequence
 from harness.crossversion import build_comparison, render_comparison_html, render_comparison_markdown
 from harness.diff import diff_matrices, label_matrices, render_diff_markdown, render_diff_text
 from harness.matrix import MatrixError, load_matrix, write_atomically
+from harness.options import DEFAULT_CASE_TIMEOUT_S, DEFAULT_SEED, OptionError, parse_case_timeout, parse_seed
 
 PROG = "harness"
 
@@ -129,11 +131,126 @@ def add_compare_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run_compare)
 
 
+def _comma_list(text: str) -> list[str]:
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list")
+    return items
+
+
+def _option_type(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """An argparse type from an options.py parser, whose message already names the option."""
+
+    def convert(text: str) -> object:
+        try:
+            return parse(text)
+        except OptionError as exc:
+            raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[-1]) from None
+
+    return convert
+
+
+def _world_size(text: str) -> int:
+    if not text.isdigit() or int(text) < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: give 2 or more ranks (1 cannot tell synced from local)")
+    return int(text)
+
+
+def run_selfcheck(args: argparse.Namespace) -> int:
+    from harness import selfcheck  # imports the rank pool: only for this command
+    from harness.faults import FAULTS
+
+    if args.list_faults:
+        width = max(len(name) for name in FAULTS)
+        for fault in FAULTS.values():
+            print(f"{fault.name.ljust(width)}  {fault.description}")
+        return EXIT_OK
+    try:
+        catalogue = selfcheck.discover(args.cases_dir or selfcheck.default_cases_dir())
+        unknown = sorted(set(args.sensitivity_cases or ()) - {case.name for case in catalogue})
+        if unknown:
+            raise UsageError(f"--sensitivity-cases: unknown case {', '.join(map(repr, unknown))}")
+        result = selfcheck.run_selfcheck(
+            catalogue,
+            cases=args.cases,
+            faults=args.faults,
+            variants=args.variants,
+            all_variants=args.all_variants,
+            world_size=args.world_size,
+            seed=args.seed,
+            case_timeout_s=args.case_timeout,
+            sensitivity_cases=None if args.no_sensitivity else (args.sensitivity_cases or selfcheck.SENSITIVITY_CASES),
+            progress=lambda line: print(line, file=sys.stderr, flush=True),
+        )
+    except selfcheck.SelfcheckError as exc:
+        raise UsageError(str(exc)) from None
+    except KeyboardInterrupt:
+        print(f"{PROG} selfcheck: interrupted; the ranks were stopped", file=sys.stderr)
+        return 130
+    report = selfcheck.render(result)
+    if args.json is not None:
+        _write_report(args.json, json.dumps(result.to_dict(), indent=2) + "\n")
+    sys.stdout.write(report)
+    return EXIT_OK if result.ok else EXIT_REGRESSION
+
+
+def add_selfcheck_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "selfcheck",
+        help="run the catalogue under planted sync faults and count the ones it catches",
+        description=(
+            "Run the case catalogue (cases/test_*.py) on one live pool of ranks, once clean and once\n"
+            "under each injected sync fault (harness/faults.py: accelerate or DDP patched at run time\n"
+            "inside the ranks, never the cases). A fault is caught when some cell ends fail. Prints a\n"
+            "fault x cell table, the kill rate (faults caught by at least one case / faults), and the\n"
+            "smallest relative perturbation of one rank's gradients that the harness catches, for fp32\n"
+            "and bf16. Canary cases run in the clean pass only. Progress goes to stderr, one line a fault."
+        ),
+        epilog=(
+            "exit status:\n"
+            "  0  every fault caught by some case, and the clean run has no fail, error or missed\n"
+            "  1  a fault went uncaught, or the clean run is not clean\n"
+            "  2  bad arguments, no cases, or the ranks could not start; the reason is one line on stderr\n"
+            "\n"
+            "examples:\n"
+            "  python -m harness selfcheck\n"
+            "  python -m harness selfcheck --cases no_sync,accumulate --faults no_sync_still_syncs,grads_summed\n"
+            "  python -m harness selfcheck --all-variants --json selfcheck.json"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--cases", type=_comma_list, metavar="LIST", default=None,
+                        help="only these cases (comma list of case names; default: the whole catalogue)")
+    parser.add_argument("--faults", type=_comma_list, metavar="LIST", default=None,
+                        help="only these faults (names from --list-faults, or perturb:<relative>; default: all)")
+    variants = parser.add_mutually_exclusive_group()
+    variants.add_argument("--variants", type=_comma_list, metavar="LIST", default=None,
+                          help="the variants whose name has all the parts of any pattern in LIST "
+                               "(e.g. fp32, or steps=2-bf16; default: the first fp32 variant of each case)")
+    variants.add_argument("--all-variants", action="store_true", help="every variant of every case")
+    parser.add_argument("--world-size", type=_world_size, default=2, metavar="N",
+                        help="ranks in the pool (default: 2)")
+    parser.add_argument("--case-timeout", type=_option_type(parse_case_timeout), default=DEFAULT_CASE_TIMEOUT_S,
+                        metavar="SECONDS", help="seconds one cell may take before its ranks are declared hung "
+                                                f"(default: {DEFAULT_CASE_TIMEOUT_S:g})")
+    parser.add_argument("--seed", type=_option_type(parse_seed), default=DEFAULT_SEED, metavar="N",
+                        help=f"base seed for models and data (default: {DEFAULT_SEED})")
+    parser.add_argument("--sensitivity-cases", type=_comma_list, metavar="LIST", default=None,
+                        help="cases for the perturbation search (default: fused_loss,accumulate where present)")
+    parser.add_argument("--no-sensitivity", action="store_true", help="skip the perturbation search")
+    parser.add_argument("--cases-dir", type=Path, metavar="DIR", default=None,
+                        help="where the case files are (default: ./cases)")
+    parser.add_argument("--json", type=Path, metavar="FILE", default=None, help="also write every result to FILE")
+    parser.add_argument("--list-faults", action="store_true", help="list the registered faults and exit")
+    parser.set_defaults(run=run_selfcheck)
+
+
 # Each subcommand is an add_*_parser function that registers its parser and sets `run`;
 # a new subcommand is one more function here and one more entry in this tuple.
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     add_diff_parser,
     add_compare_parser,
+    add_selfcheck_parser,
 )
 
 

@@ -1,0 +1,113 @@
+"""The fault registry: every fault patches something and puts back exactly what was there."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from harness import faults
+from harness.faults import FAULTS, apply_fault, perturbation, resolve
+
+
+def _classes():
+    """Every class a fault may patch, with a snapshot of its own attributes."""
+    from accelerate import Accelerator
+    from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard
+    from accelerate.optimizer import AcceleratedOptimizer
+    from accelerate.scheduler import AcceleratedScheduler
+    from accelerate.state import GradientState
+
+    return [Accelerator, AcceleratedOptimizer, AcceleratedScheduler, GradientState, DataLoaderDispatcher,
+            DataLoaderShard]
+
+
+def _snapshot():
+    return {cls: dict(vars(cls)) for cls in _classes()}
+
+
+def _changes(before, after):
+    changed = []
+    for cls in before:
+        for name in set(before[cls]) | set(after[cls]):
+            if before[cls].get(name, faults._ABSENT) is not after[cls].get(name, faults._ABSENT):
+                changed.append(f"{cls.__name__}.{name}")
+    return sorted(changed)
+
+
+@pytest.mark.parametrize("name", sorted(FAULTS))
+def test_each_fault_patches_and_restores_the_original_attributes(name):
+    before = _snapshot()
+    for rank in (0, 1):
+        with apply_fault(name, rank=rank):
+            during = _snapshot()
+            assert _changes(before, during), f"{name} patched nothing on rank {rank}"
+        assert _changes(before, _snapshot()) == []
+
+
+@pytest.mark.parametrize("name", sorted(FAULTS))
+def test_each_fault_restores_the_originals_when_the_body_raises(name):
+    before = _snapshot()
+    with pytest.raises(RuntimeError, match="case body"):
+        with apply_fault(name, rank=1):
+            raise RuntimeError("case body")
+    assert _changes(before, _snapshot()) == []
+
+
+def test_every_fault_has_a_one_line_description():
+    for fault in FAULTS.values():
+        assert fault.description and "\n" not in fault.description, fault.name
+        assert fault.name == fault.name.strip() and " " not in fault.name
+
+
+def test_static_and_property_attributes_come_back_as_what_they_were():
+    from accelerate import Accelerator
+    from accelerate.state import GradientState
+
+    with apply_fault("trigger_noop", rank=0):
+        pass
+    assert isinstance(inspect.getattr_static(Accelerator, "trigger_sync_in_backward"), staticmethod)
+    with apply_fault("no_dataloader_end_sync", rank=0):
+        pass
+    assert isinstance(inspect.getattr_static(GradientState, "end_of_dataloader"), property)
+
+
+def test_an_inherited_attribute_is_removed_again_not_copied_down():
+    class Base:
+        def method(self):
+            return "base"
+
+    class Child(Base):
+        pass
+
+    with faults._patched(Child, "method", lambda self: "patched"):
+        assert Child().method() == "patched"
+    assert "method" not in vars(Child) and Child().method() == "base"
+
+
+def test_patching_a_missing_attribute_is_an_error():
+    class Plain:
+        pass
+
+    with pytest.raises(AttributeError, match="no attribute 'missing'"):
+        with faults._patched(Plain, "missing", None):
+            pass
+
+
+def test_no_fault_is_no_patch():
+    before = _snapshot()
+    with apply_fault(None, rank=0):
+        assert _changes(before, _snapshot()) == []
+
+
+def test_perturbations_resolve_by_name_and_bad_names_are_rejected():
+    assert resolve("perturb:0.001").description == perturbation(1e-3).description
+    with pytest.raises(ValueError, match="not a number"):
+        resolve("perturb:lots")
+    with pytest.raises(ValueError, match="unknown fault 'nope'"):
+        resolve("nope")
+
+
+def test_there_are_at_least_eight_sync_faults():
+    sync_faults = [name for name in FAULTS if "perturb" not in name and name != "rank_grad_perturbed"]
+    assert len(sync_faults) >= 8
