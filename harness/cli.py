@@ -89,7 +89,7 @@ def add_diff_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_compare(args: argparse.Namespace) -> int:
     matrices = [(path, load_matrix(path)) for path in args.matrices]
     comparison = build_comparison(matrices)
-    markdown = render_comparison_markdown(comparison)
+    markdown = render_comparison_markdown(comparison, changed_only=args.changed_only)
     if args.markdown is not None:
         _write_report(args.markdown, markdown)
     if args.html is not None:
@@ -121,6 +121,8 @@ def add_compare_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("matrices", type=Path, nargs="+", metavar="MATRIX.json", help="one or more matrices")
     parser.add_argument("--markdown", type=Path, metavar="FILE", default=None, help="also write the markdown to FILE")
+    parser.add_argument("--changed-only", action="store_true",
+                        help="in the markdown, list only the cells whose status differs between inputs")
     parser.add_argument(
         "--html",
         type=Path,

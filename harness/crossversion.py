@@ -89,8 +89,9 @@ def _markdown_status(status: str) -> str:
     return f"{symbol} {text}" if symbol else text
 
 
-def render_comparison_markdown(comparison: Comparison) -> str:
-    """Markdown: per-input counts, then one row per cell with ≠ on rows whose statuses differ."""
+def render_comparison_markdown(comparison: Comparison, *, changed_only: bool = False) -> str:
+    """Markdown: per-input counts, then one row per cell with ≠ on rows whose statuses differ
+    (only those rows with ``changed_only``)."""
     columns = comparison.columns
     lines = [
         "### Cross-version comparison",
@@ -116,7 +117,7 @@ def render_comparison_markdown(comparison: Comparison) -> str:
         + " |",
         "|" + "---|" * (4 + len(columns)),
     ]
-    for row in comparison.rows:
+    for row in comparison.differing_rows if changed_only else comparison.rows:
         case, variant, world_size = row.key
         marker = f"**{DIFFERS_MARK}**" if row.differs else ""
         statuses = []

@@ -152,3 +152,18 @@ def test_compare_needs_an_input(capsys):
     with pytest.raises(SystemExit) as excinfo:
         main(["compare"])
     assert excinfo.value.code == 2
+
+
+def test_changed_only_lists_just_the_rows_that_differ(tmp_path):
+    old = write_matrix(tmp_path / "old.json", make_matrix([("a", "v", 1, "pass"), ("b", "v", 1, "fail")], accelerate="0.28.0"))
+    new = write_matrix(tmp_path / "new.json", make_matrix([("a", "v", 1, "pass"), ("b", "v", 1, "pass")]))
+    full = render_comparison_markdown(build_comparison([(old, load(old)), (new, load(new))]))
+    short = render_comparison_markdown(build_comparison([(old, load(old)), (new, load(new))]), changed_only=True)
+    assert "| a | v |" in full and "| a | v |" not in short
+    assert "| b | v |" in short
+
+
+def load(path):
+    from harness.matrix import load_matrix
+
+    return load_matrix(path)
