@@ -12,7 +12,14 @@ from harness.catalogue import SkipCell, Unsupported
 from harness.matrix import Failure
 from harness.models import derive_seed, make_model, rank_batch, regression_dataset
 from harness.oracle import OptimizerFactory, Oracle, Recorder, SchedulerFactory
-from harness.schedule import MicroStep, accumulation_schedule, batches_per_rank
+from harness.schedule import MicroStep, accumulation_schedule, batches_per_rank, dispatched_batches_per_rank
+
+
+def _parameters(function: Any) -> set[str]:
+    try:
+        return set(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return set()
 
 
 class RankContext:
@@ -71,6 +78,50 @@ class RankContext:
         kwargs.setdefault("cpu", self.device.type == "cpu")
         return Accelerator(**kwargs)
 
+    def gradient_accumulation(self, num_steps: int, **options: Any) -> dict[str, Any]:
+        """``Accelerator`` keyword arguments for ``GradientAccumulationPlugin(num_steps=..., **options)``,
+        or ``Unsupported`` naming the plugin or the option that the installed accelerate lacks."""
+        import accelerate
+        import accelerate.utils
+
+        plugin = getattr(accelerate.utils, "GradientAccumulationPlugin", None) or getattr(
+            accelerate, "GradientAccumulationPlugin", None
+        )
+        if plugin is None:
+            raise Unsupported("GradientAccumulationPlugin")
+        self.require_parameter(accelerate.Accelerator, "gradient_accumulation_plugin",
+                               "Accelerator(gradient_accumulation_plugin=...)")
+        for name in options:
+            self.require_parameter(plugin, name, f"GradientAccumulationPlugin({name}=...)")
+        return {"gradient_accumulation_plugin": plugin(num_steps=num_steps, **options)}
+
+    def dataloader_options(self, **options: Any) -> dict[str, Any]:
+        """``Accelerator`` keyword arguments for dataloader options (``split_batches``,
+        ``dispatch_batches``): a ``DataLoaderConfiguration`` where the installed accelerate has one,
+        else the ``Accelerator`` arguments of older releases; ``Unsupported`` when neither exists."""
+        import accelerate
+        import accelerate.utils
+
+        config = getattr(accelerate.utils, "DataLoaderConfiguration", None)
+        takes_config = "dataloader_config" in _parameters(accelerate.Accelerator)
+        if config is not None and takes_config:
+            for name in options:
+                self.require_parameter(config, name, f"DataLoaderConfiguration({name}=...)")
+            return {"dataloader_config": config(**options)}
+        for name in options:
+            if name not in _parameters(accelerate.Accelerator):
+                raise Unsupported(f"DataLoaderConfiguration({name}=...) or Accelerator({name}=...)")
+        return dict(options)
+
+    def ddp_options(self, **options: Any) -> dict[str, Any]:
+        """``Accelerator`` keyword arguments that hand ``options`` to DistributedDataParallel."""
+        import accelerate.utils
+
+        handler = self.require(accelerate.utils, "DistributedDataParallelKwargs", "DistributedDataParallelKwargs")
+        for name in options:
+            self.require_parameter(handler, name, f"DistributedDataParallelKwargs({name}=...)")
+        return {"kwargs_handlers": [handler(**options)]}
+
     # models and data
 
     def model(self, kind: str, name: str | None = None) -> nn.Module:
@@ -87,13 +138,32 @@ class RankContext:
         )
         return x.to(self.device), y.to(self.device)
 
-    def dataset(self, *, batches: int, batch_size: int, features: int = 4, split_batches: bool = False):
-        """A dataset all ranks share, sized so that each rank's prepared dataloader yields
-        ``batches`` batches and the last global batch is one sample short (the uneven end)."""
+    def dataset(
+        self,
+        *,
+        batches: int,
+        batch_size: int,
+        features: int = 4,
+        split_batches: bool = False,
+        dispatch_batches: bool = False,
+        samples: int | None = None,
+        label: str = "data",
+    ):
+        """A dataset all ranks share, and how many batches each rank's prepared dataloader must yield.
+
+        By default it is sized so that each rank gets ``batches`` batches and the last global batch is
+        one sample short (the uneven end); ``samples`` sets the size instead. The expected count comes
+        from the contract of the sharding (or, with ``dispatch_batches``, the dispatching) dataloader."""
+        if split_batches and batch_size % self.world_size:
+            # accelerate rejects this at prepare(): the cell does not apply at this world size
+            self.skip(f"split_batches needs the batch size ({batch_size}) to be a multiple of the world size "
+                      f"({self.world_size})")
         global_batch = batch_size if split_batches else batch_size * self.world_size
-        samples = batches * global_batch - 1
-        dataset = regression_dataset(derive_seed(self.seed, self.case, "data"), samples=samples, features=features)
-        expected = batches_per_rank(samples, batch_size=batch_size, world_size=self.world_size, split_batches=split_batches)
+        if samples is None:
+            samples = batches * global_batch - 1
+        dataset = regression_dataset(derive_seed(self.seed, self.case, label), samples=samples, features=features)
+        count = dispatched_batches_per_rank if dispatch_batches else batches_per_rank
+        expected = count(samples, batch_size=batch_size, world_size=self.world_size, split_batches=split_batches)
         return dataset, expected
 
     # the oracle and its schedule
@@ -105,8 +175,11 @@ class RankContext:
         num_steps: int = 1,
         optimizer: OptimizerFactory | Mapping[str, OptimizerFactory] | None = None,
         scheduler: SchedulerFactory | None = None,
+        scheduler_steps: int = 1,
     ) -> Oracle:
-        """Replicas of ``models`` as they are now: call before ``accelerator.prepare``."""
+        """Replicas of ``models`` as they are now: call before ``accelerator.prepare``.
+
+        ``scheduler_steps``: how many times the schedulers advance at each optimizer step."""
         return Oracle(
             models,
             recorder=self.recorder,
@@ -116,6 +189,7 @@ class RankContext:
             num_steps=num_steps,
             optimizer=optimizer,
             scheduler=scheduler,
+            scheduler_steps=scheduler_steps,
         )
 
     schedule = staticmethod(accumulation_schedule)
@@ -130,21 +204,28 @@ class RankContext:
         for epoch in range(epochs):
             expected = sum(1 for p in schedule if p.epoch == epoch)
             seen = 0
-            for batch in loader:
+            for batch in self.batches(loader, expected, what="the prepared dataloader", epoch=epoch):
                 seen += 1
-                if seen > expected:
-                    continue
                 yield next(points), batch
-            if seen != expected:
-                self.recorder.add(
-                    Failure(
-                        rank=self.rank, step=0, model="dataloader", param="len", kind="schedule",
-                        max_abs_diff=float(abs(seen - expected)), checked="schedule",
-                        message=(
-                            f"the prepared dataloader on rank {self.rank} yielded {seen} batches in epoch "
-                            f"{epoch}, the contract says {expected}"
-                        ),
-                    )
+            for _ in range(expected - seen):
+                next(points, None)
+
+    def batches(self, loader: Iterable[Any], expected: int, *, what: str, epoch: int = 0) -> Iterator[Any]:
+        """Iterate ``loader`` to its end, yielding at most ``expected`` batches; a different count is a
+        failure of kind ``schedule`` (the loader is still exhausted, as a user's loop would)."""
+        seen = 0
+        for batch in loader:
+            seen += 1
+            if seen <= expected:
+                yield batch
+        if seen != expected:
+            self.recorder.add(
+                Failure(
+                    rank=self.rank, step=0, model="dataloader", param="len", kind="schedule",
+                    max_abs_diff=float(abs(seen - expected)), checked="schedule",
+                    message=(
+                        f"{what} on rank {self.rank} yielded {seen} batches in epoch {epoch}, "
+                        f"the contract says {expected}"
+                    ),
                 )
-                for _ in range(expected - seen):
-                    next(points, None)
+            )

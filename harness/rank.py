@@ -97,15 +97,29 @@ def _load_case(spec: CellSpec) -> Any:
 
 
 def _reset_accelerate() -> None:
-    """Forget the last cell's Accelerator; keep the process group."""
-    from accelerate.state import AcceleratorState, GradientState, PartialState
+    """Forget the last cell's Accelerator; keep the process group.
 
+    Every release from 0.19 has a ``_reset_state`` on ``AcceleratorState``, ``PartialState`` and
+    ``GradientState``; 0.19 replaces the shared dicts, later releases clear them in place, and none
+    destroys the process group. ``AcceleratorState``'s takes ``reset_partial_state`` where it can
+    forget ``PartialState`` too; without it, each is reset on its own."""
+    import inspect
+
+    from accelerate import state
+
+    reset_accelerator_state = state.AcceleratorState._reset_state
     try:
-        AcceleratorState._reset_state(True)
-    except TypeError:  # releases whose _reset_state takes no argument
-        AcceleratorState._reset_state()
-        PartialState._reset_state()
-    GradientState._reset_state()
+        takes_partial = "reset_partial_state" in inspect.signature(reset_accelerator_state).parameters
+    except (TypeError, ValueError):
+        takes_partial = False
+    if takes_partial:
+        reset_accelerator_state(reset_partial_state=True)
+    else:
+        reset_accelerator_state()
+        partial_state = getattr(state, "PartialState", None)
+        if partial_state is not None:
+            partial_state._reset_state()
+    state.GradientState._reset_state()
 
 
 def run_cell(spec: CellSpec, rank: int, device: Any) -> RankResult:

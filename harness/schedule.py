@@ -83,3 +83,24 @@ def batches_per_rank(samples: int, *, batch_size: int, world_size: int, split_ba
     ``split_batches``), the last one completed from the start, and each rank gets one slice of each."""
     global_batch = batch_size if split_batches else batch_size * world_size
     return math.ceil(samples / global_batch)
+
+
+def dispatched_batches_per_rank(samples: int, *, batch_size: int, world_size: int, split_batches: bool = False) -> int:
+    """How many batches each rank receives when the prepared dataloader dispatches (``dispatch_batches=True``):
+    only the main process iterates the user's DataLoader (batches of ``batch_size``, the last one short),
+    and every rank receives its slice of one such batch (``split_batches``) or of ``world_size`` of them
+    concatenated. A short last group still makes one batch for every rank, completed from the start."""
+    loader_batches = math.ceil(samples / batch_size)
+    return loader_batches if split_batches else math.ceil(loader_batches / world_size)
+
+
+def windows(schedule: Sequence[MicroStep]) -> list[int]:
+    """The 0-based accumulation window of each micro-step: a window ends at an optimizer step."""
+    numbers = []
+    window = 0
+    for point in schedule:
+        numbers.append(window)
+        if point.optimizer_step:
+            window += 1
+    return numbers
+

@@ -1,0 +1,111 @@
+"""accumulate with what a training loop adds around the optimizer: a learning-rate scheduler,
+gradient clipping at sync points, and an optimizer with state."""
+
+import torch
+from torch.utils.data import DataLoader
+
+from harness import PRECISIONS, case, grid
+from harness.models import regression_loss
+
+EPOCHS = 2
+BATCHES = 5  # per rank and epoch: a multiple of none of the accumulation steps
+BATCH_SIZE = 4
+SPLIT_BATCH_SIZE = 8
+MAX_NORM = 0.05  # well below the gradients' norms, so that every sync point clips
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.05)
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.01)
+
+
+def decay(optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: 1.0 / (1.0 + 0.25 * n))
+
+
+def setup(ctx, *, steps, optimizer_factory, split_batches=False, scheduler=None, scheduler_steps=1):
+    """Accelerator, model, optimizer (and scheduler), prepared dataloader, oracle and schedule."""
+    options = ctx.dataloader_options(split_batches=True) if split_batches else {}
+    accelerator = ctx.accelerator(gradient_accumulation_steps=steps, **options)
+    batch_size = SPLIT_BATCH_SIZE if split_batches else BATCH_SIZE
+    model = ctx.model("regressor")
+    dataset, per_rank = ctx.dataset(batches=BATCHES, batch_size=batch_size, split_batches=split_batches)
+    oracle = ctx.oracle({"model": model}, num_steps=steps, optimizer=optimizer_factory,
+                        scheduler=scheduler, scheduler_steps=scheduler_steps)
+    optimizer = optimizer_factory(model.parameters())
+    objects = [model, optimizer, DataLoader(dataset, batch_size=batch_size)]
+    if scheduler is not None:
+        objects.append(scheduler(optimizer))
+    prepared = accelerator.prepare(*objects)
+    schedule = ctx.schedule(per_rank, epochs=EPOCHS, num_steps=steps)
+    return accelerator, prepared, oracle, schedule
+
+
+def micro_step(accelerator, oracle, point, model, batch):
+    accelerator.backward(regression_loss(model, batch))
+    oracle.check_sync_flag(point, accelerator.sync_gradients)
+    oracle.backward(lambda m: regression_loss(m["model"], batch), sync=point.sync)
+    oracle.check_grads(point, {"model": model})
+
+
+@case("accumulate_scheduler", variants=grid(steps=[2, 3], split_batches=[False, True], precision=PRECISIONS))
+def test_accumulate_scheduler(ctx):
+    """A prepared ``LambdaLR`` stepped with the optimizer inside ``accumulate``: it must advance only at
+    optimizer steps, ``num_processes`` times each (the global batch is that many batches), once each
+    with ``split_batches`` (as ``AcceleratedScheduler`` documents)."""
+    steps, split = ctx.variant["steps"], ctx.variant["split_batches"]
+    accelerator, (model, optimizer, loader, scheduler), oracle, schedule = setup(
+        ctx, steps=steps, optimizer_factory=sgd, split_batches=split, scheduler=decay,
+        scheduler_steps=1 if split else ctx.world_size,
+    )
+    for point, batch in ctx.epochs(loader, schedule):
+        with accelerator.accumulate(model):
+            micro_step(accelerator, oracle, point, model, batch)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        oracle.step(point)
+        oracle.check_lr(point, {"model": optimizer})
+        oracle.check_params(point, {"model": model})
+
+
+@case("accumulate_clip_grad", variants=grid(steps=[2, 3], precision=PRECISIONS))
+def test_accumulate_clip_grad(ctx):
+    """``accelerator.clip_grad_norm_`` at sync points (``if accelerator.sync_gradients``), as the
+    accelerate docs show: it must clip the averaged gradient of the whole window."""
+    steps = ctx.variant["steps"]
+    accelerator, (model, optimizer, loader), oracle, schedule = setup(ctx, steps=steps, optimizer_factory=sgd)
+    clipped = 0
+    for point, batch in ctx.epochs(loader, schedule):
+        with accelerator.accumulate(model):
+            micro_step(accelerator, oracle, point, model, batch)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
+            if point.optimizer_step:
+                norms = oracle.clip_grad_norm(MAX_NORM)
+                clipped += sum(norm > MAX_NORM for norm in norms.values())
+                oracle.check_grads(point, {"model": model})
+            optimizer.step()
+            optimizer.zero_grad()
+        oracle.step(point)
+        oracle.check_params(point, {"model": model})
+    if not clipped:
+        raise AssertionError(f"no gradient norm exceeded {MAX_NORM}: the case checked no clipping")
+
+
+@case("accumulate_adamw", variants=grid(steps=[2, 3], precision=PRECISIONS))
+def test_accumulate_adamw(ctx):
+    """``AdamW`` (moments and weight decay: state that a step at the wrong time corrupts for good)
+    under ``accumulate``."""
+    steps = ctx.variant["steps"]
+    accelerator, (model, optimizer, loader), oracle, schedule = setup(ctx, steps=steps, optimizer_factory=adamw)
+    for point, batch in ctx.epochs(loader, schedule):
+        with accelerator.accumulate(model):
+            micro_step(accelerator, oracle, point, model, batch)
+            optimizer.step()
+            optimizer.zero_grad()
+        oracle.step(point)
+        oracle.check_params(point, {"model": model})
