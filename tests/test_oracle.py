@@ -122,3 +122,23 @@ def test_replicas_do_not_share_parameters_with_the_model():
     with torch.no_grad():
         model.fc1.weight.add_(1.0)
     assert not torch.equal(model.fc1.weight, oracle.replicas["model"].fc1.weight)
+
+
+def test_learning_rate_checks_follow_the_schedulers_steps():
+    model = make_model("regressor", 7)
+    recorder = Recorder(rank=0)
+    decay = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 0.5**n)  # noqa: E731
+    oracle = Oracle({"model": model}, recorder=recorder, rank=0, world_size=1, precision="fp32",
+                    optimizer=sgd, scheduler=decay, scheduler_steps=2)
+    optimizer = sgd(model.parameters())
+    scheduler = decay(optimizer)
+    oracle.step(True)  # the contract: two scheduler steps per optimizer step here
+    optimizer.step()
+    scheduler.step()
+    oracle.check_lr(1, {"model": optimizer})
+    assert [f.kind for f in recorder.failures] == ["mismatch"]
+    assert "learning rate of optimizer 'model'" in recorder.failures[0].message
+    scheduler.step()
+    recorder.failures.clear()
+    oracle.check_lr(2, {"model": optimizer})
+    assert recorder.failures == []

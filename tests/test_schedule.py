@@ -62,3 +62,23 @@ def test_rejects_wrong_number_of_epoch_lengths():
 )
 def test_batches_per_rank(samples, batch_size, world_size, split, expected):
     assert batches_per_rank(samples, batch_size=batch_size, world_size=world_size, split_batches=split) == expected
+
+
+@pytest.mark.parametrize(
+    "samples, batch_size, world_size, split, expected",
+    # the main process's loader yields ceil(samples / batch_size) batches; each rank gets a slice of
+    # one of them (split) or of world_size of them at once
+    [(19, 4, 1, False, 5), (39, 4, 2, False, 5), (41, 4, 2, False, 6), (19, 8, 2, True, 3), (16, 8, 4, True, 2)],
+)
+def test_dispatched_batches_per_rank(samples, batch_size, world_size, split, expected):
+    from harness.schedule import dispatched_batches_per_rank
+
+    assert dispatched_batches_per_rank(samples, batch_size=batch_size, world_size=world_size,
+                                       split_batches=split) == expected
+
+
+def test_windows_end_at_optimizer_steps():
+    from harness.schedule import windows
+
+    points = accumulation_schedule(5, epochs=1, num_steps=2)  # steps at 2, 4, 5
+    assert windows(points) == [0, 0, 1, 1, 2]
