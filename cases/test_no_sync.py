@@ -13,15 +13,29 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.05)
 
 
+def prepared_regressor(ctx):
+    """An Accelerator, a prepared model and optimizer, and the oracle's replica of the model
+    (taken before ``prepare``)."""
+    accelerator = ctx.accelerator()
+    model = ctx.model("regressor")
+    oracle = ctx.oracle({"model": model}, optimizer=sgd)
+    model, optimizer = accelerator.prepare(model, sgd(model.parameters()))
+    return accelerator, model, optimizer, oracle
+
+
+def step_both(optimizer, oracle, step, models):
+    """The user's optimizer step and the oracle's, then the parameters compared."""
+    optimizer.step()
+    optimizer.zero_grad()
+    oracle.step(True)
+    oracle.check_params(step, models)
+
+
 @case("no_sync")
 def test_no_sync(ctx):
     """Backwards under ``accelerator.no_sync(model)`` keep each rank's own gradient; the next
     backward outside it averages the whole accumulated sum."""
-    accelerator = ctx.accelerator()
-    model = ctx.model("regressor")
-    oracle = ctx.oracle({"model": model}, optimizer=sgd)
-    optimizer = sgd(model.parameters())
-    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator, model, optimizer, oracle = prepared_regressor(ctx)
     models = {"model": model}
     step = 0
     for _ in range(WINDOWS):
@@ -37,22 +51,15 @@ def test_no_sync(ctx):
         accelerator.backward(regression_loss(model, batch))
         oracle.backward(lambda m: regression_loss(m["model"], batch), sync=True)
         oracle.check_grads(step, models)
-        optimizer.step()
-        optimizer.zero_grad()
-        oracle.step(True)
-        oracle.check_params(step, models)
+        step_both(optimizer, oracle, step, models)
 
 
 @case("no_sync_trigger_sync")
 def test_no_sync_trigger_sync(ctx):
     """``backward(loss_a)`` under ``no_sync``, then ``backward(loss_b)`` under
     ``trigger_sync_in_backward``: the result equals the fused, synced ``backward(loss_a + loss_b)``."""
-    accelerator = ctx.accelerator()
+    accelerator, model, optimizer, oracle = prepared_regressor(ctx)
     trigger = ctx.require(accelerator, "trigger_sync_in_backward", "Accelerator.trigger_sync_in_backward")
-    model = ctx.model("regressor")
-    oracle = ctx.oracle({"model": model}, optimizer=sgd)
-    optimizer = sgd(model.parameters())
-    model, optimizer = accelerator.prepare(model, optimizer)
     models = {"model": model}
     step = 0
     for _ in range(WINDOWS):
@@ -69,22 +76,15 @@ def test_no_sync_trigger_sync(ctx):
                 accelerator.backward(loss_b)
             oracle.backward(lambda m: regression_loss(m["model"], b), sync=True)
             oracle.check_grads(step, models)
-        optimizer.step()
-        optimizer.zero_grad()
-        oracle.step(True)
-        oracle.check_params(step, models)
+        step_both(optimizer, oracle, step, models)
 
 
 @case("multi_forward_trigger_sync")
 def test_multi_forward_trigger_sync(ctx):
     """Several forwards under ``no_sync``, then their backwards after it: all local but the last,
     which runs under ``trigger_sync_in_backward`` and averages the sum of all of them."""
-    accelerator = ctx.accelerator()
+    accelerator, model, optimizer, oracle = prepared_regressor(ctx)
     trigger = ctx.require(accelerator, "trigger_sync_in_backward", "Accelerator.trigger_sync_in_backward")
-    model = ctx.model("regressor")
-    oracle = ctx.oracle({"model": model}, optimizer=sgd)
-    optimizer = sgd(model.parameters())
-    model, optimizer = accelerator.prepare(model, optimizer)
     models = {"model": model}
     forwards = 3
     step = 0
@@ -102,7 +102,4 @@ def test_multi_forward_trigger_sync(ctx):
                 accelerator.backward(loss)
             oracle.backward(lambda m: regression_loss(m["model"], batch), sync=last)
             oracle.check_grads(step, models)
-        optimizer.step()
-        optimizer.zero_grad()
-        oracle.step(True)
-        oracle.check_params(step, models)
+        step_both(optimizer, oracle, step, models)
