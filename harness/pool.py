@@ -13,7 +13,17 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from harness import rank as rank_side
-from harness.messages import CellSpec, ProtocolError, RankResult, Ready, RunCell, Shutdown, StartupFailed, expect
+from harness.messages import (
+    RAISED,
+    CellSpec,
+    ProtocolError,
+    RankResult,
+    Ready,
+    RunCell,
+    Shutdown,
+    StartupFailed,
+    expect,
+)
 
 # Seconds a pool may take to start: spawning, importing torch and accelerate, joining the group.
 START_TIMEOUT_S = 180.0
@@ -194,7 +204,7 @@ class RankPool:
                 if isinstance(message, RankResult):
                     outcome.results[rank] = message
                     pending.discard(rank)
-                    if message.outcome == "raised":
+                    if message.outcome == RAISED:
                         outcome.faults.append(RankFault(rank, "raised", message.detail))
                         first_fault_at = first_fault_at or time.monotonic()
                     continue

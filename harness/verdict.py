@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 from harness.matrix import DETECTED, ERROR, FAIL, MISSED, PASS, SKIP, UNSUPPORTED, Cell, Failure
-from harness.messages import OK, RAISED, SKIPPED
+from harness.messages import OK, SKIPPED
 from harness.messages import UNSUPPORTED as RANK_UNSUPPORTED
 from harness.pool import PoolOutcome, RankFault
 
