@@ -262,7 +262,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     state.interrupted = state.interrupted or exitstatus == pytest.ExitCode.INTERRUPTED
     # after an interruption the ranks may be busy in a cell: do not wait for them
     state.pools.close(graceful=not state.interrupted)
-    if _is_worker(session.config) or not (state.cells or state.expected_ids):
+    # With no finished cell (a usage error, an interruption before the first cell) there is nothing
+    # to report, and a previous run's reports are left as they are.
+    if _is_worker(session.config) or not state.cells:
         return
     cells = merge_cells(state.cells)
     finished = {c.nodeid for c in cells}

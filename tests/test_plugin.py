@@ -131,3 +131,12 @@ def test_an_interrupted_run_writes_the_finished_cells_marks_the_matrix_incomplet
     assert "Incomplete run" in (report_dir / "matrix.md").read_text()
     assert "gradient-sync matrix (INCOMPLETE)" in stdout
     assert wait_for_no_processes(token) == []
+
+
+def test_a_run_that_finishes_no_cell_leaves_the_previous_reports_alone(run_pytest, tmp_path):
+    report_dir = tmp_path / "kept"
+    report_dir.mkdir()
+    (report_dir / "matrix.json").write_text("previous")
+    session = run_pytest("cases/", "-k", "no such = expression", report_dir=report_dir, timeout=120)
+    assert session.returncode == pytest.ExitCode.USAGE_ERROR
+    assert (report_dir / "matrix.json").read_text() == "previous"
