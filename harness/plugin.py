@@ -78,7 +78,7 @@ class HarnessState:
         self.interrupted = True
 
     def environment(self) -> dict[str, Any]:
-        return {
+        environment: dict[str, Any] = {
             "python": platform.python_version(),
             "torch": _installed_version("torch"),
             "accelerate": _installed_version("accelerate"),
@@ -86,8 +86,11 @@ class HarnessState:
             "device": self.settings.device,
             "world_sizes": list(self.settings.world_sizes),
             "seed": self.settings.seed,
-            "fault": self.config.getoption("harness_fault"),
         }
+        fault = self.config.getoption("harness_fault")
+        if fault is not None:  # a matrix made under an injected fault must say so
+            environment["fault"] = fault
+        return environment
 
 
 def _installed_version(distribution: str) -> str:

@@ -26,6 +26,7 @@ def test_a_perturbed_rank_fails_the_cell_naming_rank_step_model_and_kind(run_pyt
     assert {(f["rank"], f["step"]) for f in diverged} == {(1, 1)} and len(diverged) == 4
     # at step 1 rank 0's gradient was right: the fault is rank 1's alone
     assert not [f for f in cell["failures"] if f["rank"] == 0 and f["step"] == 1 and f["checked"] == "grad"]
+    assert session.matrix["environment"]["fault"] == "perturb_rank1"
     assert "gradient of 'model.fc1.weight' on rank 1 at step 1: scaled by 1.01" in session.stdout
     assert ("Rerun this cell: pytest 'cases/test_fused_loss.py::test_fused_loss[fp32-ws2]' --world-sizes 2"
             in session.stdout)
@@ -93,6 +94,7 @@ def test_nccl_without_gpus_gives_skip_cells_with_the_reason(run_pytest):
     assert {c["status"] for c in cells.values()} == {"skip"}
     assert cells[("fused_loss", "fp32", 2)]["summary"] == "nccl needs one GPU per rank: world size 2, 0 GPU(s) here"
     assert session.matrix["environment"]["backend"] == "nccl"
+    assert "fault" not in session.matrix["environment"]
 
 
 def interrupt_half_way(tmp_path, how, extra):
