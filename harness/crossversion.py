@@ -18,7 +18,7 @@ from harness.diff import (
     world_sizes_of,
 )
 from harness.matrix import STATUSES, Cell, Matrix
-from harness.report import STATUS_SYMBOLS
+from harness.report import PAGE_STYLE, STATUS_SYMBOLS, status_style
 
 
 @dataclass
@@ -129,27 +129,16 @@ def render_comparison_markdown(comparison: Comparison, *, changed_only: bool = F
     return "\n".join(lines) + "\n"
 
 
-# The status colours are those of the single-run report (harness.report), so a reader learns them once.
-_CSS = """
-body { font-family: system-ui, sans-serif; margin: 2em; color: #1f2328; }
-h1 { font-size: 1.5em; }
-table { border-collapse: collapse; margin: 1em 0; }
-th, td { border: 1px solid #d0d7de; padding: 4px 8px; text-align: left; vertical-align: top; }
-th { background: #f6f8fa; }
-.status { font-weight: 600; color: #fff; text-align: center; }
-.s-pass { background: #1a7f37; color: #fff; }
-.s-fail { background: #cf222e; color: #fff; }
-.s-error { background: #8250df; color: #fff; }
-.s-skip { background: #6e7781; color: #fff; }
-.s-unsupported { background: #d0d7de; color: #1f2328; }
-.s-detected { background: #0a7b83; color: #fff; }
-.s-missed { background: #d4a72c; color: #1f2328; }
-.s-absent { background: #fff; color: #8c959f; }
+_CSS = (
+    PAGE_STYLE
+    + ".status { font-weight: 600; color: #fff; text-align: center; }\n"
+    + status_style(".s-{status}")
+    + """.s-absent { background: #fff; color: #8c959f; }
 tr.differs td { border-top: 2px solid #1f2328; border-bottom: 2px solid #1f2328; }
 tr.differs td.mark { background: #fff8c5; font-weight: 700; }
 .legend span { display: inline-block; padding: 2px 8px; margin-right: 4px; border-radius: 4px; }
 """
-
+)
 
 def _e(text: object) -> str:
     return html.escape(str(text), quote=True)

@@ -50,22 +50,41 @@ STATUS_MEANINGS = {
     MISSED: "canary: the harness did not catch the known-wrong usage",
 }
 
-HTML_STYLE = """
+# Shared with harness.crossversion, so that a reader learns one page layout and one set of colours.
+PAGE_STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #1f2328; }
 h1 { font-size: 1.5em; }
 table { border-collapse: collapse; margin: 1em 0; }
 th, td { border: 1px solid #d0d7de; padding: 4px 8px; text-align: left; vertical-align: top; }
 th { background: #f6f8fa; }
-.status { display: inline-block; min-width: 7em; padding: 3px 8px; border-radius: 4px;
+"""
+# status -> (background, text colour)
+STATUS_COLOURS = {
+    PASS: ("#1a7f37", "#fff"),
+    FAIL: ("#cf222e", "#fff"),
+    ERROR: ("#8250df", "#fff"),
+    SKIP: ("#6e7781", "#fff"),
+    UNSUPPORTED: ("#d0d7de", "#1f2328"),
+    DETECTED: ("#0a7b83", "#fff"),
+    MISSED: ("#d4a72c", "#1f2328"),
+}
+
+
+def status_style(selector: str) -> str:
+    """One CSS rule per status; ``selector`` has ``{status}`` where the status name goes."""
+    return "".join(
+        f"{selector.format(status=status)} {{ background: {background}; color: {text}; }}\n"
+        for status, (background, text) in STATUS_COLOURS.items()
+    )
+
+
+HTML_STYLE = (
+    PAGE_STYLE
+    + """.status { display: inline-block; min-width: 7em; padding: 3px 8px; border-radius: 4px;
           font-weight: 600; color: #fff; }
-.status.pass { background: #1a7f37; }
-.status.fail { background: #cf222e; }
-.status.error { background: #8250df; }
-.status.skip { background: #6e7781; }
-.status.unsupported { background: #d0d7de; color: #1f2328; }
-.status.detected { background: #0a7b83; }
-.status.missed { background: #d4a72c; color: #1f2328; }
-.absent { color: #8c959f; }
+"""
+    + status_style(".status.{status}")
+    + """.absent { color: #8c959f; }
 .banner { background: #fff8c5; border: 1px solid #d4a72c; padding: 8px 12px; font-weight: 600; }
 details summary { cursor: pointer; list-style: none; }
 details summary::-webkit-details-marker { display: none; }
@@ -73,7 +92,7 @@ details[open] summary .status { outline: 2px solid #1f2328; }
 pre { white-space: pre-wrap; max-width: 60em; font-size: 0.85em; background: #f6f8fa;
       padding: 6px; margin: 4px 0 0 0; }
 """
-
+)
 
 def render_json(matrix: Matrix) -> str:
     """The schema-1 JSON form of the matrix."""
