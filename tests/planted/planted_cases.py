@@ -17,6 +17,14 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.05)
 
 
+def prepared_regressor(ctx):
+    accelerator = ctx.accelerator()
+    model = ctx.model("regressor")
+    oracle = ctx.oracle({"model": model}, optimizer=sgd)
+    model, optimizer = accelerator.prepare(model, sgd(model.parameters()))
+    return accelerator, model, optimizer, oracle
+
+
 def healthy_steps(ctx, accelerator, model, optimizer, oracle, steps):
     models = {"model": model}
     for step in steps:
@@ -58,11 +66,7 @@ def test_planted_rank_fault(ctx):
     """One correct step, then rank 1 fails in the variant's way; each faulty variant is followed
     by a healthy one, which must pass on the rebuilt pool."""
     fault = ctx.variant["fault"]
-    accelerator = ctx.accelerator()
-    model = ctx.model("regressor")
-    oracle = ctx.oracle({"model": model}, optimizer=sgd)
-    optimizer = sgd(model.parameters())
-    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator, model, optimizer, oracle = prepared_regressor(ctx)
     healthy_steps(ctx, accelerator, model, optimizer, oracle, [1])
     if fault is None:
         healthy_steps(ctx, accelerator, model, optimizer, oracle, [2, 3])
@@ -104,9 +108,5 @@ def test_planted_slow(ctx):
     if progress and ctx.rank == 0:
         open(os.path.join(progress, ctx.variant_name), "w").close()
     time.sleep(1.0)
-    accelerator = ctx.accelerator()
-    model = ctx.model("regressor")
-    oracle = ctx.oracle({"model": model}, optimizer=sgd)
-    optimizer = sgd(model.parameters())
-    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator, model, optimizer, oracle = prepared_regressor(ctx)
     healthy_steps(ctx, accelerator, model, optimizer, oracle, [1])
