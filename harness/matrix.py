@@ -85,8 +85,9 @@ class Cell:
     max_abs_diff: float = 0.0
     duration_s: float = 0.0
     failures: list[Failure] = field(default_factory=list)
-    checks: int = 0
-    vacuous_checks: int = 0
+    checks: int = 0  # every comparison with the oracle: gradients, parameters, flags, learning rates
+    grad_checks: int = 0  # the gradient comparisons among them (the ones that can test sync)
+    vacuous_checks: int = 0  # gradient comparisons where synced and local could not be told apart
     nodeid: str = ""
     rerun: str = ""
     detail: str = ""  # an error cell's tracebacks or stack dumps, rank by rank
