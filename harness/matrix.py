@@ -608,13 +608,24 @@ def load_matrix(path: str | os.PathLike[str]) -> Matrix:
     return Matrix.from_dict(data, source=shown)
 
 
+def _current_umask() -> int:
+    # The only way to read the umask is to set it; set it straight back.
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_atomically(path: str | os.PathLike[str], text: str) -> None:
-    """Write through a temporary file and rename, so that a reader never sees half a file."""
+    """Write through a temporary file and rename, so that a reader never sees half a file.
+
+    The file gets the mode any new file would (0o666 less the umask), not mkstemp's 0o600.
+    """
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
+        os.chmod(tmp, 0o666 & ~_current_umask())
         os.replace(tmp, path)
     except BaseException:
         try:

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 from pathlib import Path
 
-from harness.matrix import STATUSES, Cell, Failure, Matrix
+import pytest
+
+from harness.matrix import STATUSES, Cell, Failure, Matrix, write_atomically
 from harness.report import (
     check_report_dir,
     render_html,
@@ -235,6 +239,19 @@ def test_write_reports_replaces_old_reports(tmp_path: Path) -> None:
     paths = write_reports(make_matrix(complete=True), tmp_path)
     assert "Incomplete run" not in paths[1].read_text(encoding="utf-8")
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_reports_follow_the_umask(tmp_path: Path, umask: int, mode: int) -> None:
+    previous = os.umask(umask)
+    try:
+        paths = write_reports(make_matrix(), tmp_path)
+        paths.append(tmp_path / "other.txt")
+        write_atomically(paths[-1], "text\n")
+    finally:
+        os.umask(previous)
+    for path in paths:
+        assert stat.S_IMODE(path.stat().st_mode) == mode, path.name
 
 
 def test_check_report_dir_accepts_a_fresh_nested_dir(tmp_path: Path) -> None:
