@@ -51,14 +51,16 @@ def add_diff_parser(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Compare two matrix.json files cell by cell, a cell being (case, variant, world_size).\n"
             "Prints the regressions first (a cell that was pass or detected in BASE and is anything\n"
-            "else in CANDIDATE), then the improvements, then other status changes, then the cells\n"
-            "present in only one file, then a count line. Runs are labelled by the accelerate\n"
-            "version they recorded, else by file name."
+            "else in CANDIDATE, or has vanished: is missing from CANDIDATE at a world size CANDIDATE\n"
+            "ran), then the improvements, then other status changes, then the cells present in only\n"
+            "one file, then a count line. The world sizes CANDIDATE ran are those it records, else\n"
+            "those of its cells. Runs are labelled by the accelerate version they recorded, else by\n"
+            "file name."
         ),
         epilog=(
             "exit status:\n"
             "  0  no regression\n"
-            "  1  at least one regression\n"
+            "  1  at least one regression (a changed or vanished cell, as above), never anything else\n"
             "  2  unusable input or bad arguments, with one line on stderr naming the file and\n"
             "     the reason: a file that is missing, not a regular file or larger than 256 MiB;\n"
             "     not strict JSON (not UTF-8, NaN, duplicate keys, too deep); another schema;\n"

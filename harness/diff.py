@@ -10,6 +10,10 @@ from harness.matrix import GOOD_STATUSES, Cell, Matrix
 
 CellKey = tuple[str, str, int]
 
+# What a vanished cell's candidate status is shown as.
+MISSING = "missing"
+VANISHED_SUMMARY = "vanished: no such cell in the candidate, which ran this world size"
+
 
 @dataclass
 class CellChange:
@@ -25,7 +29,12 @@ class CellChange:
 
 @dataclass
 class MatrixDiff:
-    """Everything that differs between a base matrix and a candidate, each list sorted by key."""
+    """Everything that differs between a base matrix and a candidate, each list sorted by key.
+
+    ``vanished`` holds the base cells that held (pass or detected) and are missing from the
+    candidate at a world size the candidate ran: regressions of their own kind. Other base cells
+    the candidate lacks are in ``only_in_base``.
+    """
 
     regressions: list[CellChange] = field(default_factory=list)
     improvements: list[CellChange] = field(default_factory=list)
@@ -34,10 +43,15 @@ class MatrixDiff:
     only_in_candidate: list[Cell] = field(default_factory=list)
     unchanged: int = 0
     notes: list[str] = field(default_factory=list)
+    vanished: list[Cell] = field(default_factory=list)
+
+    @property
+    def regression_count(self) -> int:
+        return len(self.regressions) + len(self.vanished)
 
     @property
     def has_regressions(self) -> bool:
-        return bool(self.regressions)
+        return self.regression_count > 0
 
 
 def order_key(key: CellKey) -> tuple[str, str, int, str]:
@@ -64,21 +78,32 @@ def format_world_sizes(world_sizes: Sequence[int]) -> str:
     return "[" + ",".join(str(ws) for ws in world_sizes) + "]"
 
 
+def candidate_world_sizes(base: Matrix, candidate: Matrix) -> set[int]:
+    """The world sizes the candidate ran: its recorded ones, else its cells', else (when it says
+    nothing at all, e.g. no cell and no record) the base's."""
+    return set(world_sizes_of(candidate)) or set(world_sizes_of(base))
+
+
 def diff_matrices(base: Matrix, candidate: Matrix) -> MatrixDiff:
     """Classify every cell key of either matrix.
 
     A regression is a cell that held (pass or detected) in base and does not hold in the
-    candidate; an improvement is the reverse; any other change of status (fail -> error,
+    candidate, or that vanished from the candidate although the candidate ran its world size;
+    an improvement is the reverse of the first; any other change of status (fail -> error,
     pass -> detected) is reported but decides nothing.
     """
     base_cells = index_cells(base)
     cand_cells = index_cells(candidate)
+    ran = candidate_world_sizes(base, candidate)
     diff = MatrixDiff()
     for key in sorted(set(base_cells) | set(cand_cells), key=order_key):
         before = base_cells.get(key)
         after = cand_cells.get(key)
         if after is None:
-            diff.only_in_base.append(before)
+            if before.status in GOOD_STATUSES and before.world_size in ran:
+                diff.vanished.append(before)
+            else:
+                diff.only_in_base.append(before)
         elif before is None:
             diff.only_in_candidate.append(after)
         elif before.status == after.status:
@@ -101,7 +126,12 @@ def describe_mismatched_runs(base: Matrix, candidate: Matrix) -> list[str]:
     """Notes on why two runs may not be comparable everywhere."""
     notes = []
     base_ws, cand_ws = world_sizes_of(base), world_sizes_of(candidate)
-    if base_ws != cand_ws:
+    if not cand_ws and base_ws:
+        notes.append(
+            "the candidate records no world size and has no cell: it is taken to have run the base's "
+            f"world sizes {format_world_sizes(base_ws)}"
+        )
+    elif base_ws != cand_ws:
         notes.append(
             "compared only where cells meet: "
             f"base world sizes {format_world_sizes(base_ws)}, "
@@ -111,9 +141,12 @@ def describe_mismatched_runs(base: Matrix, candidate: Matrix) -> list[str]:
         before, after = base.environment.get(name), candidate.environment.get(name)
         if before and after and before != after:
             notes.append(f"the runs used different {name}s: base {before}, candidate {after}")
-    for role, matrix in (("base", base), ("candidate", candidate)):
-        if not matrix.complete:
-            notes.append(f"the {role} run did not finish; its missing cells show as only in the other")
+    if not base.complete:
+        notes.append("the base run did not finish; its missing cells show as only in the candidate")
+    if not candidate.complete:
+        notes.append(
+            "the candidate run did not finish; a cell it did not reach that held in base counts as vanished"
+        )
     return notes
 
 
@@ -157,9 +190,12 @@ def _plural(count: int, singular: str, plural: str) -> str:
 
 
 def count_line(diff: MatrixDiff) -> str:
+    regressions = _plural(diff.regression_count, "regression", "regressions")
+    if diff.vanished:
+        regressions += f" ({len(diff.vanished)} vanished)"
     return ", ".join(
         [
-            _plural(len(diff.regressions), "regression", "regressions"),
+            regressions,
             _plural(len(diff.improvements), "improvement", "improvements"),
             _plural(len(diff.changed_other), "other change", "other changes"),
             _plural(len(diff.only_in_base), "cell only in base", "cells only in base"),
@@ -198,6 +234,10 @@ def render_diff_text(diff: MatrixDiff, base_label: str, cand_label: str) -> str:
         lines.append(_change_line("REGRESSION", change))
         if change.candidate.rerun:
             lines.append(f"    rerun: {one_line(change.candidate.rerun)}")
+    for cell in diff.vanished:
+        lines.append(f"VANISHED {describe_key(cell.key)}: {cell.status} -> {MISSING}")
+        if cell.rerun:
+            lines.append(f"    rerun: {one_line(cell.rerun)}")
     lines += [_change_line("IMPROVEMENT", change) for change in diff.improvements]
     lines += [_change_line("CHANGED", change) for change in diff.changed_other]
     lines += [_only_line("ONLY IN BASE", cell) for cell in diff.only_in_base]
@@ -235,14 +275,16 @@ def render_diff_markdown(diff: MatrixDiff, base_label: str, cand_label: str) -> 
         ("Other changes", diff.changed_other),
     )
     for title, changes in change_sections:
-        if not changes:
-            continue
         rows = [
             [c.key[0], c.key[1], str(c.key[2]), c.base.status, c.candidate.status, c.candidate.summary]
             for c in changes
         ]
+        if title == "Regressions":
+            rows += [[c.case, c.variant, str(c.world_size), c.status, MISSING, VANISHED_SUMMARY] for c in diff.vanished]
+        if not rows:
+            continue
         header = ["case", "variant", "world size", "base", "candidate", "candidate summary"]
-        lines += [f"#### {title} ({len(changes)})", "", *_markdown_table(header, rows), ""]
+        lines += [f"#### {title} ({len(rows)})", "", *_markdown_table(header, rows), ""]
     only_sections = (("Only in base", diff.only_in_base), ("Only in candidate", diff.only_in_candidate))
     for title, cells in only_sections:
         if not cells:
@@ -250,6 +292,6 @@ def render_diff_markdown(diff: MatrixDiff, base_label: str, cand_label: str) -> 
         rows = [[c.case, c.variant, str(c.world_size), c.status, c.summary] for c in cells]
         header = ["case", "variant", "world size", "status", "summary"]
         lines += [f"#### {title} ({len(cells)})", "", *_markdown_table(header, rows), ""]
-    if not (diff.regressions or diff.improvements or diff.changed_other):
+    if not (diff.regressions or diff.vanished or diff.improvements or diff.changed_other):
         lines += [f"No cell changed status ({diff.unchanged} compared).", ""]
     return "\n".join(lines)

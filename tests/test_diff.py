@@ -80,11 +80,55 @@ def test_cells_only_in_one_matrix():
     base = make_matrix([("a", "v", 1, "pass"), ("b", "v", 1, "pass"), ("b", "v", 2, "fail")])
     candidate = make_matrix([("a", "v", 1, "pass"), ("c", "v", 1, "error")])
     diff = diff_matrices(base, candidate)
-    assert [c.key for c in diff.only_in_base] == [("b", "v", 1), ("b", "v", 2)]
+    # A cell that held in base and is gone from a candidate that ran its world size vanished:
+    # that is a regression. One that did not hold (fail) is only reported.
+    assert [c.key for c in diff.vanished] == [("b", "v", 1)]
+    assert [c.key for c in diff.only_in_base] == [("b", "v", 2)]
     assert [c.key for c in diff.only_in_candidate] == [("c", "v", 1)]
     assert diff.unchanged == 1
-    # A cell that disappeared is reported, but it is not a regression: the note explains why.
+    assert diff.has_regressions and diff.regression_count == 1 and not diff.regressions
+
+
+@pytest.mark.parametrize(("status", "vanishes"), [(s, s in ("pass", "detected")) for s in STATUSES])
+def test_only_a_cell_that_held_can_vanish(status, vanishes):
+    diff = diff_matrices(make_matrix([("a", "v", 2, status)]), make_matrix([("b", "v", 2, "pass")]))
+    assert [c.key for c in diff.vanished] == ([("a", "v", 2)] if vanishes else [])
+    assert [c.key for c in diff.only_in_base] == ([] if vanishes else [("a", "v", 2)])
+    assert diff.has_regressions == vanishes
+
+
+def test_a_world_size_the_candidate_did_not_run_is_no_regression():
+    base = make_matrix([("a", "v", 1, "pass"), ("a", "v", 4, "pass")], world_sizes=(1, 4))
+    candidate = make_matrix([("a", "v", 1, "pass")], world_sizes=(1,))
+    diff = diff_matrices(base, candidate)
     assert not diff.has_regressions
+    assert [c.key for c in diff.only_in_base] == [("a", "v", 4)]
+    assert "compared only where cells meet: base world sizes [1,4], candidate [1]" in diff.notes
+
+
+def test_candidate_world_sizes_come_from_its_cells_when_not_recorded():
+    base = make_matrix([("a", "v", 1, "pass"), ("a", "v", 2, "pass"), ("b", "v", 2, "pass")], world_sizes=(1, 2))
+    candidate = make_matrix([("a", "v", 2, "pass")], world_sizes=())
+    diff = diff_matrices(base, candidate)
+    assert [c.key for c in diff.vanished] == [("b", "v", 2)]
+    assert [c.key for c in diff.only_in_base] == [("a", "v", 1)]
+
+
+def test_an_empty_candidate_that_records_nothing_ran_the_bases_world_sizes():
+    base = make_matrix([("a", "v", 1, "pass"), ("a", "v", 2, "detected"), ("b", "v", 2, "skip")])
+    diff = diff_matrices(base, make_matrix([], world_sizes=()))
+    assert [c.key for c in diff.vanished] == [("a", "v", 1), ("a", "v", 2)]
+    assert [c.key for c in diff.only_in_base] == [("b", "v", 2)]
+    assert any("taken to have run the base's world sizes [1,2]" in note for note in diff.notes)
+    # An empty candidate that says it ran other world sizes loses nothing.
+    assert not diff_matrices(base, make_matrix([], world_sizes=(4,))).has_regressions
+
+
+def test_an_unfinished_candidate_loses_the_cells_it_did_not_reach():
+    base = make_matrix([("a", "v", 1, "pass"), ("b", "v", 1, "pass")])
+    diff = diff_matrices(base, make_matrix([("a", "v", 1, "pass")], complete=False))
+    assert [c.key for c in diff.vanished] == [("b", "v", 1)]
+    assert any("the candidate run did not finish" in note for note in diff.notes)
 
 
 def test_world_size_note_only_when_sets_differ():
@@ -102,9 +146,10 @@ def test_text_report_orders_sections_and_counts():
             ("accumulate", "steps=2", 2, "pass"),
             ("no_sync", "plain", 2, "detected"),
             ("fused_loss", "plain", 2, "fail"),
-            ("gone", "a", 1, "pass"),
-            ("gone", "b", 1, "pass"),
+            Cell("gone", "a", 1, "pass", rerun="pytest cases/test_gone.py -k 'a and ws1'"),
+            ("gone", "b", 1, "detected"),
             ("gone", "c", 1, "pass"),
+            ("old", "x", 2, "fail"),
         ]
     )
     candidate = make_matrix(
@@ -123,11 +168,19 @@ def test_text_report_orders_sections_and_counts():
     assert regression in lines
     assert "    rerun: pytest cases/test_accumulate.py -k 'steps=2 and ws2'" in lines
     assert "REGRESSION no_sync / plain / ws=2: detected -> missed — canary went unnoticed" in lines
+    vanished = "VANISHED gone / a / ws=1: pass -> missing"
+    assert vanished in lines
+    assert lines[lines.index(vanished) + 1] == "    rerun: pytest cases/test_gone.py -k 'a and ws1'"
+    assert "VANISHED gone / b / ws=1: detected -> missing" in lines
+    assert "VANISHED gone / c / ws=1: pass -> missing" in lines
     improvement = "IMPROVEMENT fused_loss / plain / ws=2: fail -> pass"
     assert improvement in lines
-    first_only = next(i for i, line in enumerate(lines) if line.startswith("ONLY IN BASE"))
-    assert lines.index(regression) < lines.index(improvement) < first_only
-    assert lines[-1] == "2 regressions, 1 improvement, 0 other changes, 3 cells only in base, 0 only in candidate"
+    only = "ONLY IN BASE old / x / ws=2: fail"
+    assert only in lines
+    assert lines.index(regression) < lines.index(vanished) < lines.index(improvement) < lines.index(only)
+    assert lines[-1] == (
+        "5 regressions (3 vanished), 1 improvement, 0 other changes, 1 cell only in base, 0 only in candidate"
+    )
 
 
 def test_labels_prefer_accelerate_version_then_file_name():
@@ -139,6 +192,17 @@ def test_labels_prefer_accelerate_version_then_file_name():
     ]
     same = label_matrices([("x/one.json", with_version), ("y/two.json", with_version)])
     assert same == ["accelerate 0.28.0 (one.json)", "accelerate 0.28.0 (two.json)"]
+
+
+def test_markdown_lists_vanished_cells_among_the_regressions():
+    base = make_matrix([("accumulate", "steps=2", 2, "pass"), ("gone", "v", 2, "detected")])
+    candidate = make_matrix([("accumulate", "steps=2", 2, "fail", "not synced")])
+    md = render_diff_markdown(diff_matrices(base, candidate), "a", "b")
+    assert "#### Regressions (2)" in md
+    assert "| accumulate | steps=2 | 2 | pass | fail | not synced |" in md
+    assert "| gone | v | 2 | detected | missing | vanished: no such cell in the candidate" in md
+    assert "**2 regressions (1 vanished), 0 improvements, 0 other changes, 0 cells only in base" in md
+    assert "Only in base" not in md
 
 
 def test_markdown_report():
@@ -171,6 +235,42 @@ def test_regression_exits_one_and_improvement_zero(tmp_path, capsys):
     assert "REGRESSION a / v / ws=1: pass -> fail" in out
     assert "base: accelerate 0.28.0" in out
     assert main(["diff", str(bad), str(good)]) == 0
+
+
+def test_vanished_cell_at_a_world_size_the_candidate_ran_exits_one(tmp_path, capsys):
+    base = write_matrix(tmp_path / "base.json", make_matrix([("a", "v", 1, "pass"), ("a", "v", 2, "pass")]))
+    cand = write_matrix(tmp_path / "cand.json", make_matrix([("a", "v", 1, "pass")]))
+    assert main(["diff", str(base), str(cand)]) == 1
+    out = capsys.readouterr().out
+    assert "VANISHED a / v / ws=2: pass -> missing" in out
+    assert out.splitlines()[-1].startswith("1 regression (1 vanished), ")
+    # The other way round the cell is new in the candidate: no regression.
+    assert main(["diff", str(cand), str(base)]) == 0
+
+
+def test_vanished_cell_at_a_world_size_the_candidate_did_not_run_exits_zero(tmp_path, capsys):
+    base = write_matrix(tmp_path / "base.json",
+                        make_matrix([("a", "v", 1, "pass"), ("a", "v", 2, "pass")], world_sizes=(1, 2)))
+    cand = write_matrix(tmp_path / "cand.json", make_matrix([("a", "v", 1, "pass")], world_sizes=(1,)))
+    assert main(["diff", str(base), str(cand)]) == 0
+    out = capsys.readouterr().out
+    assert "note: compared only where cells meet: base world sizes [1,2], candidate [1]" in out
+    assert "ONLY IN BASE a / v / ws=2: pass" in out
+    assert "VANISHED" not in out
+
+
+@pytest.mark.parametrize("world_sizes", [(), (1, 2)])
+def test_candidate_without_cells_exits_one(tmp_path, capsys, world_sizes):
+    base = write_matrix(tmp_path / "base.json", make_matrix([("a", "v", 1, "pass"), ("b", "v", 2, "detected")]))
+    empty = make_matrix([], world_sizes=world_sizes)
+    if not world_sizes:
+        del empty.environment["world_sizes"]
+    cand = write_matrix(tmp_path / "cand.json", empty)
+    assert main(["diff", str(base), str(cand)]) == 1
+    out = capsys.readouterr().out
+    assert "VANISHED a / v / ws=1: pass -> missing" in out
+    assert "VANISHED b / v / ws=2: detected -> missing" in out
+    assert out.splitlines()[-1].startswith("2 regressions (2 vanished), ")
 
 
 def test_markdown_format_and_output_file(tmp_path, capsys):
@@ -238,6 +338,8 @@ def test_help_describes_exit_status(capsys):
     help_text = capsys.readouterr().out
     assert "exit status" in help_text
     assert "1  at least one regression" in help_text
+    assert "vanished" in help_text
+    assert "never anything else" in help_text
 
 
 def test_python_dash_m_harness_missing_file(tmp_path):
