@@ -38,7 +38,7 @@ def train(ctx, accelerator, *, steps, loader, per_rank, schedule=None, after_bat
             optimizer.step()
             optimizer.zero_grad()
         oracle.step(point)
-        oracle.check_params(point, models)
+        oracle.check_params(point, models, {"model": optimizer})
         if after_batch is not None:
             after_batch(point, model)
 

@@ -69,7 +69,7 @@ def test_accumulate_scheduler(ctx):
             optimizer.zero_grad()
         oracle.step(point)
         oracle.check_lr(point, {"model": optimizer})
-        oracle.check_params(point, {"model": model})
+        oracle.check_params(point, {"model": model}, {"model": optimizer})
 
 
 @case("accumulate_clip_grad", variants=grid(steps=[2, 3], precision=PRECISIONS))
@@ -91,7 +91,7 @@ def test_accumulate_clip_grad(ctx):
             optimizer.step()
             optimizer.zero_grad()
         oracle.step(point)
-        oracle.check_params(point, {"model": model})
+        oracle.check_params(point, {"model": model}, {"model": optimizer})
     if not clipped:
         raise AssertionError(f"no gradient norm exceeded {MAX_NORM}: the case checked no clipping")
 
@@ -108,4 +108,4 @@ def test_accumulate_adamw(ctx):
             optimizer.step()
             optimizer.zero_grad()
         oracle.step(point)
-        oracle.check_params(point, {"model": model})
+        oracle.check_params(point, {"model": model}, {"model": optimizer})

@@ -34,4 +34,4 @@ def test_fused_loss(ctx):
         optimizer.step()
         optimizer.zero_grad()
         oracle.step(True)
-        oracle.check_params(step, models)
+        oracle.check_params(step, models, {"model": optimizer})

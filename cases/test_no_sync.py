@@ -28,7 +28,7 @@ def step_both(optimizer, oracle, step, models):
     optimizer.step()
     optimizer.zero_grad()
     oracle.step(True)
-    oracle.check_params(step, models)
+    oracle.check_params(step, models, {"model": optimizer})
 
 
 @case("no_sync")

@@ -67,4 +67,4 @@ def test_unused_parameters(ctx):
             optimizer.step()
             optimizer.zero_grad()
         oracle.step(point)
-        oracle.check_params(point, models)
+        oracle.check_params(point, models, {"model": optimizer})

@@ -1,4 +1,5 @@
-"""Comparison of a rank's tensors with the oracle's, and the diagnosis of a mismatch."""
+"""Comparison of a rank's tensors with the oracle's, within bounds derived from the arithmetic, and
+the diagnosis of a mismatch."""
 
 from __future__ import annotations
 
@@ -9,49 +10,87 @@ import torch
 
 from harness.matrix import Failure
 
-# Tolerances by the precision of the forward pass, not tuned to pass:
-# - fp32: the oracle and the rank compute each local gradient with the same kernels on the same
-#   inputs, so they differ only where the reduction differs: DDP divides by the world size before
-#   the all-reduce, the oracle after, and gloo may sum in any order. That is a few ulps (fp32 eps
-#   is 1.2e-7) per reduction, growing slowly through optimizer steps; rtol 1e-5 is about 80 ulps.
-# - bf16 (autocast): weights and activations are rounded to bf16 (eps 7.8e-3) in the forward. A
-#   one-ulp fp32 difference in a parameter can flip a bf16 rounding and move a gradient element
-#   by a bf16 ulp; rtol 1.6e-2 (two bf16 ulps, torch.testing's bf16 default) covers that and the
-#   fp32 reduction above.
-# atol covers elements near zero, where a relative bound means nothing.
-TOLERANCES = {
-    "fp32": (1e-6, 1e-5),
-    "bf16": (1e-4, 1.6e-2),
-}
+# What may legitimately differ, and so what a check allows (per element, never a fixed rtol):
+#
+# The oracle is anchored to the rank's real state after every check (oracle.py), so a check
+# judges only the arithmetic since the last one: one backward, one reduction, one optimizer step.
+# - A reduction. DDP divides each rank's gradient by N and sums (the backend picks the order);
+#   the oracle sums, then divides. Each side's N-1 additions and one division round at most
+#   (N-1+1)·u·Σ_r|g_r|/N, u = eps/2 the unit roundoff, to first order: together at most
+#   N·eps·Σ_r|g_r|/N = eps·Σ_r|g_r|, with g_r each rank's gradient going into the reduction and eps
+#   that of the dtype the reduction runs in (the gradient's: fp32 under bf16 autocast). The check
+#   allows twice that (REDUCTION_FACTOR): the first-order bound drops terms of order (N·u)², and
+#   the two sides' roundings may fall on opposite sides.
+# - A local backward, an accumulation, a clip or an optimizer step: the same operations on the same
+#   inputs on both sides; ROUNDING_ULPS ulps of the result allow a kernel that orders them
+#   differently (a vectorised or fused path), nothing more.
+# - Exact zeros: below the dtype's smallest normal number rounding is absolute, not relative, so
+#   that much is allowed everywhere (FLOOR).
+# Under bf16 autocast the forward rounds to bf16, but it does so identically on both sides (same
+# inputs, same anchored parameters): only the fp32 arithmetic above differs.
+REDUCTION_FACTOR = 2.0
+ROUNDING_ULPS = 2.0
 
-# Synced and local gradients must differ by this many tolerances for a check to tell them apart.
+# Synced and local gradients must differ by this many allowances for a check to tell them apart.
 MARGIN = 10.0
 
 
+def eps(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+
+
+def floor(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).tiny if dtype.is_floating_point else 0.0
+
+
+def rounding_allowance(value: torch.Tensor, *others: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """ROUNDING_ULPS ulps of the largest of the values, element by element, plus the floor."""
+    dtype = dtype or value.dtype
+    largest = value.detach().double().abs()
+    for other in others:
+        largest = torch.maximum(largest, other.detach().double().abs())
+    return ROUNDING_ULPS * eps(dtype) * largest + floor(dtype)
+
+
+def reduction_allowance(magnitude: torch.Tensor, *, dtype: torch.dtype) -> torch.Tensor:
+    """The bound of a sum-then-divide against a divide-then-sum over the ranks, per element, from
+    ``magnitude`` = Σ_r |g_r| (the absolute values of every rank's contribution, summed)."""
+    return REDUCTION_FACTOR * eps(dtype) * magnitude.detach().double() + floor(dtype)
+
+
 @dataclass(frozen=True)
-class Tolerance:
-    atol: float
-    rtol: float
+class Expectation:
+    """A value and how far from it an element may legitimately be (a tensor of the same shape)."""
+
+    value: torch.Tensor
+    allowed: torch.Tensor
 
     @classmethod
-    def for_precision(cls, precision: str) -> "Tolerance":
-        try:
-            atol, rtol = TOLERANCES[precision]
-        except KeyError:
-            raise ValueError(f"no tolerance for precision {precision!r}; known: {', '.join(TOLERANCES)}") from None
-        return cls(atol, rtol)
+    def rounded(cls, value: torch.Tensor) -> "Expectation":
+        return cls(value, rounding_allowance(value))
+
+    def scaled(self, factor: float) -> "Expectation":
+        value = self.value * factor
+        return Expectation(value, abs(factor) * self.allowed + rounding_allowance(value))
+
+    def plus(self, other: "Expectation") -> "Expectation":
+        value = self.value + other.value
+        return Expectation(value, self.allowed + other.allowed + rounding_allowance(value))
 
 
 @dataclass(frozen=True)
 class Difference:
-    """How far ``actual`` is from ``expected``, in assert_close's terms."""
+    """How far ``actual`` is from ``expected``, in assert_close's terms, with the allowance where
+    the greatest differences are."""
 
     mismatched: int
     numel: int
     max_abs: float
     max_abs_index: tuple[int, ...]
+    allowed_abs: float
     max_rel: float
     max_rel_index: tuple[int, ...]
+    allowed_rel: float
 
     @property
     def close(self) -> bool:
@@ -66,18 +105,20 @@ def _unravel(flat_index: int, shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(index))
 
 
-def difference(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance) -> Difference:
+def difference(actual: torch.Tensor, expected: Expectation) -> Difference:
     actual = actual.detach().double()
-    expected = expected.detach().double()
-    abs_diff = (actual - expected).abs()
-    nonfinite = ~torch.isfinite(actual) | ~torch.isfinite(expected)
-    abs_diff = torch.where(nonfinite & (actual != expected), torch.full_like(abs_diff, math.inf), abs_diff)
+    value = expected.value.detach().double()
+    allowed = expected.allowed.double().expand_as(value)
+    abs_diff = (actual - value).abs()
+    nonfinite = ~torch.isfinite(actual) | ~torch.isfinite(value)
+    abs_diff = torch.where(nonfinite & (actual != value), torch.full_like(abs_diff, math.inf), abs_diff)
     abs_diff = torch.nan_to_num(abs_diff, nan=math.inf)
-    rel_diff = abs_diff / expected.abs().clamp_min(torch.finfo(torch.float64).tiny)
-    bad = abs_diff > tol.atol + tol.rtol * expected.abs()
+    scale = value.abs().clamp_min(torch.finfo(torch.float64).tiny)
+    rel_diff = abs_diff / scale
+    bad = abs_diff > allowed
     numel = abs_diff.numel()
     if numel == 0:
-        return Difference(0, 0, 0.0, (), 0.0, ())
+        return Difference(0, 0, 0.0, (), 0.0, 0.0, (), 0.0)
     abs_at = int(abs_diff.reshape(-1).argmax())
     rel_at = int(rel_diff.reshape(-1).argmax())
     return Difference(
@@ -85,20 +126,21 @@ def difference(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance) -> 
         numel=numel,
         max_abs=float(abs_diff.reshape(-1)[abs_at]),
         max_abs_index=_unravel(abs_at, abs_diff.shape),
+        allowed_abs=float(allowed.reshape(-1)[abs_at]),
         max_rel=float(rel_diff.reshape(-1)[rel_at]),
         max_rel_index=_unravel(rel_at, rel_diff.shape),
+        allowed_rel=float(allowed.reshape(-1)[rel_at] / scale.reshape(-1)[rel_at]),
     )
 
 
-def distinguishable(a: torch.Tensor, b: torch.Tensor, tol: Tolerance) -> bool:
-    """Whether two hypotheses differ by far more than the tolerance somewhere."""
-    gap = (a.double() - b.double()).abs()
-    allowed = tol.atol + tol.rtol * torch.maximum(a.double().abs(), b.double().abs())
-    return bool((gap > MARGIN * allowed).any())
+def distinguishable(a: Expectation, b: Expectation) -> bool:
+    """Whether two hypotheses differ somewhere by far more than both allowances together."""
+    gap = (a.value.double() - b.value.double()).abs()
+    return bool((gap > MARGIN * (a.allowed + b.allowed)).any())
 
 
-def _matches(actual: torch.Tensor, hypothesis: torch.Tensor | None, tol: Tolerance) -> bool:
-    return hypothesis is not None and difference(actual, hypothesis, tol).close
+def _matches(actual: torch.Tensor, hypothesis: Expectation | None) -> bool:
+    return hypothesis is not None and difference(actual, hypothesis).close
 
 
 def fitted_scale(actual: torch.Tensor, expected: torch.Tensor) -> float | None:
@@ -114,7 +156,7 @@ KIND_TEXT = {
     "not_synced": "not synced (the rank's local gradient where the average of all ranks was due)",
     "synced_early": "synced when it should be local (the average of all ranks where this rank's own gradient was due)",
     "stale": "stale from the last window (the gradient was not cleared after the optimizer step)",
-    "wrong_scale": "scaled by {factor:.4g}",
+    "wrong_scale": "scaled by {factor:.6g}",
     "params_diverged": "parameters diverged across ranks (replicas are no longer equal)",
     "stepped_early": "the optimizer stepped where the schedule has no step",
     "step_skipped": "the optimizer did not step where the schedule has one",
@@ -126,27 +168,27 @@ KIND_TEXT = {
 class Hypotheses:
     """What a wrong gradient could be instead: each a named way of being wrong."""
 
-    expected: torch.Tensor
-    local: torch.Tensor | None = None  # this rank's own accumulated gradient
-    synced: torch.Tensor | None = None  # the all-rank average of the local gradients
-    previous: torch.Tensor | None = None  # the last window's final gradient
+    expected: Expectation
+    local: Expectation | None = None  # this rank's own accumulated gradient
+    synced: Expectation | None = None  # the all-rank average of the local gradients
+    previous: Expectation | None = None  # the last window's final gradient
     expected_sync: bool = True
 
 
-def diagnose(actual: torch.Tensor, hyp: Hypotheses, tol: Tolerance) -> tuple[str, float | None]:
+def diagnose(actual: torch.Tensor, hyp: Hypotheses) -> tuple[str, float | None]:
     """Name what is wrong with ``actual``, trying the specific diagnoses before the generic one."""
-    if hyp.expected_sync and _matches(actual, hyp.local, tol) and hyp.local is not None and hyp.synced is not None:
-        if distinguishable(hyp.local, hyp.synced, tol):
+    if hyp.local is not None and hyp.synced is not None and distinguishable(hyp.local, hyp.synced):
+        if hyp.expected_sync and _matches(actual, hyp.local):
             return "not_synced", None
-    if not hyp.expected_sync and _matches(actual, hyp.synced, tol) and hyp.synced is not None:
-        if hyp.local is not None and distinguishable(hyp.local, hyp.synced, tol):
+        if not hyp.expected_sync and _matches(actual, hyp.synced):
             return "synced_early", None
-    if hyp.previous is not None and _matches(actual, hyp.expected + hyp.previous, tol):
-        return "stale", None
-    if hyp.previous is not None and _matches(actual, hyp.previous, tol) and distinguishable(hyp.previous, hyp.expected, tol):
-        return "stale", None
-    factor = fitted_scale(actual, hyp.expected)
-    if factor is not None and abs(factor - 1.0) > 1e-3 and _matches(actual, hyp.expected * factor, tol):
+    if hyp.previous is not None:
+        if _matches(actual, hyp.expected.plus(hyp.previous)):
+            return "stale", None
+        if _matches(actual, hyp.previous) and distinguishable(hyp.previous, hyp.expected):
+            return "stale", None
+    factor = fitted_scale(actual, hyp.expected.value)
+    if factor is not None and not _matches(actual, hyp.expected) and _matches(actual, hyp.expected.scaled(factor)):
         return "wrong_scale", factor
     return "mismatch", None
 
@@ -155,15 +197,7 @@ def _fmt_index(index: tuple[int, ...]) -> str:
     return "(" + ", ".join(str(i) for i in index) + ("," if len(index) == 1 else "") + ")"
 
 
-def describe(
-    *,
-    what: str,
-    where: str,
-    kind: str,
-    factor: float | None,
-    diff: Difference,
-    tol: Tolerance,
-) -> str:
+def describe(*, what: str, where: str, kind: str, factor: float | None, diff: Difference) -> str:
     """The assert_close-style block for one mismatch, headed by where and what."""
     text = KIND_TEXT[kind].format(factor=factor or 0.0)
     share = 100.0 * diff.mismatched / max(diff.numel, 1)
@@ -171,9 +205,9 @@ def describe(
         f"{what} {where}: {text}\n"
         f"Mismatched elements: {diff.mismatched} / {diff.numel} ({share:.1f}%)\n"
         f"Greatest absolute difference: {diff.max_abs:.6g} at index {_fmt_index(diff.max_abs_index)} "
-        f"(up to {tol.atol:g} allowed)\n"
+        f"(up to {diff.allowed_abs:.2g} allowed there)\n"
         f"Greatest relative difference: {diff.max_rel:.6g} at index {_fmt_index(diff.max_rel_index)} "
-        f"(up to {tol.rtol:g} allowed)"
+        f"(up to {diff.allowed_rel:.2g} allowed there)"
     )
 
 
@@ -188,9 +222,8 @@ def make_failure(
     kind: str,
     factor: float | None,
     diff: Difference,
-    tol: Tolerance,
 ) -> Failure:
-    noun = "gradient of" if checked == "grad" else "parameter"
+    noun = "gradient of" if checked == "grad" else "update of parameter"
     what = f"{noun} '{model}.{param}'"
     return Failure(
         rank=rank,
@@ -205,7 +238,7 @@ def make_failure(
         factor=factor,
         mismatched=diff.mismatched,
         numel=diff.numel,
-        atol=tol.atol,
-        rtol=tol.rtol,
-        message=describe(what=what, where=f"on rank {rank} at {where}", kind=kind, factor=factor, diff=diff, tol=tol),
+        atol=diff.allowed_abs,
+        rtol=diff.allowed_rel if math.isfinite(diff.allowed_rel) else 1e308,
+        message=describe(what=what, where=f"on rank {rank} at {where}", kind=kind, factor=factor, diff=diff),
     )

@@ -1,10 +1,13 @@
-"""The oracle on one process (world size 1): scaling, steps, and that its checks fire on planted faults."""
+"""The oracle: scaling, steps, and that its checks fire on planted faults and stay quiet on a correct
+loop; on one process, and on two real ranks (average, local, anchoring, vacuity)."""
 
 import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from distributed import run_on_ranks
 from harness.models import make_model, regression_loss
 from harness.oracle import MixedPrecisionReplica, Oracle, Recorder
 from harness.schedule import accumulation_schedule
@@ -14,34 +17,47 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.1)
 
 
+def slow_sgd(params):
+    return torch.optim.SGD(params, lr=1e-4)
+
+
 def batch(i):
     gen = torch.Generator().manual_seed(i)
     return torch.randn(5, 4, generator=gen), torch.randn(5, 1, generator=gen)
 
 
-def make(num_steps=1, precision="fp32"):
+def make(num_steps=1, precision="fp32", optimizer=sgd, rank=0, world_size=1):
     model = make_model("regressor", 7)
-    recorder = Recorder(rank=0)
-    oracle = Oracle({"model": model}, recorder=recorder, rank=0, world_size=1, precision=precision,
-                    num_steps=num_steps, optimizer=sgd)
+    recorder = Recorder(rank=rank)
+    oracle = Oracle({"model": model}, recorder=recorder, rank=rank, world_size=world_size, precision=precision,
+                    num_steps=num_steps, optimizer=optimizer)
     return model, oracle, recorder
 
 
-def run_plain(model, optimizer, schedule, num_steps, *, perturb_at=None, skip_zero=False, oracle=None):
-    """The user's loop without accelerate, run beside the oracle and checked at every step."""
+def run_plain(model, optimizer, schedule, num_steps, *, perturb_at=None, skip_zero=False, oracle=None,
+              skip_step_at=None, extra_step_at=None, world_size=1, batch_of=None, hand_optimizer=True):
+    """The user's loop without accelerate, run beside the oracle and checked at every step. With
+    several ranks it averages by hand where the schedule syncs, dividing before the all-reduce as
+    DDP does (the oracle sums first)."""
+    batch_of = batch_of or batch
     for point in schedule:
-        b = batch(point.index)
+        b = batch_of(point.index)
         (regression_loss(model, b) / num_steps).backward()
+        if point.sync and world_size > 1:
+            for p in model.parameters():
+                p.grad.div_(world_size)
+                dist.all_reduce(p.grad)
         if point.index == perturb_at:
             model.fc1.weight.grad.mul_(1.5)
         oracle.backward(lambda m: regression_loss(m["model"], b), sync=point.sync)
         oracle.check_grads(point, {"model": model})
-        if point.optimizer_step:
+        steps = point.optimizer_step != (point.index in (skip_step_at, extra_step_at))
+        if steps:
             optimizer.step()
-            if not skip_zero:
-                optimizer.zero_grad()
+        if point.optimizer_step and not skip_zero:
+            optimizer.zero_grad()
         oracle.step(point)
-        oracle.check_params(point, {"model": model})
+        oracle.check_params(point, {"model": model}, {"model": optimizer} if hand_optimizer else None)
 
 
 def test_a_correct_loop_leaves_no_failure_and_counts_checks_as_vacuous_at_world_size_one():
@@ -49,8 +65,9 @@ def test_a_correct_loop_leaves_no_failure_and_counts_checks_as_vacuous_at_world_
     schedule = accumulation_schedule(5, epochs=2, num_steps=2)
     run_plain(model, sgd(model.parameters()), schedule, 2, oracle=oracle)
     assert recorder.failures == []
-    assert recorder.checks == len(schedule)
-    assert recorder.vacuous_checks == recorder.checks
+    assert recorder.grad_checks == len(schedule)
+    assert recorder.checks == 2 * len(schedule)  # a gradient and a parameter check a micro-batch
+    assert recorder.vacuous_checks == recorder.grad_checks
     assert recorder.max_abs_diff == 0.0
 
 
@@ -142,3 +159,151 @@ def test_learning_rate_checks_follow_the_schedulers_steps():
     recorder.failures.clear()
     oracle.check_lr(2, {"model": optimizer})
     assert recorder.failures == []
+
+
+# The parameter check judges each update (p_after - p_before), not |p|: at a realistic learning rate a
+# whole step is far below 1e-5 of the parameter, and a skipped or extra step must still show.
+
+
+def test_at_lr_1e4_a_correct_loop_is_quiet():
+    model, oracle, recorder = make(num_steps=2, optimizer=slow_sgd)
+    run_plain(model, slow_sgd(model.parameters()), accumulation_schedule(5, epochs=2, num_steps=2), 2, oracle=oracle)
+    assert recorder.failures == []
+
+
+def test_at_lr_1e4_a_skipped_step_is_step_skipped():
+    model, oracle, recorder = make(num_steps=2, optimizer=slow_sgd)
+    run_plain(model, slow_sgd(model.parameters()), accumulation_schedule(5, epochs=1, num_steps=2), 2,
+              oracle=oracle, skip_step_at=2)
+    params = [f for f in recorder.failures if f.checked == "param"]
+    assert params and {f.kind for f in params} == {"step_skipped"} and {f.step for f in params} == {2}
+    # judged by the update: the whole of it is missing, however small it is next to the parameter
+    weight = next(f for f in params if f.param == "fc1.weight")
+    assert weight.max_rel_diff == pytest.approx(1.0)
+
+
+def test_at_lr_1e4_an_extra_step_is_stepped_early():
+    model, oracle, recorder = make(num_steps=2, optimizer=slow_sgd)
+    run_plain(model, slow_sgd(model.parameters()), accumulation_schedule(5, epochs=1, num_steps=2), 2,
+              oracle=oracle, extra_step_at=1)
+    params = [f for f in recorder.failures if f.checked == "param"]
+    assert params and {f.kind for f in params} == {"stepped_early"} and {f.step for f in params} == {1}
+    assert "update of parameter 'model.fc1.weight' on rank 0 at step 1" in params[0].message
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.01)
+
+
+@pytest.mark.parametrize("hand_optimizer", [True, False])
+def test_after_a_skipped_adamw_step_the_next_steps_are_judged_on_their_own_when_the_state_is_handed_over(
+    hand_optimizer,
+):
+    """AdamW's moments and step count are state: after a skipped step the oracle takes the rank's
+    state over (when the case hands its optimizers to check_params), so later steps pass; without it
+    every later step differs from the oracle's own state."""
+    model, oracle, recorder = make(num_steps=1, optimizer=adamw)
+    run_plain(model, adamw(model.parameters()), accumulation_schedule(6, epochs=1, num_steps=1), 1,
+              oracle=oracle, skip_step_at=2, hand_optimizer=hand_optimizer)
+    steps = {f.step for f in recorder.failures}
+    if hand_optimizer:
+        assert steps == {2}
+    else:
+        assert min(steps) == 2 and len(steps) > 1
+
+
+# On two real ranks: the collectives of the oracle.
+
+
+def two_rank_scenarios(rank, world_size):
+    """Each scenario's failures (kind, step, checked) and check counts on this rank."""
+
+    def rank_batch(i):
+        x, y = batch(100 * rank + i)
+        return x * (1 + rank) + rank, y + 2 * rank
+
+    def same_batch(i):
+        return batch(i)
+
+    out = {}
+    schedule = accumulation_schedule(5, epochs=1, num_steps=2)
+
+    def scenario(name, *, batch_of=rank_batch, perturb=None, never_sync=False, always_sync=False):
+        model, oracle, recorder = make(num_steps=2, rank=rank, world_size=world_size)
+        points = schedule
+        if never_sync or always_sync:
+            # the user's loop syncs differently from the contract the oracle is told
+            points = [p.__class__(**{**p.__dict__, "sync": always_sync}) for p in schedule]
+        optimizer = sgd(model.parameters())
+        for point, told in zip(points, schedule):
+            b = batch_of(point.index)
+            (regression_loss(model, b) / 2).backward()
+            if point.sync:
+                for p in model.parameters():
+                    p.grad.div_(world_size)
+                    dist.all_reduce(p.grad)
+            if perturb == point.index and rank == 1:
+                model.fc1.weight.grad.mul_(1 + 1e-5)
+            oracle.backward(lambda m: regression_loss(m["model"], b), sync=told.sync)
+            oracle.check_grads(told, {"model": model})
+            if told.optimizer_step:
+                optimizer.step()
+                optimizer.zero_grad()
+            oracle.step(told)
+            oracle.check_params(told, {"model": model}, {"model": optimizer})
+        out[name] = {
+            "failures": sorted({(f.kind, f.step, f.checked) for f in recorder.failures}),
+            "checks": recorder.grad_checks,
+            "vacuous": recorder.vacuous_checks,
+        }
+
+    scenario("average")
+    scenario("not_synced", never_sync=True)
+    scenario("synced_early", always_sync=True)
+    scenario("one_off_1e-5", perturb=3)
+    scenario("alike", batch_of=same_batch)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_on_ranks(two_rank_scenarios, 2)
+
+
+def test_two_ranks_a_hand_averaged_loop_matches_the_oracles_all_reduce_and_is_not_vacuous(two_ranks):
+    for rank in (0, 1):
+        result = two_ranks[rank]["average"]
+        assert result["failures"] == []
+        assert result["checks"] == 5 and result["vacuous"] == 0
+
+
+def test_two_ranks_a_missing_sync_is_not_synced_on_every_rank_at_the_sync_points(two_ranks):
+    for rank in (0, 1):
+        grads = [f for f in two_ranks[rank]["not_synced"]["failures"] if f[2] == "grad"]
+        assert {kind for kind, _, _ in grads} == {"not_synced"}
+        assert {step for _, step, _ in grads} == {2, 4, 5}  # the sync points of 5 batches in windows of 2
+
+
+def test_two_ranks_a_sync_where_local_was_due_is_synced_early(two_ranks):
+    for rank in (0, 1):
+        grads = [f for f in two_ranks[rank]["synced_early"]["failures"] if f[2] == "grad"]
+        assert {kind for kind, _, _ in grads} == {"synced_early"}
+        assert {step for _, step, _ in grads} == {1, 3}
+
+
+def test_two_ranks_a_one_off_error_of_1e5_is_reported_once_where_it_happened(two_ranks):
+    """The anchor: rank 1's gradient scaled by 1 + 1e-5 at one backward is a failure at that step on
+    rank 1 alone; the oracle carries on from rank 1's real gradient, so the next steps are judged on
+    their own, and rank 1's parameters part from rank 0's (a real consequence, reported once)."""
+    assert two_ranks[0]["one_off_1e-5"]["failures"] == []
+    failures = two_ranks[1]["one_off_1e-5"]["failures"]
+    assert ("wrong_scale", 3, "grad") in failures
+    assert {step for _, step, checked in failures if checked == "grad"} == {3}
+    assert {kind for kind, _, checked in failures if checked == "param"} <= {"params_diverged"}
+
+
+def test_two_ranks_with_the_same_data_every_check_is_vacuous(two_ranks):
+    for rank in (0, 1):
+        result = two_ranks[rank]["alike"]
+        assert result["failures"] == []
+        assert result["vacuous"] == result["checks"] == 5

@@ -35,7 +35,7 @@ def healthy_steps(ctx, accelerator, model, optimizer, oracle, steps):
         optimizer.step()
         optimizer.zero_grad()
         oracle.step(True)
-        oracle.check_params(step, models)
+        oracle.check_params(step, models, {"model": optimizer})
 
 
 def plant(fault, rank):

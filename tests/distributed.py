@@ -1,0 +1,61 @@
+"""Run a function on N real ranks (spawned processes in one gloo group) and collect what each returns:
+for unit tests of rank-side code that needs real collectives."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue as queue_module
+import tempfile
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+
+def _entry(rank: int, world_size: int, store_path: str, function: Callable[..., Any], args: tuple,
+           results: Any) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=60))
+        results.put((rank, True, function(rank, world_size, *args)))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_on_ranks(function: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
+    """``function(rank, world_size, *args)`` on every rank; its return values, by rank. A rank that
+    raises fails the caller with that rank's traceback. ``function`` must be importable (module level)."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="harness-test-ranks-") as folder:
+        store = os.path.join(folder, "store")
+        processes = [ctx.Process(target=_entry, args=(r, world_size, store, function, args, results), daemon=True)
+                     for r in range(world_size)]
+        for process in processes:
+            process.start()
+        got: dict[int, Any] = {}
+        try:
+            while len(got) < world_size:
+                try:
+                    rank, ok, value = results.get(timeout=timeout)
+                except queue_module.Empty:
+                    raise AssertionError(f"ranks {sorted(set(range(world_size)) - set(got))} gave no result "
+                                         f"within {timeout:g} s") from None
+                if not ok:
+                    raise AssertionError(f"rank {rank} raised:\n{value}")
+                got[rank] = value
+        finally:
+            for process in processes:
+                process.join(timeout=10)
+                if process.is_alive():
+                    process.kill()
+                    process.join()
+    return [got[r] for r in range(world_size)]
