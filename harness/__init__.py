@@ -1,7 +1,7 @@
 """A gradient-sync correctness harness for PyTorch and accelerate."""
 
-from harness.catalogue import PRECISIONS, SkipCell, Unsupported, Variant, case, grid
+from harness.catalogue import PRECISIONS, Diagnosis, SkipCell, Unsupported, Variant, case, grid
 
 __version__ = "0.1.0"
 
-__all__ = ["PRECISIONS", "SkipCell", "Unsupported", "Variant", "case", "grid", "__version__"]
+__all__ = ["PRECISIONS", "Diagnosis", "SkipCell", "Unsupported", "Variant", "case", "grid", "__version__"]

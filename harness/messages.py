@@ -23,6 +23,7 @@ class CellSpec:
     case_file: str
     case_attr: str
     fault: str | None = None
+    cell_id: str = ""  # names the cell in its results, so a result can never be taken for another cell's
 
 
 # controller -> rank
@@ -64,10 +65,12 @@ SKIPPED = "skipped"
 class RankResult:
     rank: int
     outcome: str
+    cell_id: str = ""
     detail: str = ""
     failures: list[dict[str, Any]] = field(default_factory=list)
     omitted_failures: int = 0
     checks: int = 0
+    grad_checks: int = 0
     vacuous_checks: int = 0
     max_abs_diff: float = 0.0
     duration_s: float = 0.0

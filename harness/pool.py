@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
 import shutil
@@ -201,6 +202,12 @@ class RankPool:
                         pending.discard(rank)
                         first_fault_at = first_fault_at or time.monotonic()
                         continue
+                if isinstance(message, RankResult) and message.cell_id != spec.cell_id:
+                    outcome.faults.append(RankFault(rank, "raised", f"protocol error: a result for cell "
+                                                    f"{message.cell_id!r} arrived for {spec.cell_id!r}"))
+                    pending.discard(rank)
+                    first_fault_at = first_fault_at or time.monotonic()
+                    continue
                 if isinstance(message, RankResult):
                     outcome.results[rank] = message
                     pending.discard(rank)
@@ -293,6 +300,9 @@ class PoolSet:
         self.backend = backend
         self.pools: dict[int, RankPool] = {}
         self.start_errors: dict[int, str] = {}
+        # the last resort of every exit path that still runs Python code (the ranks themselves
+        # die with this process through their parent-death signal)
+        atexit.register(self.close, graceful=False)
 
     def get(self, world_size: int) -> RankPool:
         """The live pool of this world size, (re)started if needed. A world size whose pool failed
@@ -313,11 +323,18 @@ class PoolSet:
         return pool
 
     def close(self, *, graceful: bool = True) -> None:
-        """End every pool: ask the ranks to leave (``graceful``), or kill them at once."""
-        for pool in self.pools.values():
-            if graceful:
-                pool.close()
-            else:
-                pool.kill()
-            pool.remove_workdir()
-        self.pools.clear()
+        """End every pool: ask the ranks to leave (``graceful``), or kill them at once. The pools'
+        temporary folders go whatever happens on the way."""
+        try:
+            for pool in self.pools.values():
+                try:
+                    if graceful:
+                        pool.close()
+                    else:
+                        pool.kill()
+                finally:
+                    pool.remove_workdir()
+        finally:
+            for pool in self.pools.values():
+                pool.remove_workdir()
+            self.pools.clear()

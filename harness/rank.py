@@ -157,10 +157,12 @@ def run_cell(spec: CellSpec, rank: int, device: Any) -> RankResult:
     return RankResult(
         rank=rank,
         outcome=outcome,
+        cell_id=spec.cell_id,
         detail=detail,
         failures=[f.to_dict() for f in recorder.failures] if recorder else [],
         omitted_failures=recorder.omitted if recorder else 0,
         checks=recorder.checks if recorder else 0,
+        grad_checks=recorder.grad_checks if recorder else 0,
         vacuous_checks=recorder.vacuous_checks if recorder else 0,
         max_abs_diff=recorder.max_abs_diff if recorder else 0.0,
         duration_s=time.perf_counter() - started,

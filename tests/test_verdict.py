@@ -1,0 +1,154 @@
+"""Every way the ranks' results become a cell: no outcome is judged pass unless every rank ran,
+agreed, compared gradients and (from two ranks on) could tell synced from local."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.catalogue import Diagnosis
+from harness.matrix import Failure
+from harness.messages import OK, SKIPPED, UNSUPPORTED, RankResult
+from harness.pool import PoolOutcome, RankFault
+from harness.verdict import format_message, judge
+
+NESTED = (Diagnosis("not_synced", model="gen"), Diagnosis("stepped_early", model="disc"))
+
+
+def failure(kind, model="model", rank=1, step=2, checked="grad"):
+    return Failure(rank=rank, step=step, model=model, param="weight", kind=kind, max_abs_diff=0.5,
+                   checked=checked, message=f"'{model}.weight' on rank {rank} at step {step}: {kind}").to_dict()
+
+
+def result(rank, *, outcome=OK, failures=(), checks=12, grad_checks=6, vacuous=0, detail=""):
+    return RankResult(rank=rank, outcome=outcome, detail=detail, failures=list(failures), checks=checks,
+                      grad_checks=grad_checks, vacuous_checks=vacuous, max_abs_diff=2.5e-7)
+
+
+def cell(*results, world_size=2, detects=(), **kwargs):
+    outcome = PoolOutcome(results={r.rank: r for r in results})
+    options = dict(case="c", variant="fp32", world_size=world_size, detects=detects, outcome=outcome,
+                   timeout_s=10.0, duration_s=0.1, rerun="pytest 'cases/c.py::test_c[fp32-ws2]'")
+    options.update(kwargs)
+    return judge(**options)
+
+
+def test_every_rank_matching_with_sync_tested_is_pass_and_says_what_was_compared():
+    c = cell(result(0), result(1))
+    assert c.status == "pass"
+    assert (c.checks, c.grad_checks, c.vacuous_checks) == (24, 12, 0)
+    assert c.summary == "24 checks on 2 ranks, 12 of them gradients; max |diff| 2.5e-07"
+
+
+def test_world_size_one_passes_and_says_its_checks_are_vacuous_for_sync():
+    c = cell(result(0, vacuous=6), world_size=1)
+    assert c.status == "pass"
+    assert "all vacuous for sync (world size 1 cannot tell synced from local)" in c.summary
+
+
+def test_from_two_ranks_on_only_vacuous_gradient_checks_are_an_error_not_a_pass():
+    c = cell(result(0, vacuous=6), result(1, vacuous=6))
+    assert c.status == "error"
+    assert "too alike to tell a synced gradient from a local one (a harness defect)" in c.summary
+
+
+def test_some_vacuous_checks_are_counted_not_fatal():
+    c = cell(result(0, vacuous=2), result(1, vacuous=2))
+    assert c.status == "pass" and "4 vacuous for sync" in c.summary
+
+
+def test_a_cell_that_compared_no_gradient_is_an_error_and_a_canary_that_did_is_missed():
+    assert cell(result(0, checks=4, grad_checks=0), result(1, checks=4, grad_checks=0)).status == "error"
+    canary = cell(result(0, checks=0, grad_checks=0), result(1, checks=0, grad_checks=0), detects=NESTED)
+    assert canary.status == "missed"
+
+
+def test_a_failure_on_any_rank_fails_the_cell_and_the_message_reads_like_assert_close():
+    c = cell(result(0), result(1, failures=[failure("not_synced"), failure("params_diverged", checked="param")]))
+    assert c.status == "fail"
+    assert c.summary.startswith("2 mismatches on rank 1: not_synced in model; params_diverged in model")
+    message = format_message(c)
+    assert message.splitlines()[0] == "Gradients are not right on every rank: c[fp32] at world size 2"
+    assert "Diagnoses: not_synced x1, params_diverged x1" in message
+    assert message.splitlines()[-1] == "Rerun this cell: pytest 'cases/c.py::test_c[fp32-ws2]'"
+
+
+@pytest.mark.parametrize("other", [SKIPPED, UNSUPPORTED])
+def test_ranks_that_disagree_on_skip_or_unsupported_make_an_error_that_keeps_the_failures_visible(other):
+    c = cell(result(0, outcome=other, detail="not here"), result(1, failures=[failure("wrong_scale")]))
+    assert c.status == "error"
+    assert "the ranks disagree on whether the cell applies" in c.summary
+    assert "rank 0" in c.summary and "rank 1 ran it (" not in c.summary
+    assert "rank 1 ran it with 1 failures" in c.summary
+
+
+def test_ranks_that_agree_on_skip_or_unsupported_give_that_status_with_the_reason():
+    skipped = cell(result(0, outcome=SKIPPED, detail="needs 4 GPUs"), result(1, outcome=SKIPPED, detail="needs 4 GPUs"))
+    assert (skipped.status, skipped.summary) == ("skip", "needs 4 GPUs")
+    lacking = cell(result(0, outcome=UNSUPPORTED, detail="installed accelerate lacks X"),
+                   result(1, outcome=UNSUPPORTED, detail="installed accelerate lacks X"))
+    assert (lacking.status, lacking.summary) == ("unsupported", "installed accelerate lacks X")
+
+
+def test_a_canary_is_detected_only_by_the_diagnoses_it_declares():
+    found = [failure("not_synced", model="gen"), failure("stepped_early", model="disc", checked="param")]
+    c = cell(result(0, failures=found), result(1), detects=NESTED)
+    assert c.status == "detected"
+    assert c.summary.startswith("diagnosed as declared (not_synced in gen, stepped_early in disc): ")
+
+
+def test_a_canary_caught_by_another_kind_alone_is_missed():
+    """The nested canary caught by the sync flag alone proves nothing of the gradient checks."""
+    c = cell(result(0, failures=[failure("sync_flag", model="accelerator", checked="flag")]), result(1),
+             detects=NESTED)
+    assert c.status == "missed"
+    assert "no not_synced in gen, stepped_early in disc" in c.summary
+    assert format_message(c).startswith("The harness missed a known-wrong pattern: c[fp32] at world size 2")
+
+
+def test_a_canary_with_the_right_kind_in_the_wrong_model_is_missed():
+    c = cell(result(0, failures=[failure("not_synced", model="disc"), failure("stepped_early", model="disc")]),
+             result(1), detects=NESTED)
+    assert c.status == "missed" and "no not_synced in gen" in c.summary
+
+
+def test_a_canary_with_no_failure_at_all_is_missed():
+    assert cell(result(0), result(1), detects=NESTED).status == "missed"
+
+
+def test_at_world_size_one_a_canary_needs_only_what_one_rank_can_show():
+    c = cell(result(0, failures=[failure("stepped_early", model="disc", checked="param")], vacuous=6),
+             world_size=1, detects=NESTED)
+    assert c.status == "detected"
+    only_sync = cell(result(0, vacuous=6), world_size=1, detects=(Diagnosis("not_synced"),))
+    assert only_sync.status == "skip" and "world size 1 cannot show" in only_sync.summary
+
+
+def test_a_rank_that_raised_names_it_and_the_blocked_ones():
+    outcome = PoolOutcome(faults=[RankFault(1, "raised", "Traceback ...\nZeroDivisionError: planted"),
+                                  RankFault(0, "blocked", "File distributed_c10d.py in all_reduce")])
+    c = judge(case="c", variant="v", world_size=2, outcome=outcome, timeout_s=5, duration_s=1)
+    assert c.status == "error"
+    assert c.summary == "rank 1 raised ZeroDivisionError: planted (rank 0 blocked waiting for it)"
+    assert "--- rank 1 raised ZeroDivisionError: planted ---" in c.detail
+
+
+@pytest.mark.parametrize("what, detail, summary", [
+    ("exited", "exited with code 7\nlog", "rank 1 exited with code 7"),
+    ("killed", "killed by SIGKILL", "rank 1 killed by SIGKILL"),
+    ("hung", "", "rank 1 hung (no result within 5 s)"),
+])
+def test_a_rank_that_died_or_hung_is_named(what, detail, summary):
+    c = judge(case="c", variant="v", world_size=2, outcome=PoolOutcome(faults=[RankFault(1, what, detail)]),
+              timeout_s=5, duration_s=1)
+    assert (c.status, c.summary) == ("error", summary)
+
+
+def test_a_pool_that_did_not_start_and_a_controller_that_failed_are_errors():
+    c = judge(case="c", variant="v", world_size=2, outcome=None, timeout_s=5, duration_s=0,
+              start_error="rank 1 of 2 failed to start:\nRuntimeError: no gloo")
+    assert c.status == "error" and c.summary == "the pool of 2 ranks did not start: RuntimeError: no gloo"
+    c = judge(case="c", variant="v", world_size=2, outcome=None, timeout_s=5, duration_s=0,
+              controller_error="Traceback (most recent call last):\nOSError: [Errno 9] Bad file descriptor")
+    assert c.status == "error"
+    assert c.summary == "the harness failed while waiting for the cell: OSError: [Errno 9] Bad file descriptor"
+    assert format_message(c).startswith("The cell could not be judged: c[v] at world size 2")
