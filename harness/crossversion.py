@@ -9,7 +9,6 @@ from typing import Sequence
 
 from harness.diff import (
     CellKey,
-    escape_markdown_cell,
     format_world_sizes,
     index_cells,
     label_matrices,
@@ -18,7 +17,7 @@ from harness.diff import (
     world_sizes_of,
 )
 from harness.matrix import STATUSES, Cell, Matrix
-from harness.report import PAGE_STYLE, STATUS_SYMBOLS, status_style
+from harness.report import PAGE_STYLE, md_status, md_text, status_style
 
 
 @dataclass
@@ -83,12 +82,6 @@ def _environment_line(column: ComparisonColumn) -> str:
     return ", ".join(parts)
 
 
-def _markdown_status(status: str) -> str:
-    symbol = STATUS_SYMBOLS.get(status)
-    text = escape_markdown_cell(status)
-    return f"{symbol} {text}" if symbol else text
-
-
 def render_comparison_markdown(comparison: Comparison, *, changed_only: bool = False) -> str:
     """Markdown: per-input counts, then one row per cell with ≠ on rows whose statuses differ
     (only those rows with ``changed_only``)."""
@@ -106,14 +99,14 @@ def render_comparison_markdown(comparison: Comparison, *, changed_only: bool = F
         counts = column.matrix.counts()
         cells = [column.heading, column.source, _environment_line(column)]
         cells += [str(counts.get(status, 0)) for status in STATUSES]
-        lines.append("| " + " | ".join(escape_markdown_cell(c) for c in cells) + " |")
+        lines.append("| " + " | ".join(md_text(c) for c in cells) + " |")
     lines += [
         "",
         f"**{DIFFERS_MARK}** marks a cell whose status differs between the inputs that have it; "
         f"{ABSENT} means the input has no such cell.",
         "",
         "| | case | variant | world size | "
-        + " | ".join(escape_markdown_cell(c.heading) for c in columns)
+        + " | ".join(md_text(c.heading) for c in columns)
         + " |",
         "|" + "---|" * (4 + len(columns)),
     ]
@@ -122,9 +115,9 @@ def render_comparison_markdown(comparison: Comparison, *, changed_only: bool = F
         marker = f"**{DIFFERS_MARK}**" if row.differs else ""
         statuses = []
         for status in row.statuses:
-            text = ABSENT if status is None else _markdown_status(status)
+            text = ABSENT if status is None else md_status(status)
             statuses.append(f"**{text}**" if row.differs and status is not None else text)
-        cells = [marker, escape_markdown_cell(case), escape_markdown_cell(variant), str(world_size)]
+        cells = [marker, md_text(case), md_text(variant), str(world_size)]
         lines.append("| " + " | ".join(cells + statuses) + " |")
     return "\n".join(lines) + "\n"
 
@@ -141,7 +134,8 @@ tr.differs td.mark { background: #fff8c5; font-weight: 700; }
 )
 
 def _e(text: object) -> str:
-    return html.escape(str(text), quote=True)
+    # One line, control characters and lone surrogates shown as escapes, then HTML-escaped.
+    return html.escape(one_line(text), quote=True)
 
 
 def _status_class(status: str | None) -> str:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
-from harness.matrix import GOOD_STATUSES, Cell, Matrix
+from harness.matrix import GOOD_STATUSES, Cell, Matrix, printable_line
+from harness.report import md_text
 
 CellKey = tuple[str, str, int]
 
@@ -204,38 +205,44 @@ def count_line(diff: MatrixDiff) -> str:
     )
 
 
-def one_line(text: Any) -> str:
-    return " ".join(str(text).split())
+# Plain text from a matrix goes through this: one line, no control or bidi character left to act
+# on a terminal (they are shown as escapes like \x1b).
+one_line = printable_line
 
 
 def describe_key(key: CellKey) -> str:
     case, variant, world_size = key
-    return f"{case} / {variant} / ws={world_size}"
+    return f"{one_line(case)} / {one_line(variant)} / ws={one_line(world_size)}"
 
 
 def _change_line(tag: str, change: CellChange) -> str:
-    line = f"{tag} {describe_key(change.key)}: {change.base.status} -> {change.candidate.status}"
+    before, after = one_line(change.base.status), one_line(change.candidate.status)
+    line = f"{tag} {describe_key(change.key)}: {before} -> {after}"
     summary = one_line(change.candidate.summary)
     return f"{line} — {summary}" if summary else line
 
 
 def _only_line(tag: str, cell: Cell) -> str:
-    line = f"{tag} {describe_key(cell.key)}: {cell.status}"
+    line = f"{tag} {describe_key(cell.key)}: {one_line(cell.status)}"
     summary = one_line(cell.summary)
     return f"{line} — {summary}" if summary else line
 
 
 def render_diff_text(diff: MatrixDiff, base_label: str, cand_label: str) -> str:
-    """Plain text for a terminal or CI log: regressions first, then a count line."""
-    lines = [f"base: {base_label}", f"candidate: {cand_label}"]
-    lines += [f"note: {note}" for note in diff.notes]
+    """Plain text for a terminal or CI log: regressions first, then a count line.
+
+    One line per entry: every text from the matrices is shown by one_line, so a newline, an ANSI
+    escape or a bidi override in a summary or a name is printed escaped, never acted on.
+    """
+    lines = [f"base: {one_line(base_label)}", f"candidate: {one_line(cand_label)}"]
+    lines += [f"note: {one_line(note)}" for note in diff.notes]
     lines.append("")
     for change in diff.regressions:
         lines.append(_change_line("REGRESSION", change))
         if change.candidate.rerun:
             lines.append(f"    rerun: {one_line(change.candidate.rerun)}")
     for cell in diff.vanished:
-        lines.append(f"VANISHED {describe_key(cell.key)}: {cell.status} -> {MISSING}")
+        lines.append(f"VANISHED {describe_key(cell.key)}: {one_line(cell.status)} -> {MISSING}")
         if cell.rerun:
             lines.append(f"    rerun: {one_line(cell.rerun)}")
     lines += [_change_line("IMPROVEMENT", change) for change in diff.improvements]
@@ -248,27 +255,22 @@ def render_diff_text(diff: MatrixDiff, base_label: str, cand_label: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def escape_markdown_cell(text: Any) -> str:
-    """Text safe inside a markdown table cell: one line, pipes escaped, no raw HTML."""
-    return one_line(text).replace("\\", "\\\\").replace("|", "\\|").replace("<", "&lt;")
-
-
 def _markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(escape_markdown_cell(v) for v in row) + " |" for row in rows]
+    lines += ["| " + " | ".join(md_text(v) for v in row) + " |" for row in rows]
     return lines
 
 
 def render_diff_markdown(diff: MatrixDiff, base_label: str, cand_label: str) -> str:
     """Markdown for a CI step summary or a pull request comment."""
     lines = [
-        f"### Matrix diff: {escape_markdown_cell(base_label)} → {escape_markdown_cell(cand_label)}",
+        f"### Matrix diff: {md_text(base_label)} → {md_text(cand_label)}",
         "",
         f"**{count_line(diff)}**",
         "",
     ]
     for note in diff.notes:
-        lines += [f"> note: {one_line(note)}", ""]
+        lines += [f"> note: {md_text(note)}", ""]
     change_sections = (
         ("Regressions", diff.regressions),
         ("Improvements", diff.improvements),

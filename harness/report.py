@@ -5,6 +5,7 @@ from __future__ import annotations
 import html
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from harness.matrix import (
     UNSUPPORTED,
     Cell,
     Matrix,
+    printable_line,
     write_atomically,
 )
 
@@ -94,6 +96,43 @@ pre { white-space: pre-wrap; max-width: 60em; font-size: 0.85em; background: #f6
 """
 )
 
+# Markdown: every text from a matrix goes through md_text (or md_code), the one place that makes
+# data safe in Markdown. harness.diff and harness.crossversion use the same two functions.
+_MARKDOWN_ESCAPES = str.maketrans(
+    {"&": "&amp;", "<": "&lt;", ">": "&gt;", "\\": "\\\\", "|": "\\|", "`": "\\`"}
+)
+# Text holding any of these is never put in a code span, where Markdown would show it raw.
+_NOT_IN_CODE_SPANS = frozenset("<>&|")
+
+
+def md_text(text: object) -> str:
+    """``text`` made safe anywhere in Markdown: a table cell, a heading, a list item, a step summary.
+
+    One line (whitespace runs become a space, other control and format characters are shown as
+    escapes like ``\\x1b``: see printable_line); ``&``, ``<`` and ``>`` become HTML entities, so
+    that no tag or comment (``<!--``) from the data reaches the page; ``\\``, ``|`` and a backtick
+    are backslash-escaped, so that the text cannot end a table cell or open a code span.
+    """
+    return printable_line(text).translate(_MARKDOWN_ESCAPES)
+
+
+def md_code(text: object) -> str:
+    """``text`` as a Markdown code span (shown literally, in monospace), also safe anywhere.
+
+    The fence is one backtick longer than the longest run of backticks in the text, so none of
+    them can close it. A code span shows its content raw (an entity or a backslash escape would be
+    shown as typed), so text holding ``<``, ``>``, ``&`` or ``|`` is rendered by md_text instead.
+    """
+    line = printable_line(text)
+    if not line or _NOT_IN_CODE_SPANS.intersection(line):
+        return md_text(line)
+    if "`" not in line:
+        return f"`{line}`"
+    longest = max(len(run) for run in re.findall("`+", line))
+    fence = "`" * (longest + 1)
+    return f"{fence} {line} {fence}"
+
+
 def render_json(matrix: Matrix) -> str:
     """The schema-1 JSON form of the matrix."""
     return json.dumps(matrix.to_dict(), indent=2, sort_keys=False) + "\n"
@@ -102,7 +141,7 @@ def render_json(matrix: Matrix) -> str:
 def render_markdown(matrix: Matrix) -> str:
     """A Markdown summary that fits a GitHub CI step summary."""
     world_sizes = _world_sizes(matrix)
-    lines = ["# Gradient-sync matrix", "", _environment_line(matrix), "", _counts_line(matrix)]
+    lines = ["# Gradient-sync matrix", "", _environment_line(matrix), "", md_text(_counts_line(matrix))]
     if not matrix.complete:
         lines += ["", "**Incomplete run**: only the cells that finished are shown."]
     lines += [""]
@@ -113,10 +152,10 @@ def render_markdown(matrix: Matrix) -> str:
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + " --- |" * len(header))
     for (case, variant), by_ws in _pivot(matrix).items():
-        entries = [_md_text(case), _md_text(variant)]
+        entries = [md_text(case), md_text(variant)]
         for ws in world_sizes:
             cell = by_ws.get(ws)
-            entries.append(_md_status(cell.status) if cell else ABSENT)
+            entries.append(md_status(cell.status) if cell else ABSENT)
         lines.append("| " + " | ".join(entries) + " |")
     explained = [c for c in matrix.sorted_cells() if _needs_explaining(c)]
     if explained:
@@ -261,7 +300,7 @@ def _environment_items(matrix: Matrix) -> list[tuple[str, str]]:
 
 def _environment_line(matrix: Matrix) -> str:
     shown = [(k, v) for k, v in _environment_items(matrix) if k in ENVIRONMENT_KEYS]
-    return " · ".join(f"{key.replace('_', ' ')} {_md_code(value)}" for key, value in shown)
+    return " · ".join(f"{md_text(key.replace('_', ' '))} {md_code(value)}" for key, value in shown)
 
 
 def _needs_explaining(cell: Cell) -> bool:
@@ -272,37 +311,28 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
-def _md_text(text: str) -> str:
-    return _one_line(str(text)).replace("|", "\\|")
-
-
-def _md_status(status: str) -> str:
+def md_status(status: str) -> str:
+    """A status for Markdown, after its symbol."""
     symbol = STATUS_SYMBOLS.get(status)
-    return f"{symbol} {status}" if symbol else status
-
-
-def _md_code(text: str) -> str:
-    # A code span holding a backtick needs a longer fence and padding.
-    text = _one_line(text)
-    return f"`` {text} ``" if "`" in text else f"`{text}`"
+    return f"{symbol} {md_text(status)}" if symbol else md_text(status)
 
 
 def _md_cell_failures(cell: Cell) -> list[str]:
-    title = f"{cell.case} / {cell.variant} / ws={cell.world_size}: {_md_status(cell.status)}"
+    title = f"{md_text(cell.case)} / {md_text(cell.variant)} / ws={md_text(cell.world_size)}: {md_status(cell.status)}"
     if cell.summary:
-        title += f" — {_md_text(cell.summary)}"
+        title += f" — {md_text(cell.summary)}"
     lines = [f"- {title}"]
     for failure in cell.failures[:MAX_FAILURES_SHOWN]:
         lines.append(
-            f"  - rank {failure.rank}, step {failure.step}, "
-            f"`{_one_line(failure.model)}.{_one_line(failure.param)}`: {failure.kind}, "
+            f"  - rank {md_text(failure.rank)}, step {md_text(failure.step)}, "
+            f"{md_code(f'{failure.model}.{failure.param}')}: {md_text(failure.kind)}, "
             f"max abs diff {failure.max_abs_diff:.3g}"
         )
     hidden = len(cell.failures) - MAX_FAILURES_SHOWN
     if hidden > 0:
         lines.append(f"  - … and {hidden} more")
     if cell.rerun:
-        lines.append(f"  - rerun: {_md_code(cell.rerun)}")
+        lines.append(f"  - rerun: {md_code(cell.rerun)}")
     return lines
 
 

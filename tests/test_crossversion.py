@@ -167,3 +167,22 @@ def load(path):
     from harness.matrix import load_matrix
 
     return load_matrix(path)
+
+
+def test_compare_markdown_and_html_never_carry_markup_from_the_data(tmp_path, capsys):
+    comment = "<!-- hide the rest -->"
+    hostile = make_matrix([(comment, comment, 2, "pass", comment)], accelerate=comment)
+    hostile.environment["torch"] = comment
+    hostile.environment["backend"] = "gloo\x1b[2J\u202e"
+    old = write_matrix(tmp_path / "old.json", hostile)
+    new = write_matrix(tmp_path / "new.json", OLD)
+    page_path = tmp_path / "page.html"
+    assert main(["compare", str(old), str(new), "--html", str(page_path)]) == 0
+    md = capsys.readouterr().out
+    assert "<" not in md and "\x1b" not in md and "\u202e" not in md
+    assert "| &lt;!-- hide the rest --&gt; | &lt;!-- hide the rest --&gt; | 2 |" in md
+    assert "torch &lt;!-- hide the rest --&gt;" in md
+    assert "backend gloo\\\\x1b[2J\\\\u202e" in md
+    page = page_path.read_text(encoding="utf-8")
+    assert "<!--" not in page and "&lt;!-- hide the rest --&gt;" in page
+    assert "\x1b" not in page and "gloo\\x1b[2J\\u202e" in page

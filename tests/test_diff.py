@@ -183,6 +183,50 @@ def test_text_report_orders_sections_and_counts():
     )
 
 
+UNPRINTABLE = "red \x1b[31mALERT\x1b[0m\x00 \u202eevil\u202c\r\nsecond line\x07"
+
+
+def test_text_report_prints_control_characters_escaped_one_line_per_entry():
+    base = make_matrix([("a", "v", 2, "pass"), ("gone", "v", 2, "pass"), ("b", "v", 2, "fail")])
+    candidate = make_matrix(
+        [
+            Cell("a", UNPRINTABLE, 2, "pass"),
+            Cell("a", "v", 2, "fail", summary=UNPRINTABLE, rerun=UNPRINTABLE),
+            Cell("b", "v", 2, "pass", summary=UNPRINTABLE),
+            Cell(UNPRINTABLE, "v", 1, "skip", summary=UNPRINTABLE),
+        ],
+        accelerate=UNPRINTABLE,
+    )
+    candidate.environment["backend"] = UNPRINTABLE
+    diff = diff_matrices(base, candidate)
+    text = render_diff_text(diff, UNPRINTABLE, UNPRINTABLE)
+    lines = text.splitlines()
+    shown = "red \\x1b[31mALERT\\x1b[0m\\x00 \\u202eevil\\u202c second line\\x07"
+    assert all(line.isprintable() for line in lines), [line for line in lines if not line.isprintable()]
+    assert lines[0] == f"base: {shown}"
+    assert lines[1] == f"candidate: {shown}"
+    assert f"note: the runs used different backends: base gloo, candidate {shown}" in lines
+    assert f"REGRESSION a / v / ws=2: pass -> fail — {shown}" in lines
+    assert f"    rerun: {shown}" in lines
+    assert f"IMPROVEMENT b / v / ws=2: fail -> pass — {shown}" in lines
+    assert f"ONLY IN CANDIDATE a / {shown} / ws=2: pass" in lines
+    assert f"ONLY IN CANDIDATE {shown} / v / ws=1: skip — {shown}" in lines
+    assert "VANISHED gone / v / ws=2: pass -> missing" in lines
+    entries = [line for line in lines if line.startswith(("REGRESSION", "VANISHED", "IMPROVEMENT", "ONLY", "    rerun"))]
+    assert len(entries) == 6
+
+
+def test_markdown_diff_of_files_with_markup_in_them(tmp_path, capsys):
+    comment = "<!-- the rest of the summary -->"
+    base = write_matrix(tmp_path / "base.json", make_matrix([("a", comment, 2, "pass", comment)], accelerate=comment))
+    cand = write_matrix(tmp_path / "cand.json", make_matrix([("a", comment, 2, "fail", comment)]))
+    assert main(["diff", str(base), str(cand), "--format", "markdown"]) == 1
+    md = capsys.readouterr().out
+    assert "<" not in md
+    assert f"| a | &lt;!-- the rest of the summary --&gt; | 2 | pass | fail | &lt;!-- the rest" in md
+    assert md.startswith("### Matrix diff: accelerate &lt;!-- the rest of the summary --&gt; → accelerate 1.15.0")
+
+
 def test_labels_prefer_accelerate_version_then_file_name():
     with_version = make_matrix([], accelerate="0.28.0")
     without = make_matrix([], accelerate=None)

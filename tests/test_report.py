@@ -13,6 +13,8 @@ import pytest
 from harness.matrix import STATUSES, Cell, Failure, Matrix, write_atomically
 from harness.report import (
     check_report_dir,
+    md_code,
+    md_text,
     render_html,
     render_json,
     render_markdown,
@@ -143,7 +145,8 @@ def test_markdown_failures_section_lists_bad_cells_only() -> None:
     markdown = render_markdown(make_matrix())
     section = markdown.split("## Failures", 1)[1]
     assert "accumulate_multi_model / steps=2-bf16 / ws=2: ❌ fail — gen.weight not synced" in section
-    assert "no_sync / a|b / ws=2: 💥 error — rank 1 hung" in section
+    # A pipe is escaped everywhere in Markdown (it renders as |), not only in tables.
+    assert "no_sync / a\\|b / ws=2: 💥 error — rank 1 hung" in section
     assert "accumulate_nested /  / ws=4: ⚠️ missed" in section
     assert "unsupported — needs Accelerator.foo" in section
     assert "needs 4 GPUs" not in section
@@ -275,3 +278,91 @@ def test_check_report_dir_rejects_a_path_under_a_regular_file(tmp_path: Path) ->
     blocker.write_text("not a directory")
     reason = check_report_dir(blocker / "sub")
     assert reason == f"cannot write to reports dir '{blocker / 'sub'}': Not a directory"
+
+
+# Text from a matrix in Markdown: one helper (md_text / md_code) for matrix.md, diff and compare.
+
+HOSTILE = "<!-- hide the rest --> <b>&amp; | \\| `tick` \x1b[31m\x00\u202e\nnext line"
+
+
+def hostile_matrices() -> tuple[Matrix, Matrix]:
+    environment = {name: HOSTILE for name in ("python", "torch", "accelerate", "backend", "device")}
+    environment.update(world_sizes=[1, 2], seed=HOSTILE)
+    failure = make_failure(message=HOSTILE)
+    failure.model = failure.param = failure.kind = HOSTILE
+    cells = [
+        Cell(HOSTILE, HOSTILE, 1, "pass", summary=HOSTILE, rerun=HOSTILE),
+        Cell(HOSTILE, "v", 2, "pass", summary=HOSTILE),
+        Cell("c", HOSTILE, 2, "fail", summary=HOSTILE),
+        Cell("gone", HOSTILE, 2, "pass", summary=HOSTILE),
+        Cell("only", HOSTILE, 2, "skip", summary=HOSTILE),
+    ]
+    base = Matrix(environment=dict(environment), cells=cells, created=HOSTILE)
+    after = [
+        Cell(HOSTILE, HOSTILE, 1, "fail", summary=HOSTILE, failures=[failure], rerun=HOSTILE),
+        Cell(HOSTILE, "v", 2, "error", summary=HOSTILE, detail=HOSTILE),
+        Cell("c", HOSTILE, 2, "pass", summary=HOSTILE),
+        Cell("new", HOSTILE, 2, "unsupported", summary=HOSTILE),
+    ]
+    candidate = Matrix(environment=dict(environment, accelerate=HOSTILE + " 2"), cells=after, complete=False)
+    return base, candidate
+
+
+def assert_no_raw_markup_from_data(markdown: str) -> None:
+    # None of the renderers writes "<" or ">" of its own, so any here came from the data.
+    assert "<" not in markdown and ">" not in markdown.replace("\n> note:", "")
+    assert "&lt;!-- hide the rest --&gt;" in markdown
+    assert "&lt;b&gt;&amp;amp;" in markdown
+    for raw in ("\x1b", "\x00", "\u202e"):
+        assert raw not in markdown
+    # The escapes' backslashes are escaped in turn: the page shows \x1b[31m\x00\u202e.
+    assert "\\\\x1b[31m\\\\x00\\\\u202e" in markdown
+    assert "next line" in markdown and "\nnext line" not in markdown
+
+
+def test_no_raw_html_from_the_data_reaches_any_markdown() -> None:
+    from harness.crossversion import build_comparison, render_comparison_markdown
+    from harness.diff import diff_matrices, render_diff_markdown
+
+    base, candidate = hostile_matrices()
+    matrix_md = render_markdown(candidate)
+    assert_no_raw_markup_from_data(matrix_md)
+    assert "Failures" in matrix_md and "rank 1, step 3" in matrix_md
+    diff = diff_matrices(base, candidate)
+    assert diff.regressions and diff.improvements and diff.vanished and diff.only_in_base and diff.only_in_candidate
+    assert_no_raw_markup_from_data(render_diff_markdown(diff, HOSTILE, HOSTILE))
+    comparison = build_comparison([("a.json", base), ("b.json", candidate)])
+    for changed_only in (False, True):
+        assert_no_raw_markup_from_data(render_comparison_markdown(comparison, changed_only=changed_only))
+
+
+def test_md_text_escapes_markup_and_keeps_one_line() -> None:
+    assert md_text("a | b") == "a \\| b"
+    assert md_text("a\\|b") == "a\\\\\\|b"
+    assert md_text("<!-- x -->") == "&lt;!-- x --&gt;"
+    assert md_text("&lt;") == "&amp;lt;"
+    assert md_text("`code`") == "\\`code\\`"
+    assert md_text("one\n two\r\n\tthree") == "one two three"
+    # Shown as the escape \x1b, whose backslash Markdown needs escaped in turn.
+    assert md_text("\x1b[1m\x00\u202e\u200b") == "\\\\x1b[1m\\\\x00\\\\u202e\\\\u200b"
+    assert md_text("\ud800") == "\\\\ud800"
+    assert md_text(3) == "3"
+
+
+def test_md_code_fences_backticks_and_never_shows_markup_raw() -> None:
+    assert md_code("pytest cases/x.py") == "`pytest cases/x.py`"
+    assert md_code("a`b") == "`` a`b ``"
+    assert md_code("a``b`") == "``` a``b` ```"
+    assert md_code("one\ntwo\x1b") == "`one two\\x1b`"
+    # Inside a code span an entity or a backslash escape would be shown as typed: escaped text instead.
+    assert md_code("a <!-- b") == md_text("a <!-- b") == "a &lt;!-- b"
+    assert md_code("x | y") == "x \\| y"
+    assert md_code("") == ""
+
+
+def test_markdown_failure_bullets_escape_every_field() -> None:
+    failure = make_failure(message="m")
+    failure.model, failure.param, failure.kind = "<m>", "p|q", "k`<"
+    matrix = Matrix(environment={}, cells=[Cell("c", "v", 2, "fail", summary="s", failures=[failure])])
+    bullet = next(line for line in render_markdown(matrix).splitlines() if line.startswith("  - rank"))
+    assert bullet == "  - rank 1, step 3, &lt;m&gt;.p\\|q: k\\`&lt;, max abs diff 0.125"
