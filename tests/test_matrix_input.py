@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import json
@@ -9,13 +10,16 @@ import os
 import signal
 import socket
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import harness.matrix
 from harness.cli import main
-from harness.matrix import Matrix, MatrixError, load_matrix
+from harness.matrix import STATUSES, Matrix, MatrixError, load_matrix
 
 GOOD = {
     "schema_version": 1,
@@ -332,3 +336,234 @@ def test_a_byte_order_mark_is_accepted(tmp_path):
 def test_from_dict_names_the_source():
     with pytest.raises(MatrixError, match=r"^run\.json: schema_version is true, expected 1$"):
         Matrix.from_dict({"schema_version": True, "cells": []}, source="run.json")
+
+
+# Property tests: any JSON (or any bytes) as either file of diff, or as an input of compare, gives
+# exit 0, 1 or 2 (compare: 0 or 2), never a traceback or another exception; exit 2 is one line.
+
+PROPERTY = settings(
+    max_examples=400,
+    derandomize=True,  # the same inputs on every run, so that CI is reproducible
+    database=None,  # and nothing replayed from an earlier run
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+# How many inputs the property tests tried, and what came of them (reported at the end of the module).
+TRIED: collections.Counter = collections.Counter()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report_inputs_tried(request):
+    yield
+    if TRIED:
+        outcomes = ", ".join(f"{name} {count}" for name, count in sorted(TRIED.items()))
+        line = f"hypothesis: {TRIED['inputs']} inputs tried by the matrix input properties ({outcomes})"
+        # Shown without -s too: the count belongs in the test log.
+        capture = request.config.pluginmanager.get_plugin("capturemanager")
+        with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+            print(f"\n{line}")
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("matrix-input")
+    (folder / "good.json").write_text(json.dumps(GOOD), encoding="utf-8")
+    return folder
+
+
+@dataclass(frozen=True)
+class RawNumber:
+    """A number written as given (json.dumps cannot write an integer of 5,000 digits)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Obj:
+    """A JSON object as key/value pairs, so that a key can occur twice."""
+
+    pairs: tuple
+
+
+def to_json(value) -> str:
+    if isinstance(value, RawNumber):
+        return value.text
+    if isinstance(value, Obj):
+        return "{" + ", ".join(f"{json.dumps(k)}: {to_json(v)}" for k, v in value.pairs) + "}"
+    if isinstance(value, dict):
+        return to_json(Obj(tuple(value.items())))
+    if isinstance(value, list):
+        return "[" + ", ".join(to_json(v) for v in value) + "]"
+    return json.dumps(value)  # NaN and Infinity come out as such, lone surrogates as \\udXXX
+
+
+# Valid text that is hostile to terminals and Markdown, and two lone surrogates (not valid text).
+HOSTILE_TEXT = ["<!--", "\x1b[31m", "\x00", "\u202e", "`|`", "\n\r\t", "\ufeff", ""]
+NOT_TEXT = ["\ud800", "a\udfff"]
+KEYS = ["schema_version", "cells", "environment", "world_sizes", "complete", "created", "case", "variant",
+        "world_size", "status", "summary", "failures", "rank", "index", "factor"]
+
+texts = st.one_of(st.text(max_size=12), st.sampled_from(HOSTILE_TEXT))
+any_texts = st.one_of(texts, st.sampled_from(NOT_TEXT))
+numbers = st.one_of(
+    st.integers(),
+    st.integers(min_value=-(10**400), max_value=10**400),
+    st.integers(min_value=4290, max_value=4400).map(lambda n: RawNumber("9" * n)),
+    st.sampled_from(["1e999", "-1e999", "1e-999", "-0", "0.0", "1E+2"]).map(RawNumber),
+    st.floats(),  # NaN and infinities included
+)
+leaves = st.one_of(st.none(), st.booleans(), numbers, any_texts)
+keys = st.one_of(st.sampled_from(KEYS), any_texts)
+json_values = st.recursive(
+    leaves,
+    lambda children: st.one_of(
+        st.lists(children, max_size=4),
+        st.lists(st.tuples(keys, children), max_size=4).map(lambda pairs: Obj(tuple(pairs))),
+    ),
+    max_leaves=24,
+)
+deep_nesting = st.integers(min_value=95, max_value=3000).map(lambda n: "[" * n + "]" * n)
+documents = st.one_of(
+    json_values.map(lambda v: to_json(v).encode("utf-8", "surrogatepass")),
+    deep_nesting.map(str.encode),
+    st.binary(max_size=64),
+)
+
+
+# How often a field is replaced by any JSON value: never in a clean matrix, 1 in 40 or 1 in 8 in a
+# noisy one. Clean matrices can still fail, by a duplicated cell or an unlucky name.
+NOISE = {"clean": 0, "noisy": 40, "very noisy": 8}
+
+
+def sometimes(draw, valid, noise: int, *, required: bool):
+    """Mostly a valid value; now and then missing (None here) or, when noisy, any JSON value."""
+    if noise and draw(st.integers(min_value=1, max_value=noise)) == 1:
+        return ("value", draw(json_values))
+    if draw(st.integers(min_value=0, max_value=9)) == 0 and (noise or not required):
+        return None
+    return ("value", draw(valid))
+
+
+def build(draw, fields: dict, noise: int, required: tuple = ()) -> Obj:
+    pairs = []
+    for name, valid in fields.items():
+        drawn = sometimes(draw, valid, noise, required=name in required)
+        if drawn is not None:
+            pairs.append((name, drawn[1]))
+    if noise and pairs and draw(st.integers(min_value=1, max_value=2 * noise)) == 1:
+        pairs.append(draw(st.sampled_from(pairs)))  # a key twice
+    if draw(st.integers(min_value=0, max_value=9)) == 0:
+        pairs.append(("x-" + draw(texts), draw(json_values)))  # a key this harness does not know
+    return Obj(tuple(draw(st.permutations(pairs))))
+
+
+finite = st.one_of(st.floats(allow_nan=False, allow_infinity=False), st.integers(min_value=0, max_value=10))
+counts = st.integers(min_value=0, max_value=100)
+
+
+@st.composite
+def near_failures(draw, noise: int):
+    return build(draw, {
+        "rank": st.integers(min_value=0, max_value=3),
+        "step": st.integers(min_value=0, max_value=9),
+        "model": texts,
+        "param": texts,
+        "kind": st.sampled_from(["not_synced", "wrong_scale", "misweighted"]),
+        "max_abs_diff": finite,
+        "message": texts,
+        "max_rel_diff": finite,
+        "index": st.one_of(st.none(), st.lists(st.integers(min_value=0, max_value=9), max_size=3)),
+        "checked": st.sampled_from(["grad", "param", "flag"]),
+        "factor": st.one_of(st.none(), finite),
+        "mismatched": counts,
+        "numel": counts,
+    }, noise, required=("rank", "step", "model", "param", "kind", "max_abs_diff", "message"))
+
+
+@st.composite
+def near_cells(draw, noise: int):
+    return build(draw, {
+        # Few names, so that cells meet across the two files and now and then repeat within one.
+        "case": st.sampled_from(["accumulate", "no_sync", "fused_loss", "<!--x"]),
+        "variant": st.sampled_from(["steps=2", "fp32", ""]),
+        "world_size": st.sampled_from([1, 2, 4]),
+        "status": st.sampled_from(STATUSES),
+        "summary": texts,
+        "max_abs_diff": finite,
+        "duration_s": finite,
+        "failures": st.lists(near_failures(noise), max_size=2),
+        "checks": counts,
+        "grad_checks": counts,
+        "vacuous_checks": counts,
+        "nodeid": texts,
+        "rerun": texts,
+        "detail": texts,
+    }, noise, required=("case", "variant", "world_size", "status"))
+
+
+@st.composite
+def near_matrices(draw):
+    noise = NOISE[draw(st.sampled_from(["clean", "clean", "clean", "noisy", "very noisy"]))]
+    environment = build(draw, {
+        "accelerate": texts,
+        "backend": st.sampled_from(["gloo", "nccl"]),
+        "world_sizes": st.lists(st.sampled_from([1, 2, 4]), max_size=3, unique=True),
+    }, noise)
+    cell = near_cells(noise)
+    entries = st.one_of(cell, json_values) if noise else cell
+    cells = draw(st.lists(entries, max_size=6))
+    matrix = build(draw, {
+        "schema_version": st.just(1),
+        "created": texts,
+        "complete": st.booleans(),
+        "environment": st.just(environment),
+        "cells": st.just(cells),
+    }, noise, required=("schema_version", "cells"))
+    return to_json(matrix).encode("utf-8", "surrogatepass")
+
+
+def check_run(argv: list[str]) -> int:
+    """Run the command and check what every outcome must look like; return the exit status."""
+    code, out, err = run_cli(argv)
+    command = argv[0]
+    TRIED[f"{command} exit {code}"] += 1
+    assert code in ((0, 1, 2) if command == "diff" else (0, 2)), (code, err)
+    assert "Traceback" not in err and "Traceback" not in out
+    if code == 2:
+        assert err.endswith("\n") and err.count("\n") == 1, err
+        assert err.startswith(f"harness {command}: error: "), err
+        assert err[:-1].isprintable(), err
+        assert out == ""
+    else:
+        assert err == ""
+        assert all(line.isprintable() for line in out.splitlines())
+        if command == "diff":
+            regression = any(line.startswith(("REGRESSION ", "VANISHED ")) for line in out.splitlines())
+            assert regression == (code == 1), out
+    return code
+
+
+@PROPERTY
+@given(document=documents)
+def test_any_json_as_either_file_is_exit_0_1_or_2(workdir, document):
+    TRIED["inputs"] += 1
+    path = workdir / "any.json"
+    path.write_bytes(document)
+    good = str(workdir / "good.json")
+    check_run(["diff", str(path), good])
+    check_run(["diff", good, str(path)])
+    check_run(["compare", good, str(path)])
+
+
+@PROPERTY
+@given(base=near_matrices(), candidate=near_matrices())
+def test_near_valid_matrices_are_exit_0_1_or_2(workdir, base, candidate):
+    TRIED["inputs"] += 1
+    base_path, cand_path = workdir / "base.json", workdir / "candidate.json"
+    base_path.write_bytes(base)
+    cand_path.write_bytes(candidate)
+    TRIED["near-valid base usable" if check_run(["diff", str(base_path), str(base_path)]) != 2 else "near-valid base refused"] += 1
+    check_run(["diff", str(base_path), str(cand_path)])
+    check_run(["diff", str(cand_path), str(base_path)])
+    check_run(["compare", str(base_path), str(cand_path), str(workdir / "good.json")])
