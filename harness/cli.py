@@ -53,7 +53,7 @@ def add_diff_parser(subparsers: argparse._SubParsersAction) -> None:
             "Prints the regressions first (a cell that was pass or detected in BASE and is anything\n"
             "else in CANDIDATE, or has vanished: is missing from CANDIDATE at a world size CANDIDATE\n"
             "ran), then the improvements, then other status changes, then the cells present in only\n"
-            "one file, then a count line. The world sizes CANDIDATE ran are those it records, else\n"
+            "one file, then a count line. The world sizes CANDIDATE ran are those it records and\n"
             "those of its cells. Runs are labelled by the accelerate version they recorded, else by\n"
             "file name."
         ),

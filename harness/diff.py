@@ -80,9 +80,11 @@ def format_world_sizes(world_sizes: Sequence[int]) -> str:
 
 
 def candidate_world_sizes(base: Matrix, candidate: Matrix) -> set[int]:
-    """The world sizes the candidate ran: its recorded ones, else its cells', else (when it says
-    nothing at all, e.g. no cell and no record) the base's."""
-    return set(world_sizes_of(candidate)) or set(world_sizes_of(base))
+    """The world sizes the candidate ran: those it records, and those of its cells (a cell shows
+    its world size ran even where the record omits it), else, when it says nothing at all (no
+    record, no cell), the base's."""
+    ran = set(world_sizes_of(candidate)) | {c.world_size for c in candidate.cells}
+    return ran or set(world_sizes_of(base))
 
 
 def diff_matrices(base: Matrix, candidate: Matrix) -> MatrixDiff:

@@ -114,6 +114,12 @@ def test_candidate_world_sizes_come_from_its_cells_when_not_recorded():
     assert [c.key for c in diff.only_in_base] == [("a", "v", 1)]
 
 
+def test_a_cell_at_a_world_size_the_record_omits_shows_it_ran():
+    base = make_matrix([("a", "v", 4, "pass"), ("b", "v", 4, "pass")], world_sizes=(4,))
+    candidate = make_matrix([("a", "v", 4, "pass")], world_sizes=(1, 2))
+    assert [c.key for c in diff_matrices(base, candidate).vanished] == [("b", "v", 4)]
+
+
 def test_an_empty_candidate_that_records_nothing_ran_the_bases_world_sizes():
     base = make_matrix([("a", "v", 1, "pass"), ("a", "v", 2, "detected"), ("b", "v", 2, "skip")])
     diff = diff_matrices(base, make_matrix([], world_sizes=()))
