@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 import os
 import re
 import tempfile
@@ -133,9 +134,24 @@ def md_code(text: object) -> str:
     return f"{fence} {line} {fence}"
 
 
+# JSON has no infinity or NaN, and `diff` refuses a file that holds them: a difference that is
+# infinite (a NaN or an infinity in a gradient) is written as this, as compare.py does for ratios.
+JSON_INFINITY = 1e308
+
+
+def _finite_json(value: object) -> object:
+    if isinstance(value, float) and not math.isfinite(value):
+        return -JSON_INFINITY if value < 0 else JSON_INFINITY
+    if isinstance(value, dict):
+        return {key: _finite_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_json(item) for item in value]
+    return value
+
+
 def render_json(matrix: Matrix) -> str:
-    """The schema-1 JSON form of the matrix."""
-    return json.dumps(matrix.to_dict(), indent=2, sort_keys=False) + "\n"
+    """The schema-1 JSON form of the matrix: strict JSON, which `diff` and `compare` read back."""
+    return json.dumps(_finite_json(matrix.to_dict()), indent=2, sort_keys=False, allow_nan=False) + "\n"
 
 
 def render_markdown(matrix: Matrix) -> str:

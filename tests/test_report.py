@@ -94,6 +94,23 @@ def test_json_round_trips() -> None:
     assert data == matrix.to_dict()
 
 
+def test_json_of_an_infinite_difference_is_strict_and_reads_back(tmp_path: Path) -> None:
+    from harness.matrix import load_matrix
+
+    failure = make_failure()
+    failure.max_abs_diff, failure.max_rel_diff, failure.factor = float("inf"), float("nan"), float("-inf")
+    matrix = Matrix(environment={"world_sizes": [2]},
+                    cells=[Cell("c", "v", 2, "fail", max_abs_diff=float("inf"), failures=[failure])])
+    text = render_json(matrix)
+    assert "Infinity" not in text and "NaN" not in text
+    path = tmp_path / "matrix.json"
+    path.write_text(text, encoding="utf-8")
+    cell = load_matrix(path).cells[0]
+    assert cell.max_abs_diff == 1e308
+    assert (cell.failures[0].max_abs_diff, cell.failures[0].max_rel_diff) == (1e308, 1e308)
+    assert cell.failures[0].factor == -1e308
+
+
 def test_json_has_schema_1_keys_in_every_cell() -> None:
     data = json.loads(render_json(make_matrix()))
     assert data["schema_version"] == 1
