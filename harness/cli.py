@@ -10,7 +10,8 @@ from typing import Callable, Sequence
 
 from harness.crossversion import build_comparison, render_comparison_html, render_comparison_markdown
 from harness.diff import diff_matrices, label_matrices, render_diff_markdown, render_diff_text
-from harness.matrix import MatrixError, load_matrix, write_atomically
+from harness.matrix import MatrixError, write_atomically
+from harness.matrixfile import load_matrix
 from harness.options import DEFAULT_CASE_TIMEOUT_S, DEFAULT_SEED, OptionError, parse_case_timeout, parse_seed
 
 PROG = "harness"

@@ -164,7 +164,7 @@ def test_changed_only_lists_just_the_rows_that_differ(tmp_path):
 
 
 def load(path):
-    from harness.matrix import load_matrix
+    from harness.matrixfile import load_matrix
 
     return load_matrix(path)
 

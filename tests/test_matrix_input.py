@@ -18,8 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import harness.matrix
+import harness.matrixfile
 from harness.cli import main
-from harness.matrix import STATUSES, Matrix, MatrixError, load_matrix
+from harness.matrix import STATUSES, Matrix, MatrixError
+from harness.matrixfile import load_matrix
 
 GOOD = {
     "schema_version": 1,
@@ -128,7 +130,7 @@ def test_socket_is_refused(tmp_path, good):
 
 
 def test_oversize_file_is_refused_with_its_size(tmp_path, good, monkeypatch):
-    monkeypatch.setattr(harness.matrix, "MAX_MATRIX_BYTES", 1000)
+    monkeypatch.setattr(harness.matrixfile, "MAX_MATRIX_BYTES", 1000)
     small = tmp_path / "small.json"
     small.write_text(json.dumps(GOOD), encoding="utf-8")
     assert small.stat().st_size < 1000
@@ -317,7 +319,7 @@ def test_a_field_added_to_cell_later_is_checked_by_its_annotation(tmp_path, good
         wrapper: str = ""
         ranks_per_node: "int | None" = None
 
-    monkeypatch.setattr(harness.matrix, "Cell", NewerCell)
+    monkeypatch.setattr(harness.matrixfile, "Cell", NewerCell)
     path = tmp_path / "newer.json"
     path.write_text(json.dumps(with_cell(wrapper="fsdp2", ranks_per_node=None)), encoding="utf-8")
     assert load_matrix(path).cells[1].wrapper == "fsdp2"

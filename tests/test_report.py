@@ -95,7 +95,7 @@ def test_json_round_trips() -> None:
 
 
 def test_json_of_an_infinite_difference_is_strict_and_reads_back(tmp_path: Path) -> None:
-    from harness.matrix import load_matrix
+    from harness.matrixfile import load_matrix
 
     failure = make_failure()
     failure.max_abs_diff, failure.max_rel_diff, failure.factor = float("inf"), float("nan"), float("-inf")
