@@ -53,6 +53,12 @@ STATUS_MEANINGS = {
     MISSED: "canary: the harness did not catch the known-wrong usage",
 }
 
+# Said under every matrix that has world-size-1 cells: their pass is not evidence of sync.
+WORLD_SIZE_ONE_NOTE = (
+    "ws=1: one rank cannot tell a synced gradient from a local one, so sync is not tested at world size 1; "
+    "its cells check the loss scaling, the optimizer steps, the flags and the learning rates only."
+)
+
 # Shared with harness.crossversion, so that a reader learns one page layout and one set of colours.
 PAGE_STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #1f2328; }
@@ -173,6 +179,8 @@ def render_markdown(matrix: Matrix) -> str:
             cell = by_ws.get(ws)
             entries.append(md_status(cell.status) if cell else ABSENT)
         lines.append("| " + " | ".join(entries) + " |")
+    if 1 in world_sizes:
+        lines += ["", f"_{md_text(WORLD_SIZE_ONE_NOTE)}_"]
     explained = [c for c in matrix.sorted_cells() if _needs_explaining(c)]
     if explained:
         lines += ["", "## Failures", ""]
@@ -228,6 +236,8 @@ def render_html(matrix: Matrix) -> str:
         box = f'<span class="status {status}">{status}</span>'
         parts.append(f"<tr><td>{box}</td><td>{_esc(STATUS_MEANINGS[status])}</td></tr>")
     parts.append("</table>")
+    if 1 in world_sizes:
+        parts.append(f'<p class="ws1">{_esc(WORLD_SIZE_ONE_NOTE)}</p>')
     parts += ["</body>", "</html>"]
     return "\n".join(parts) + "\n"
 

@@ -383,3 +383,14 @@ def test_markdown_failure_bullets_escape_every_field() -> None:
     matrix = Matrix(environment={}, cells=[Cell("c", "v", 2, "fail", summary="s", failures=[failure])])
     bullet = next(line for line in render_markdown(matrix).splitlines() if line.startswith("  - rank"))
     assert bullet == "  - rank 1, step 3, &lt;m&gt;.p\\|q: k\\`&lt;, max abs diff 0.125"
+
+
+def test_reports_say_sync_is_not_tested_at_world_size_one_only_where_there_are_such_cells() -> None:
+    from harness.report import WORLD_SIZE_ONE_NOTE
+
+    with_one = make_matrix()
+    assert "sync is not tested at world size 1" in WORLD_SIZE_ONE_NOTE
+    assert WORLD_SIZE_ONE_NOTE in render_markdown(with_one)
+    assert "sync is not tested at world size 1" in render_html(with_one)
+    without = Matrix(environment={"world_sizes": [2]}, cells=[Cell("a", "v", 2, "pass")])
+    assert "sync is not tested" not in render_markdown(without) + render_html(without)
