@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import math
 import os
+import shlex
 from dataclasses import dataclass
 
 BACKENDS = ("auto", "gloo", "nccl")
 DEFAULT_CASE_TIMEOUT_S = 120.0
 DEFAULT_SEED = 1234
 CPU_WORLD_SIZES = (1, 2, 4)
+# The longest wait the platform can make: the pool waits on its ranks with poll(), whose timeout is
+# a C int of milliseconds (2**31 - 1 ms, about 24.8 days); longer waits raise OverflowError.
+MAX_CASE_TIMEOUT_S = float((2**31 - 1) // 1000)
 
 
 class OptionError(ValueError):
@@ -56,6 +60,9 @@ def parse_case_timeout(text: str | float) -> float:
         raise OptionError(f"--case-timeout: {text!r} is not a number of seconds") from None
     if not math.isfinite(value) or value <= 0:
         raise OptionError(f"--case-timeout: {text!r} must be a positive number of seconds")
+    if value > MAX_CASE_TIMEOUT_S:
+        raise OptionError(f"--case-timeout: {text!r} is longer than this platform can wait "
+                          f"(at most {MAX_CASE_TIMEOUT_S:.0f} s, about 24 days)")
     return value
 
 
@@ -109,3 +116,20 @@ def resolve(
         seed=seed_value,
         gpu_count=gpus,
     )
+
+
+# Inside the report dir: where a printed rerun command writes its reports.
+RERUN_DIR = "rerun"
+
+
+def rerun_command(nodeid: str, *, world_size: int, backend: str, seed: int, report_dir: str = "reports",
+                  case_timeout_s: float = DEFAULT_CASE_TIMEOUT_S, fault: str | None = None) -> str:
+    """The command that runs one cell again. Its reports go to a folder of their own inside the
+    report dir, so that running it never replaces a whole run's matrix with one cell."""
+    parts = ["pytest", nodeid, "--world-sizes", str(world_size), "--backend", backend, "--seed", str(seed),
+             "--report-dir", os.path.join(report_dir, RERUN_DIR)]
+    if case_timeout_s != DEFAULT_CASE_TIMEOUT_S:
+        parts += ["--case-timeout", f"{case_timeout_s:g}"]
+    if fault:
+        parts += ["--harness-fault", fault]
+    return shlex.join(parts)

@@ -7,9 +7,9 @@ import importlib.metadata
 import os
 import platform
 import re
-import shlex
 import signal
 import time
+import traceback
 from typing import Any
 
 import pytest
@@ -17,7 +17,7 @@ import pytest
 from harness.catalogue import CaseInfo, Variant, case_info
 from harness.matrix import BAD_STATUSES, GOOD_STATUSES, SKIP, Cell, Matrix, merge_cells
 from harness.messages import CellSpec
-from harness.options import DEFAULT_CASE_TIMEOUT_S, DEFAULT_SEED, OptionError, Settings, resolve
+from harness.options import DEFAULT_CASE_TIMEOUT_S, DEFAULT_SEED, OptionError, Settings, rerun_command, resolve
 from harness.pool import PoolSet, PoolStartError
 from harness.report import check_report_dir, render_table, write_reports
 from harness.verdict import format_message, judge
@@ -64,20 +64,39 @@ class HarnessState:
         self.interrupted = False
         self.reports_written: list[str] = []
         self.matrix: Matrix | None = None
+        self.created = ""
+        self.write_error = ""
+        self._environment: dict[str, Any] | None = None
 
     # registered as a plugin object, so that these are hooks of this process's state
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when != "call":
             return
-        for name, value in report.user_properties:
-            if name == CELL_PROPERTY:
-                self.cells.append(Cell.from_dict(value))
+        cells = [Cell.from_dict(value) for name, value in report.user_properties if name == CELL_PROPERTY]
+        self.cells += cells
+        if cells and not _is_worker(self.config):
+            # every finished cell reaches the reports at once: a run killed outright keeps them
+            try:
+                self.write_reports(complete=False)
+            except OSError as exc:
+                self.write_error = f"{exc.filename or self.settings.report_dir}: {exc.strerror or exc}"
+
+    def write_reports(self, *, complete: bool) -> None:
+        """(Re)write the three reports from the cells so far, each file replaced atomically."""
+        if not self.created:
+            self.created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        matrix = Matrix(environment=self.environment(), cells=merge_cells(self.cells), created=self.created,
+                        complete=complete)
+        self.reports_written = [str(p) for p in write_reports(matrix, self.settings.report_dir)]
+        self.matrix = matrix
 
     def pytest_keyboard_interrupt(self, excinfo: Any) -> None:
         self.interrupted = True
 
     def environment(self) -> dict[str, Any]:
+        if self._environment is not None:
+            return self._environment
         environment: dict[str, Any] = {
             "python": platform.python_version(),
             "torch": _installed_version("torch"),
@@ -90,6 +109,7 @@ class HarnessState:
         fault = self.config.getoption("harness_fault")
         if fault is not None:  # a matrix made under an injected fault must say so
             environment["fault"] = fault
+        self._environment = environment
         return environment
 
 
@@ -130,12 +150,14 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[STATE] = state
     config.pluginmanager.register(state, "harness-state")
     config.addinivalue_line("markers", "harness_case: a gradient-sync cell (added by the harness plugin)")
-    signal.signal(signal.SIGTERM, _terminate)
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _terminate)
 
 
 def _terminate(signum: int, frame: Any) -> None:
-    # Ctrl-C and SIGTERM end the run the same way: pytest's interrupt path, which still writes
-    # the reports of the finished cells and tears the pools down.
+    # Ctrl-C, SIGTERM and SIGHUP (a closed terminal or SSH session) end the run the same way:
+    # pytest's interrupt path, which still writes the reports of the finished cells and tears the
+    # pools down.
     raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
 
 
@@ -210,14 +232,9 @@ class CellRunner:
 
     def rerun_command(self) -> str:
         s = self.state.settings
-        parts = ["pytest", self.item.nodeid, "--world-sizes", str(self.world_size), "--backend", s.backend,
-                 "--seed", str(s.seed)]
-        if s.case_timeout_s != DEFAULT_CASE_TIMEOUT_S:
-            parts += ["--case-timeout", f"{s.case_timeout_s:g}"]
-        fault = self.state.config.getoption("harness_fault")
-        if fault:
-            parts += ["--harness-fault", fault]
-        return shlex.join(parts)
+        return rerun_command(self.item.nodeid, world_size=self.world_size, backend=s.backend, seed=s.seed,
+                             report_dir=s.report_dir, case_timeout_s=s.case_timeout_s,
+                             fault=self.state.config.getoption("harness_fault"))
 
     def judge(self) -> Cell:
         s = self.state.settings
@@ -230,17 +247,23 @@ class CellRunner:
             case=self.info.name, variant=self.variant.name, variant_params=dict(self.variant.params),
             world_size=self.world_size, seed=s.seed, backend=s.backend,
             case_file=str(self.item.path), case_attr=self.item.function.__name__,
-            fault=self.state.config.getoption("harness_fault"),
+            fault=self.state.config.getoption("harness_fault"), cell_id=self.item.nodeid,
         )
+        common.update(detects=self.info.detects, timeout_s=s.case_timeout_s)
         try:
             pool = self.state.pools.get(self.world_size)
         except PoolStartError as exc:
-            return judge(canary=self.info.canary, outcome=None, timeout_s=s.case_timeout_s,
-                         duration_s=0.0, start_error=str(exc), **common)
+            return judge(outcome=None, duration_s=0.0, start_error=str(exc), **common)
         started = time.perf_counter()  # the cell's own time; starting the pool is not part of it
-        outcome = pool.run(spec, timeout_s=s.case_timeout_s)
-        return judge(canary=self.info.canary, outcome=outcome, timeout_s=s.case_timeout_s,
-                     duration_s=time.perf_counter() - started, **common)
+        try:
+            outcome = pool.run(spec, timeout_s=s.case_timeout_s)
+        except Exception:
+            # whatever broke here, the ranks' state is unknown: the cell is an error, the pool is
+            # killed (the next cell starts a new one) and the run goes on
+            pool.kill()
+            return judge(outcome=None, duration_s=time.perf_counter() - started,
+                         controller_error=traceback.format_exc(), **common)
+        return judge(outcome=outcome, duration_s=time.perf_counter() - started, **common)
 
     def run(self) -> None:
         cell = self.judge()
@@ -269,17 +292,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     # to report, and a previous run's reports are left as they are.
     if _is_worker(session.config) or not state.cells:
         return
-    cells = merge_cells(state.cells)
-    finished = {c.nodeid for c in cells}
-    complete = not state.interrupted and state.expected_ids <= finished
-    matrix = Matrix(
-        environment=state.environment(),
-        cells=cells,
-        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        complete=complete,
-    )
-    state.reports_written = [str(p) for p in write_reports(matrix, state.settings.report_dir)]
-    state.matrix = matrix
+    finished = {c.nodeid for c in state.cells}
+    state.write_reports(complete=not state.interrupted and state.expected_ids <= finished)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -298,3 +312,5 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     for line in render_table(matrix).splitlines():
         terminalreporter.write_line(line)
     terminalreporter.write_line("reports: " + ", ".join(os.path.relpath(p) for p in state.reports_written))
+    if state.write_error:
+        terminalreporter.write_line(f"while the run went on, the reports could not be rewritten: {state.write_error}")

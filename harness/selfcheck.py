@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-import shlex
 import sys
 import time
 from collections import Counter
@@ -17,7 +16,7 @@ from harness.catalogue import PRECISIONS, CaseInfo, Variant, case_info
 from harness.faults import FAULTS, Fault, resolve
 from harness.matrix import DETECTED, ERROR, FAIL, MISSED, PASS, SKIP, UNSUPPORTED, Cell
 from harness.messages import CellSpec
-from harness.options import DEFAULT_CASE_TIMEOUT_S, DEFAULT_SEED
+from harness.options import DEFAULT_CASE_TIMEOUT_S, DEFAULT_SEED, rerun_command
 from harness.pool import RankPool, PoolStartError
 from harness.verdict import judge
 
@@ -172,10 +171,13 @@ class Runner:
             case=target.case.name, variant=target.variant.name, variant_params=dict(target.variant.params),
             world_size=self.world_size, seed=seed, backend=self.backend,
             case_file=str(target.case.path), case_attr=target.case.attr, fault=fault,
+            cell_id=f"{target.label}-ws{self.world_size}-seed{seed}-{fault or 'clean'}",
         )
+        cell = nodeid(target, self.world_size)
         common = dict(case=target.case.name, variant=target.variant.name, world_size=self.world_size,
-                      canary=target.case.info.canary, timeout_s=self.case_timeout_s,
-                      rerun=rerun_command(target, world_size=self.world_size, seed=seed, fault=fault))
+                      detects=target.case.info.detects, timeout_s=self.case_timeout_s,
+                      rerun=rerun_command(cell, world_size=self.world_size, backend=self.backend, seed=seed,
+                                          case_timeout_s=self.case_timeout_s, fault=fault))
         started = time.perf_counter()
         try:
             outcome = self.pool.run(spec, timeout_s=self.case_timeout_s)
@@ -184,16 +186,13 @@ class Runner:
         return judge(outcome=outcome, duration_s=time.perf_counter() - started, **common)
 
 
-def rerun_command(target: Target, *, world_size: int, seed: int, fault: str | None) -> str:
+def nodeid(target: Target, world_size: int) -> str:
+    """The pytest node id of the target's cell, relative to the working directory where it can be."""
     try:
         path = os.path.relpath(target.case.path)
     except ValueError:
         path = str(target.case.path)
-    parts = ["pytest", f"{path}::{target.case.attr}[{target.variant.name}-ws{world_size}]",
-             "--world-sizes", str(world_size), "--seed", str(seed)]
-    if fault:
-        parts += ["--harness-fault", fault]
-    return shlex.join(parts)
+    return f"{path}::{target.case.attr}[{target.variant.name}-ws{world_size}]"
 
 
 def first_kinds(cell: Cell) -> list[str]:

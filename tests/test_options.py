@@ -29,6 +29,7 @@ def test_world_sizes_are_sorted_and_deduplicated():
         ({"case_timeout": "0"}, "--case-timeout: '0' must be a positive number of seconds"),
         ({"case_timeout": "inf"}, "--case-timeout: 'inf' must be a positive number of seconds"),
         ({"case_timeout": "soon"}, "--case-timeout: 'soon' is not a number of seconds"),
+        ({"case_timeout": "3e6"}, "--case-timeout: '3e6' is longer than this platform can wait"),
         ({"seed": "1.5"}, "--seed: '1.5' is not an integer"),
         ({"seed": "-1"}, "--seed: '-1' must be zero or positive"),
     ],
@@ -59,3 +60,26 @@ def test_auto_backend_falls_back_to_gloo_when_some_rank_would_have_no_gpu():
 def test_explicit_nccl_is_kept_even_without_gpus_so_that_cells_can_say_why_they_skip():
     s = settings(backend="nccl", world_sizes="1,2", gpu_count=0)
     assert (s.backend, s.world_sizes, s.gpu_count) == ("nccl", (1, 2), 0)
+
+
+def test_the_longest_case_timeout_accepted_is_one_the_pool_can_really_wait_for():
+    import multiprocessing
+    from multiprocessing.connection import wait
+
+    from harness.options import MAX_CASE_TIMEOUT_S
+
+    assert settings(gpu_count=0, case_timeout=str(MAX_CASE_TIMEOUT_S)).case_timeout_s == MAX_CASE_TIMEOUT_S
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    writer.send(1)
+    assert wait([reader], MAX_CASE_TIMEOUT_S) == [reader]  # ready at once, but the timeout is accepted
+    with pytest.raises(OverflowError):
+        wait([reader], MAX_CASE_TIMEOUT_S + 1)
+
+
+def test_the_rerun_command_writes_its_reports_beside_the_runs_not_over_them():
+    from harness.options import rerun_command
+
+    command = rerun_command("cases/test_x.py::test_x[fp32-ws2]", world_size=2, backend="gloo", seed=7,
+                            report_dir="out", case_timeout_s=30, fault="grads_summed")
+    assert command == ("pytest 'cases/test_x.py::test_x[fp32-ws2]' --world-sizes 2 --backend gloo --seed 7 "
+                       "--report-dir out/rerun --case-timeout 30 --harness-fault grads_summed")

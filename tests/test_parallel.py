@@ -5,20 +5,29 @@ import json
 import subprocess
 import time
 
-from conftest import start_pytest, wait_for_no_processes
+from conftest import PLANTED, start_pytest, wait_for_no_processes
 
-SELECTION = ["cases/test_fused_loss.py", "cases/test_no_sync.py", "-k", "fp32", "--world-sizes", "1,2"]
+# Passing cells and one that must fail (a model left out of no_sync, planted): a harness that said
+# pass to everything, or lost a failure on its way from a worker, would not give the same matrix.
+SELECTION = ["cases/test_fused_loss.py", "cases/test_no_sync.py", PLANTED,
+             "-k", "fp32 and (fused_loss or no_sync or left_out)", "--world-sizes", "1,2"]
+FAILING = ("planted_left_out_of_no_sync", "fp32", 2)
 
 
 def statuses(report_dir):
+    """Each cell's status and, for a failing cell, what failed where: kind, rank, step, parameter."""
     matrix = json.loads((report_dir / "matrix.json").read_text())
     assert matrix["complete"] is True
-    return {(c["case"], c["variant"], c["world_size"]): c["status"] for c in matrix["cells"]}
+    return {
+        (c["case"], c["variant"], c["world_size"]): (
+            c["status"], sorted((f["kind"], f["rank"], f["step"], f["model"], f["param"]) for f in c["failures"]))
+        for c in matrix["cells"]
+    }
 
 
 def finish(process, token):
     stdout, stderr = process.communicate(timeout=900)
-    assert process.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert process.returncode == 1, stdout[-3000:] + stderr[-3000:]  # the planted failure, nothing else
     assert wait_for_no_processes(token) == []
     return stdout
 
@@ -27,7 +36,9 @@ def test_xdist_and_concurrent_sessions_give_the_serial_matrix(tmp_path):
     serial = tmp_path / "serial"
     finish(*start_pytest(SELECTION, serial))
     expected = statuses(serial)
-    assert len(expected) == 8 and set(expected.values()) == {"pass"}
+    assert len(expected) == 10
+    assert expected[FAILING][0] == "fail" and {kind for kind, *_ in expected[FAILING][1]} == {"synced_early"}
+    assert {status for key, (status, _) in expected.items() if key != FAILING} == {"pass"}
 
     xdist = tmp_path / "xdist"
     stdout = finish(*start_pytest(["-n", "4", *SELECTION], xdist))

@@ -3,13 +3,17 @@ once, interrupted runs keep their finished cells, and no process outlives a sess
 
 import json
 import os
+import shlex
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
 import torch
 
-from conftest import PLANTED, start_pytest, wait_for_no_processes
+from conftest import PLANTED, ROOT, session_env, start_pytest, wait_for_no_processes
 
 
 def test_a_perturbed_rank_fails_the_cell_naming_rank_step_model_and_kind(run_pytest):
@@ -31,6 +35,22 @@ def test_a_perturbed_rank_fails_the_cell_naming_rank_step_model_and_kind(run_pyt
     assert ("Rerun this cell: pytest 'cases/test_fused_loss.py::test_fused_loss[fp32-ws2]' --world-sizes 2"
             in session.stdout)
     assert wait_for_no_processes(session.token) == []
+
+
+def test_the_printed_rerun_command_runs_the_cell_without_replacing_the_runs_matrix(run_pytest, tmp_path):
+    report_dir = tmp_path / "full"
+    session = run_pytest("cases/test_fused_loss.py", "-k", "fp32", "--world-sizes", "1,2",
+                         "--harness-fault", "perturb_rank1", report_dir=report_dir)
+    cell = session.cells()[("fused_loss", "fp32", 2)]
+    rerun = shlex.split(cell["rerun"])
+    assert rerun[0] == "pytest" and rerun[rerun.index("--report-dir") + 1] == str(report_dir / "rerun")
+    before = (report_dir / "matrix.json").read_text()
+    process = subprocess.run([sys.executable, "-m", *rerun, "-p", "no:cacheprovider"], cwd=ROOT,
+                             env=session_env("rerun"), capture_output=True, text=True, timeout=300)
+    assert process.returncode == 1, process.stdout[-2000:]
+    assert (report_dir / "matrix.json").read_text() == before
+    rerun_matrix = json.loads((report_dir / "rerun" / "matrix.json").read_text())
+    assert [(c["case"], c["world_size"], c["status"]) for c in rerun_matrix["cells"]] == [("fused_loss", 2, "fail")]
 
 
 def test_a_model_left_out_of_no_sync_is_named_as_synced_early(run_pytest):
@@ -60,7 +80,66 @@ def test_the_nested_accumulate_canary_is_detected_and_names_the_model_that_never
     assert cell["status"] == "detected"
     not_synced = {f["model"] for f in cell["failures"] if f["kind"] == "not_synced"}
     assert not_synced == {"gen"}
-    assert "not_synced in gen" in cell["summary"]
+    assert cell["summary"].startswith("diagnosed as declared (not_synced in gen, stepped_early in disc)")
+
+
+def test_a_canary_found_only_as_another_kind_is_missed_and_alike_data_is_an_error(run_pytest):
+    session = run_pytest(PLANTED, "-k", "misdeclared or alike", "--world-sizes", "2")
+    assert session.returncode == 1
+    cells = session.cells()
+    canary = cells[("planted_canary_misdeclared", "fp32", 2)]
+    assert canary["status"] == "missed"
+    assert {f["kind"] for f in canary["failures"]} == {"stepped_early"}
+    assert "not diagnosed as declared: no not_synced in model" in canary["summary"]
+    alike = cells[("planted_alike", "fp32", 2)]
+    assert alike["status"] == "error"
+    assert alike["vacuous_checks"] == alike["grad_checks"] > 0
+    assert "too alike to tell a synced gradient from a local one" in alike["summary"]
+
+
+def test_a_case_name_defined_twice_is_a_collection_error_naming_both_places(run_pytest, tmp_path):
+    twin = tmp_path / "test_twin.py"
+    twin.write_text(textwrap.dedent("""
+        from harness import case
+
+        @case("fused_loss")
+        def test_my_fused_loss(ctx):
+            pass
+    """))
+    session = run_pytest("cases/test_fused_loss.py", str(twin), "--world-sizes", "1", timeout=120)
+    assert session.returncode == pytest.ExitCode.INTERRUPTED  # pytest's "errors during collection"
+    assert "case 'fused_loss' is defined twice" in session.stdout
+    assert "cases/test_fused_loss.py:" in session.stdout
+    assert f"{os.path.realpath(twin)}:4 (test_my_fused_loss)" in session.stdout
+    assert not (session.report_dir / "matrix.json").exists()
+
+
+def test_an_exception_while_waiting_for_a_cell_makes_it_an_error_and_the_next_cell_runs(tmp_path):
+    """Whatever breaks in the controller while a cell runs: that cell is an error naming it, the pool
+    is killed and rebuilt, and the run goes on."""
+    (tmp_path / "break_one_wait.py").write_text(textwrap.dedent("""
+        from harness.pool import RankPool
+
+        original = RankPool.run
+
+        def run(self, spec, **kwargs):
+            if spec.variant == "after_raise":
+                raise OSError(9, "Bad file descriptor (planted in the controller)")
+            return original(self, spec, **kwargs)
+
+        RankPool.run = run
+    """))
+    process, token = start_pytest([PLANTED, "-k", "after_raise or after_exit", "--world-sizes", "2",
+                                   "-p", "break_one_wait"], tmp_path / "reports",
+                                  PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path}")
+    stdout, _ = process.communicate(timeout=600)
+    assert process.returncode == 1, stdout[-3000:]
+    cells = {c["variant"]: c for c in json.loads((tmp_path / "reports" / "matrix.json").read_text())["cells"]}
+    assert cells["after_raise"]["status"] == "error"
+    assert cells["after_raise"]["summary"] == ("the harness failed while waiting for the cell: OSError: [Errno 9] "
+                                               "Bad file descriptor (planted in the controller)")
+    assert cells["after_exit"]["status"] == "pass"
+    assert wait_for_no_processes(token) == []
 
 
 @pytest.mark.parametrize(
@@ -72,6 +151,7 @@ def test_the_nested_accumulate_canary_is_detected_and_names_the_model_that_never
         (["--backend", "mpi"], "--backend"),
         (["--case-timeout", "-1"], "--case-timeout"),
         (["--case-timeout", "soon"], "--case-timeout"),
+        (["--case-timeout", "3e6"], "--case-timeout"),  # longer than poll() can wait
         (["--seed", "x"], "--seed"),
         (["--report-dir", "pyproject.toml/sub"], "--report-dir"),
     ],
@@ -97,20 +177,31 @@ def test_nccl_without_gpus_gives_skip_cells_with_the_reason(run_pytest):
     assert "fault" not in session.matrix["environment"]
 
 
+def cells_in(report_dir):
+    try:
+        return json.loads((report_dir / "matrix.json").read_text())["cells"]
+    except FileNotFoundError:
+        return []
+
+
 def interrupt_half_way(tmp_path, how, extra):
     progress = tmp_path / "progress"
     progress.mkdir()
     report_dir = tmp_path / "reports"
+    temp = tmp_path / "tmp"
+    temp.mkdir()
     process, token = start_pytest([*extra, PLANTED, "-k", "planted_slow", "--world-sizes", "2"], report_dir,
-                                  PLANTED_PROGRESS_DIR=str(progress))
+                                  PLANTED_PROGRESS_DIR=str(progress), TMPDIR=str(temp))
     deadline = time.monotonic() + 300
-    while len(list(progress.iterdir())) < 3:  # the third cell has started: two have finished
+    # the third cell has started: two have finished (under xdist their reports may still be on their
+    # way from the worker to the controller, so wait until the controller has written them too)
+    while len(list(progress.iterdir())) < 3 or (extra and len(cells_in(report_dir)) < 2):
         assert process.poll() is None, process.communicate()
         assert time.monotonic() < deadline, "the planted cells never started"
         time.sleep(0.1)
     how(process)
     stdout, stderr = process.communicate(timeout=60)
-    return process.returncode, stdout, report_dir, token
+    return process.returncode, stdout, report_dir, token, temp
 
 
 @pytest.mark.parametrize(
@@ -118,13 +209,14 @@ def interrupt_half_way(tmp_path, how, extra):
     [
         pytest.param(lambda p: os.killpg(p.pid, signal.SIGINT), [], id="ctrl-c-to-the-process-group"),
         pytest.param(lambda p: p.send_signal(signal.SIGTERM), [], id="sigterm"),
+        pytest.param(lambda p: p.send_signal(signal.SIGHUP), [], id="sighup"),
         pytest.param(lambda p: p.send_signal(signal.SIGTERM), ["-n", "2"], id="sigterm-to-the-xdist-controller"),
     ],
 )
-def test_an_interrupted_run_writes_the_finished_cells_marks_the_matrix_incomplete_and_leaves_no_process(
+def test_an_interrupted_run_writes_the_finished_cells_marks_the_matrix_incomplete_and_leaves_nothing_behind(
     tmp_path, how, extra
 ):
-    returncode, stdout, report_dir, token = interrupt_half_way(tmp_path, how, extra)
+    returncode, stdout, report_dir, token, temp = interrupt_half_way(tmp_path, how, extra)
     assert returncode == pytest.ExitCode.INTERRUPTED, stdout
     matrix = json.loads((report_dir / "matrix.json").read_text())
     assert matrix["complete"] is False
@@ -132,6 +224,31 @@ def test_an_interrupted_run_writes_the_finished_cells_marks_the_matrix_incomplet
     assert all(c["status"] == "pass" for c in matrix["cells"])
     assert "Incomplete run" in (report_dir / "matrix.md").read_text()
     assert "gradient-sync matrix (INCOMPLETE)" in stdout
+    assert wait_for_no_processes(token) == []
+    assert [p.name for p in temp.iterdir() if p.name.startswith("harness-")] == []  # the pools' folders
+
+
+def test_a_run_killed_outright_keeps_every_finished_cell_in_its_reports(tmp_path):
+    """SIGKILL runs no code: the reports must already hold each cell as it finished."""
+    returncode, _, report_dir, token, _ = interrupt_half_way(tmp_path, lambda p: p.kill(), [])
+    assert returncode == -signal.SIGKILL
+    matrix = json.loads((report_dir / "matrix.json").read_text())
+    assert matrix["complete"] is False
+    assert len(matrix["cells"]) >= 2 and all(c["status"] == "pass" for c in matrix["cells"])
+    assert "planted_slow" in (report_dir / "matrix.html").read_text()
+    assert wait_for_no_processes(token) == []
+
+
+def test_a_finished_run_marks_its_matrix_complete_and_removes_the_pools_folders(tmp_path):
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    process, token = start_pytest(["cases/test_fused_loss.py", "-k", "fp32", "--world-sizes", "1,2"],
+                                  tmp_path / "reports", TMPDIR=str(temp))
+    stdout, _ = process.communicate(timeout=600)
+    assert process.returncode == 0, stdout[-3000:]
+    assert json.loads((tmp_path / "reports" / "matrix.json").read_text())["complete"] is True
+    assert [p.name for p in (tmp_path / "reports").iterdir() if p.name.startswith(".")] == []  # no temp files
+    assert [p.name for p in temp.iterdir() if p.name.startswith("harness-")] == []
     assert wait_for_no_processes(token) == []
 
 

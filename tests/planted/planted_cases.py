@@ -7,8 +7,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from harness import Variant, case
-from harness.models import regression_loss
+from harness import Diagnosis, Variant, case
+from harness.models import derive_seed, rank_batch, regression_loss
 
 RANK_FAULTS = ("raise", "exit", "kill", "hang_in_collective", "hang_outside")
 
@@ -110,3 +110,41 @@ def test_planted_slow(ctx):
     time.sleep(1.0)
     accelerator, model, optimizer, oracle = prepared_regressor(ctx)
     healthy_steps(ctx, accelerator, model, optimizer, oracle, [1])
+
+
+FP32 = [Variant("fp32", {"precision": "fp32"})]
+
+
+@case("planted_canary_misdeclared", variants=FP32, canary=Diagnosis("not_synced", model="model"))
+def test_planted_canary_misdeclared(ctx):
+    """A canary whose pattern breaks the optimizer steps (it steps where its contract has none),
+    declared as breaking sync: the harness finds stepped_early, not the declared not_synced, so the
+    cell is missed. Finding some failure is not enough."""
+    accelerator, model, optimizer, oracle = prepared_regressor(ctx)
+    models = {"model": model}
+    for step in (1, 2):
+        batch = ctx.batch(step)
+        accelerator.backward(regression_loss(model, batch))
+        oracle.backward(lambda m: regression_loss(m["model"], batch), sync=True)
+        oracle.check_grads(step, models)
+        optimizer.step()
+        optimizer.zero_grad()
+        oracle.step(False)
+        oracle.check_params(step, models, {"model": optimizer})
+
+
+@case("planted_alike", variants=FP32)
+def test_planted_alike(ctx):
+    """Every rank gets the same data, so synced and local gradients are equal and no check can tell
+    whether the sync happened: from two ranks on the cell is an error (a harness defect), not a pass."""
+    accelerator, model, optimizer, oracle = prepared_regressor(ctx)
+    models = {"model": model}
+    for step in (1, 2):
+        batch = rank_batch(derive_seed(ctx.seed, "alike", step), 0, rows=6, features=4)
+        accelerator.backward(regression_loss(model, batch))
+        oracle.backward(lambda m: regression_loss(m["model"], batch), sync=True)
+        oracle.check_grads(step, models)
+        optimizer.step()
+        optimizer.zero_grad()
+        oracle.step(True)
+        oracle.check_params(step, models, {"model": optimizer})
