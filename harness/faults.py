@@ -72,18 +72,22 @@ def _plugin_option(gradient_state: Any, key: str, value: Any) -> Iterator[None]:
 # The faults. Each builder returns patch(rank); ``rank`` matters only to faults of one rank.
 
 
-def _perturb_rank(target_rank: int, relative: float) -> Callable[[int], ContextManager[None]]:
-    """After every backward on ``target_rank``, scale that rank's gradients by ``1 + relative``."""
+def _perturb_rank(target_rank: int, relative: float, *, only: int | None = None) -> Callable[[int], ContextManager[None]]:
+    """After every backward on ``target_rank`` (only the ``only``-th of the cell, counted from 1,
+    when given), scale that rank's gradients by ``1 + relative``."""
 
     @contextlib.contextmanager
     def patch(rank: int) -> Iterator[None]:
         from accelerate import Accelerator
 
         original = Accelerator.backward
+        calls = 0
 
         def backward(self, loss, **kwargs):
+            nonlocal calls
             result = original(self, loss, **kwargs)
-            if rank == target_rank:
+            calls += 1
+            if rank == target_rank and (only is None or calls == only):
                 for model in self._models:
                     for p in model.parameters():
                         if p.grad is not None:
@@ -382,25 +386,40 @@ register(Fault("clip_grad_norm_noop", "Accelerator.clip_grad_norm_ returns the n
                _clip_grad_norm_noop))
 
 
-def perturbation(relative: float, *, target_rank: int = 1) -> Fault:
-    """A fault that scales one rank's gradients by ``1 + relative`` (sensitivity measurements)."""
-    return Fault(f"perturb:{relative:g}", f"rank {target_rank}'s gradients scaled by {1 + relative:g}",
-                 _perturb_rank(target_rank, relative))
+def perturbation(relative: float, *, target_rank: int = 1, only: int | None = None) -> Fault:
+    """A fault that scales one rank's gradients by ``1 + relative`` (sensitivity measurements): after
+    every backward, or after the ``only``-th backward of the cell alone (a single event)."""
+    if only is None:
+        return Fault(f"perturb:{relative:g}", f"rank {target_rank}'s gradients scaled by {1 + relative:g}",
+                     _perturb_rank(target_rank, relative))
+    return Fault(f"perturb_once:{relative:g}@{only}",
+                 f"rank {target_rank}'s gradients scaled by {1 + relative:g} after its backward {only} only",
+                 _perturb_rank(target_rank, relative, only=only))
+
+
+PERTURBATION_FORMS = "perturb:<relative> or perturb_once:<relative>[@<backward>]"
 
 
 def resolve(name: str) -> Fault:
-    if name.startswith("perturb:"):
-        text = name.split(":", 1)[1]
+    for prefix in ("perturb:", "perturb_once:"):
+        if not name.startswith(prefix):
+            continue
+        text, _, at = name[len(prefix):].partition("@")
         try:
             relative = float(text)
+            only = (int(at) if at else 1) if prefix == "perturb_once:" else None
         except ValueError:
-            raise ValueError(f"fault {name!r}: {text!r} is not a number "
-                             "(perturb:<relative>, e.g. perturb:1e-3)") from None
-        return perturbation(relative)
+            raise ValueError(f"fault {name!r}: give {PERTURBATION_FORMS}, e.g. perturb:1e-3 or "
+                             "perturb_once:1e-5@2") from None
+        if at and prefix == "perturb:":
+            raise ValueError(f"fault {name!r}: perturb: has no @<backward>; use perturb_once:")
+        if only is not None and only < 1:
+            raise ValueError(f"fault {name!r}: the backward is counted from 1")
+        return perturbation(relative, only=only)
     try:
         return FAULTS[name]
     except KeyError:
-        raise ValueError(f"unknown fault {name!r}; known: {', '.join(sorted(FAULTS))}, perturb:<relative>") from None
+        raise ValueError(f"unknown fault {name!r}; known: {', '.join(sorted(FAULTS))}, {PERTURBATION_FORMS}") from None
 
 
 @contextlib.contextmanager

@@ -102,8 +102,11 @@ def test_no_fault_is_no_patch():
 
 def test_perturbations_resolve_by_name_and_bad_names_are_rejected():
     assert resolve("perturb:0.001").description == perturbation(1e-3).description
-    with pytest.raises(ValueError, match="not a number"):
-        resolve("perturb:lots")
+    assert resolve("perturb_once:1e-05@3").description == perturbation(1e-5, only=3).description
+    assert resolve("perturb_once:1e-05").name == "perturb_once:1e-05@1"
+    for bad in ("perturb:lots", "perturb_once:1e-5@two", "perturb:1e-5@2", "perturb_once:1e-5@0"):
+        with pytest.raises(ValueError, match=r"fault 'perturb"):
+            resolve(bad)
     with pytest.raises(ValueError, match="unknown fault 'nope'"):
         resolve("nope")
 
@@ -111,3 +114,29 @@ def test_perturbations_resolve_by_name_and_bad_names_are_rejected():
 def test_there_are_at_least_eight_sync_faults():
     sync_faults = [name for name in FAULTS if "perturb" not in name and name != "rank_grad_perturbed"]
     assert len(sync_faults) >= 8
+
+
+def test_a_single_event_perturbation_scales_one_rank_after_one_backward_only():
+    """perturb_once:r@n: rank 1's gradients scaled by 1 + r after its n-th backward of the cell, and
+    never again; the other ranks untouched."""
+    import torch
+    from accelerate import Accelerator
+
+    from harness.rank import _reset_accelerate
+
+    def grads_after_backwards(rank):
+        _reset_accelerate()
+        model = torch.nn.Linear(2, 1, bias=False)
+        accelerator = Accelerator(cpu=True)
+        model = accelerator.prepare(model)
+        seen = []
+        with apply_fault("perturb_once:0.5@2", rank=rank):
+            for _ in range(3):
+                model.zero_grad()
+                accelerator.backward(model(torch.ones(1, 2)).sum())
+                seen.append(float(model.weight.grad[0, 0]))
+        _reset_accelerate()
+        return seen
+
+    assert grads_after_backwards(1) == [1.0, 1.5, 1.0]
+    assert grads_after_backwards(0) == [1.0, 1.0, 1.0]

@@ -24,24 +24,71 @@ def catalogue():
     return selfcheck.discover(ROOT / "cases")
 
 
-def test_three_faults_on_one_case_are_each_caught_with_their_diagnosis(catalogue):
-    result = run_selfcheck(
-        catalogue, cases=["no_sync"], faults=["no_sync_still_syncs", "grads_summed", "zero_grad_skipped"],
-        sensitivity_cases=None,
-    )
-    assert [c.status for c in result.clean] == [PASS]
-    by_fault = {r.fault.name: r.cells[0] for r in result.faults}
-    assert {name: cell.status for name, cell in by_fault.items()} == dict.fromkeys(by_fault, FAIL)
+# Each registered fault, the cell that must catch it, and the diagnoses it must produce at the first
+# failing step (the cause, before the mismatches it drags along). A fault caught only as some other
+# kind would mean the check meant for it does not work.
+EXPECTED_DIAGNOSES = {
+    "perturb_rank1": ("fused_loss", "fp32", {"wrong_scale"}),
+    "rank_grad_perturbed": ("fused_loss", "fp32", {"wrong_scale"}),
+    "no_sync_still_syncs": ("no_sync", "fp32", {"synced_early"}),
+    "trigger_noop": ("no_sync_trigger_sync", "fp32", {"not_synced"}),
+    "loss_not_scaled": ("accumulate", "steps=2-fp32", {"wrong_scale"}),
+    "optimizer_every_batch": ("accumulate", "steps=2-fp32", {"stepped_early"}),
+    "grads_summed": ("fused_loss", "fp32", {"wrong_scale"}),
+    "zero_grad_skipped": ("accumulate", "steps=1-fp32", {"stale"}),
+    "zero_grad_every_batch": ("accumulate", "steps=2-fp32", {"mismatch"}),
+    "no_dataloader_end_sync": ("accumulate", "steps=2-fp32", {"sync_flag", "not_synced", "step_skipped"}),
+    "counter_off_by_one": ("accumulate", "steps=2-fp32", {"sync_flag", "synced_early", "stepped_early"}),
+    "accumulate_ignores_models": ("accumulate_multi_model", "steps=2-models=2-fp32", {"synced_early"}),
+    "scheduler_every_batch": ("accumulate_scheduler", "steps=2-split_batches=false-fp32", {"mismatch"}),
+    "sync_each_batch_ignored": ("accumulate_sync_each_batch", "steps=2-fp32", {"not_synced"}),
+    "sync_with_dataloader_ignored": ("accumulate_no_dataloader_sync", "steps=2-fp32",
+                                     {"sync_flag", "synced_early", "stepped_early"}),
+    "eval_dataloader_not_removed": ("accumulate_eval_loop", "steps=2-fp32", {"sync_flag", "synced_early"}),
+    "dispatcher_end_missed": ("accumulate_dispatch_batches", "steps=2-split_batches=false-fp32",
+                              {"sync_flag", "not_synced", "step_skipped"}),
+    "clip_grad_norm_noop": ("accumulate_clip_grad", "steps=2-fp32", {"wrong_scale"}),
+}
+
+
+def test_every_registered_fault_has_an_expected_diagnosis():
+    assert set(EXPECTED_DIAGNOSES) == set(selfcheck.FAULTS)
+
+
+@pytest.fixture(scope="module")
+def fault_cells(catalogue):
+    """Each fault on its cell at world size 2, and each of those cells clean, on one pool."""
+    by_name = {c.name: c for c in catalogue}
+    cells = {}
+    with Runner(world_size=2) as runner:
+        for fault, (case_name, variant_name, _) in EXPECTED_DIAGNOSES.items():
+            case = by_name[case_name]
+            target = Target(case, next(v for v in case.info.variants if v.name == variant_name))
+            cells[fault] = (runner.run(target), runner.run(target, fault=fault))
+    return cells
+
+
+@pytest.mark.parametrize("fault", sorted(EXPECTED_DIAGNOSES))
+def test_each_fault_is_caught_by_its_cell_with_its_diagnosis(fault_cells, fault):
+    clean, faulty = fault_cells[fault]
+    assert clean.status == PASS, clean.summary
+    assert faulty.status == FAIL, faulty.summary
+    expected = EXPECTED_DIAGNOSES[fault][2]
+    assert expected <= set(first_kinds(faulty)), (first_kinds(faulty), faulty.summary)
+
+
+def test_fault_details_say_where_and_how(fault_cells):
     # between sync points the gradients were averaged; at the window's end they were right
-    early = by_fault["no_sync_still_syncs"]
-    assert first_kinds(early) == ["synced_early"]
+    early = fault_cells["no_sync_still_syncs"][1]
     assert {f.kind for f in early.failures if f.checked == "grad"} == {"synced_early"}
     assert {f.step for f in early.failures if f.checked == "grad"} == {1, 2, 4, 5}
-    summed = by_fault["grads_summed"]
-    assert first_kinds(summed) == ["wrong_scale"]
+    summed = fault_cells["grads_summed"][1]
     assert summed.failures[0].factor == pytest.approx(2.0, rel=1e-4)  # the sum of 2 ranks, not their mean
-    assert "stale" in first_kinds(by_fault["zero_grad_skipped"])
-    assert result.ok
+    perturbed = fault_cells["rank_grad_perturbed"][1]
+    assert {f.rank for f in perturbed.failures if f.checked == "grad"} == {1}
+    assert perturbed.failures[0].factor == pytest.approx(1.001, rel=1e-6)
+    lr = [f for f in fault_cells["scheduler_every_batch"][1].failures if f.kind == "mismatch"]
+    assert lr and {f.checked for f in lr} >= {"lr"}
 
 
 def test_selfcheck_command_exits_1_on_an_uncaught_fault_and_writes_its_table_and_json(tmp_path):

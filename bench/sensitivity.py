@@ -1,0 +1,85 @@
+"""How small a one-off error the verdicts catch: one rank's gradients scaled by 1 + r after a single
+backward of the cell, for every non-canary cell of the catalogue.
+
+Run: python bench/sensitivity.py [--world-sizes 2,4] [--relative 1e-5,1e-4] [--backward 1,3]
+Prints, per precision and world size, how many cells fail (catch it) out of those run, and names the
+cells that let it through. Goal: 1e-5 caught by every cell, fp32 and bf16, at world sizes 2 and 4.
+Targets live here, not in timed tests (machines are shared and noisy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from harness import selfcheck  # noqa: E402
+from harness.matrix import FAIL  # noqa: E402
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",")]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-sizes", type=_ints, default=[2, 4])
+    parser.add_argument("--relative", type=_floats, default=[1e-5, 1e-4], help="relative errors to plant")
+    parser.add_argument("--backward", type=_ints, default=[1, 3],
+                        help="which backward of the cell (from 1) gets the error, one run each")
+    parser.add_argument("--cases", default=None, help="comma list of case names (default: all)")
+    parser.add_argument("--seed", type=int, default=selfcheck.DEFAULT_SEED)
+    args = parser.parse_args()
+    catalogue = selfcheck.discover(ROOT / "cases")
+    targets = [t for t in selfcheck.select_targets(catalogue, all_variants=True,
+                                                    cases=args.cases.split(",") if args.cases else None)
+               if not t.case.info.canary]
+    caught: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
+    missed: dict[tuple, list[str]] = defaultdict(list)
+    started = time.perf_counter()
+    for world_size in args.world_sizes:
+        with selfcheck.Runner(world_size=world_size, seed=args.seed) as runner:
+            clean = {t.label: runner.run(t).status for t in targets}
+            for relative in args.relative:
+                for backward in args.backward:
+                    fault = f"perturb_once:{relative!r}@{backward}"
+                    for target in targets:
+                        if clean[target.label] != "pass":
+                            continue
+                        key = (relative, target.precision, world_size)
+                        cell = runner.run(target, fault=fault)
+                        caught[key][1] += 1
+                        if cell.status == FAIL:
+                            caught[key][0] += 1
+                        else:
+                            missed[key].append(f"{target.label}@{backward} {cell.status}")
+                    print(f"  world size {world_size}, {fault}: done ({time.perf_counter() - started:.0f} s)",
+                          file=sys.stderr, flush=True)
+            not_clean = sorted(label for label, status in clean.items() if status != "pass")
+            if not_clean:
+                print(f"  world size {world_size}: not run, not pass when clean: {', '.join(not_clean)}",
+                      file=sys.stderr)
+    rows = [("relative error", "precision", "world size", "caught", "of cells x backwards")]
+    for (relative, precision, world_size), (n, total) in sorted(caught.items()):
+        rows.append((f"{relative:g}", precision, str(world_size), str(n), str(total)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in [rows[0], tuple("-" * w for w in widths), *rows[1:]]:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+    for key, cells in sorted(missed.items()):
+        more = f" and {len(cells) - 6} more" if len(cells) > 6 else ""
+        print(f"missed at {key[0]:g}, {key[1]}, world size {key[2]}: {', '.join(cells[:6])}{more}")
+    print(f"({len(targets)} cells, backwards {args.backward}, seed {args.seed}, {time.perf_counter() - started:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
