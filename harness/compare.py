@@ -157,7 +157,7 @@ KIND_TEXT = {
     "synced_early": "synced when it should be local (the average of all ranks where this rank's own gradient was due)",
     "stale": "stale from the last window (the gradient was not cleared after the optimizer step)",
     "wrong_scale": "scaled by {factor:.6g}",
-    "params_diverged": "parameters diverged across ranks (replicas are no longer equal)",
+    "params_diverged": "parameters diverged across ranks (no longer equal to rank 0's)",
     "stepped_early": "the optimizer stepped where the schedule has no step",
     "step_skipped": "the optimizer did not step where the schedule has one",
     "mismatch": "does not match the oracle",
@@ -222,8 +222,11 @@ def make_failure(
     kind: str,
     factor: float | None,
     diff: Difference,
+    noun: str | None = None,
 ) -> Failure:
-    noun = "gradient of" if checked == "grad" else "update of parameter"
+    """A failure of a gradient check (``checked="grad"``) or a parameter check (``"param"``), where
+    ``diff`` compared the gradients or the updates; ``noun`` names what was compared otherwise."""
+    noun = noun or ("gradient of" if checked == "grad" else "update of parameter")
     what = f"{noun} '{model}.{param}'"
     return Failure(
         rank=rank,

@@ -22,6 +22,7 @@ from harness.compare import (
     rounding_allowance,
 )
 from harness.matrix import Failure
+from harness.replica import forward_as, unwrap
 from harness.schedule import MicroStep
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
@@ -29,38 +30,6 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 # Failures kept per rank; the rest are counted. The first ones in step order say the most.
 MAX_FAILURES = 64
-
-
-class MixedPrecisionReplica(nn.Module):
-    """A replica whose forward runs as ``mixed_precision="bf16"`` documents: under autocast, with
-    low-precision floating outputs returned as fp32."""
-
-    def __init__(self, inner: nn.Module, device_type: str) -> None:
-        super().__init__()
-        self.inner = inner
-        self.device_type = device_type
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(device_type=self.device_type, dtype=torch.bfloat16):
-            out = self.inner(*args, **kwargs)
-        return _to_fp32(out)
-
-
-def _to_fp32(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.float() if value.dtype in (torch.float16, torch.bfloat16) else value
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_fp32(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _to_fp32(v) for k, v in value.items()}
-    return value
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module inside a DistributedDataParallel (or similar) wrapper."""
-    while hasattr(model, "module") and isinstance(model.module, nn.Module):
-        model = model.module
-    return model
 
 
 @dataclass
@@ -140,13 +109,7 @@ class Oracle:
         self.world_size = world_size
         self.num_steps = num_steps
         self.replicas = {name: copy.deepcopy(unwrap(m)) for name, m in models.items()}
-        device_type = next(iter(self.replicas.values())).parameters().__next__().device.type
-        if precision == "bf16":
-            self.models: dict[str, nn.Module] = {
-                name: MixedPrecisionReplica(r, device_type) for name, r in self.replicas.items()
-            }
-        else:
-            self.models = dict(self.replicas)
+        self.models = forward_as(self.replicas, precision)
         self.params = {name: dict(r.named_parameters()) for name, r in self.replicas.items()}
         self.local = {name: {p: torch.zeros_like(t) for p, t in ps.items()} for name, ps in self.params.items()}
         # how far each replica gradient may legitimately be from the rank's (harness/compare.py)
@@ -379,7 +342,7 @@ class Oracle:
         self.diverged.add(key)
         self.recorder.add(
             make_failure(rank=self.rank, step=index, where=where, model=name, param=pname, checked="param",
-                         kind="params_diverged", factor=None, diff=diff)
+                         kind="params_diverged", factor=None, diff=diff, noun="parameter")
         )
 
     @staticmethod

@@ -28,6 +28,8 @@ def test_a_perturbed_rank_fails_the_cell_naming_rank_step_model_and_kind(run_pyt
     # rank 1 stepped with its own gradient: its parameters part from rank 0's, reported once each
     diverged = [f for f in cell["failures"] if f["kind"] == "params_diverged"]
     assert {(f["rank"], f["step"]) for f in diverged} == {(1, 1)} and len(diverged) == 4
+    assert diverged[0]["message"].startswith(
+        f"parameter 'model.{diverged[0]['param']}' on rank 1 at step 1: parameters diverged across ranks")
     # at step 1 rank 0's gradient was right: the fault is rank 1's alone
     assert not [f for f in cell["failures"] if f["rank"] == 0 and f["step"] == 1 and f["checked"] == "grad"]
     assert session.matrix["environment"]["fault"] == "perturb_rank1"
