@@ -50,10 +50,14 @@ def printable_line(text: object) -> str:
     print (control characters such as ANSI escapes and NUL, format characters such as bidi
     overrides, lone surrogates) is shown as its Python escape, e.g. ``\\x1b`` or ``\\u202e``.
     """
-    line = " ".join(str(text).split())
-    if line.isprintable():
-        return line
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in line)
+    return escape_unprintable(" ".join(str(text).split()))
+
+
+def escape_unprintable(text: str) -> str:
+    """``text`` with every character that does not print shown as its Python escape (``\\n``, ``\\x1b``)."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 @dataclass

@@ -11,7 +11,16 @@ import stat
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from harness.matrix import SCHEMA_VERSION, STATUSES, Cell, Failure, Matrix, MatrixError, printable_line
+from harness.matrix import (
+    SCHEMA_VERSION,
+    STATUSES,
+    Cell,
+    Failure,
+    Matrix,
+    MatrixError,
+    escape_unprintable,
+    printable_line,
+)
 
 # The largest matrix file load_matrix reads; a real one is a few hundred KiB.
 MAX_MATRIX_BYTES = 256 * 1024 * 1024
@@ -67,10 +76,7 @@ def _quoted(text: str) -> str:
 def _shown_path(path: str | os.PathLike[str]) -> str:
     """A file name as given, with any character that does not print escaped (it may hold a newline)."""
     text = os.fspath(path)
-    text = text if isinstance(text, str) else os.fsdecode(text)
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+    return escape_unprintable(text if isinstance(text, str) else os.fsdecode(text))
 
 
 def _shown_name(text: str) -> str:
