@@ -25,16 +25,18 @@ def prepared_regressor(ctx):
     return accelerator, model, optimizer, oracle
 
 
-def healthy_steps(ctx, accelerator, model, optimizer, oracle, steps):
+def synced_steps(ctx, accelerator, model, optimizer, oracle, steps, *, batch_of=None, contract_steps=True):
+    """One synced backward and an optimizer step each, checked against the oracle, which is told the
+    optimizer steps (``contract_steps``) and gets ``batch_of(step)`` (the rank's own batch by default)."""
     models = {"model": model}
     for step in steps:
-        batch = ctx.batch(step)
+        batch = (batch_of or ctx.batch)(step)
         accelerator.backward(regression_loss(model, batch))
         oracle.backward(lambda m: regression_loss(m["model"], batch), sync=True)
         oracle.check_grads(step, models)
         optimizer.step()
         optimizer.zero_grad()
-        oracle.step(True)
+        oracle.step(contract_steps)
         oracle.check_params(step, models, {"model": optimizer})
 
 
@@ -67,16 +69,16 @@ def test_planted_rank_fault(ctx):
     by a healthy one, which must pass on the rebuilt pool."""
     fault = ctx.variant["fault"]
     accelerator, model, optimizer, oracle = prepared_regressor(ctx)
-    healthy_steps(ctx, accelerator, model, optimizer, oracle, [1])
+    synced_steps(ctx, accelerator, model, optimizer, oracle, [1])
     if fault is None:
-        healthy_steps(ctx, accelerator, model, optimizer, oracle, [2, 3])
+        synced_steps(ctx, accelerator, model, optimizer, oracle, [2, 3])
         return
     plant(fault, ctx.rank)
     if fault == "hang_in_collective":
         return  # the others finish: only rank 1 is left waiting
     if fault == "hang_outside":
         dist.barrier()  # blocked, waiting for rank 1
-    healthy_steps(ctx, accelerator, model, optimizer, oracle, [2])
+    synced_steps(ctx, accelerator, model, optimizer, oracle, [2])
 
 
 @case("planted_left_out_of_no_sync", variants=[Variant("fp32", {"precision": "fp32"})])
@@ -109,7 +111,7 @@ def test_planted_slow(ctx):
         open(os.path.join(progress, ctx.variant_name), "w").close()
     time.sleep(1.0)
     accelerator, model, optimizer, oracle = prepared_regressor(ctx)
-    healthy_steps(ctx, accelerator, model, optimizer, oracle, [1])
+    synced_steps(ctx, accelerator, model, optimizer, oracle, [1])
 
 
 FP32 = [Variant("fp32", {"precision": "fp32"})]
@@ -121,16 +123,7 @@ def test_planted_canary_misdeclared(ctx):
     declared as breaking sync: the harness finds stepped_early, not the declared not_synced, so the
     cell is missed. Finding some failure is not enough."""
     accelerator, model, optimizer, oracle = prepared_regressor(ctx)
-    models = {"model": model}
-    for step in (1, 2):
-        batch = ctx.batch(step)
-        accelerator.backward(regression_loss(model, batch))
-        oracle.backward(lambda m: regression_loss(m["model"], batch), sync=True)
-        oracle.check_grads(step, models)
-        optimizer.step()
-        optimizer.zero_grad()
-        oracle.step(False)
-        oracle.check_params(step, models, {"model": optimizer})
+    synced_steps(ctx, accelerator, model, optimizer, oracle, [1, 2], contract_steps=False)
 
 
 @case("planted_alike", variants=FP32)
@@ -138,13 +131,5 @@ def test_planted_alike(ctx):
     """Every rank gets the same data, so synced and local gradients are equal and no check can tell
     whether the sync happened: from two ranks on the cell is an error (a harness defect), not a pass."""
     accelerator, model, optimizer, oracle = prepared_regressor(ctx)
-    models = {"model": model}
-    for step in (1, 2):
-        batch = rank_batch(derive_seed(ctx.seed, "alike", step), 0, rows=6, features=4)
-        accelerator.backward(regression_loss(model, batch))
-        oracle.backward(lambda m: regression_loss(m["model"], batch), sync=True)
-        oracle.check_grads(step, models)
-        optimizer.step()
-        optimizer.zero_grad()
-        oracle.step(True)
-        oracle.check_params(step, models, {"model": optimizer})
+    synced_steps(ctx, accelerator, model, optimizer, oracle, [1, 2],
+                 batch_of=lambda step: rank_batch(derive_seed(ctx.seed, "alike", step), 0, rows=6, features=4))
