@@ -64,6 +64,11 @@ def _flat(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in tensors])
 
 
+def _joined(expectations: Mapping[str, Expectation]) -> Expectation:
+    """One flat expectation of a model's parameters, for a model-wide question."""
+    return Expectation(_flat(e.value for e in expectations.values()), _flat(e.allowed for e in expectations.values()))
+
+
 def _pieces(flat: torch.Tensor, like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``flat`` cut back into tensors shaped like ``like``'s, by name."""
     out = {}
@@ -236,10 +241,7 @@ class Oracle:
             synced = self._reduce(self.local[name])  # what a sync now would give: the other hypothesis
             self.recorder.checks += 1
             self.recorder.grad_checks += 1
-            if not distinguishable(
-                Expectation(_flat(e.value for e in local.values()), _flat(e.allowed for e in local.values())),
-                Expectation(_flat(e.value for e in synced.values()), _flat(e.allowed for e in synced.values())),
-            ):
+            if not distinguishable(_joined(local), _joined(synced)):
                 self.recorder.vacuous_checks += 1
             failed = False
             for pname, replica_param in self.params[name].items():
@@ -314,9 +316,7 @@ class Oracle:
             self._anchor(name, actual_params, params=True)
             if failed:
                 self._anchor_local(name, actual_params)
-                for pname, actual_param in actual_params.items():
-                    self.params[name][pname].grad = None if actual_param.grad is None else actual_param.grad.detach().clone()
-                self.allowed[name] = self._no_allowance(name)
+                self._anchor(name, actual_params, params=False)  # a rank that stepped wrongly: its gradients too
                 if optimizers is not None and name in optimizers and name in self.optimizers:
                     self.optimizers[name].load_state_dict(copy.deepcopy(optimizers[name].state_dict()))
         self.before_step = None

@@ -325,16 +325,14 @@ class PoolSet:
     def close(self, *, graceful: bool = True) -> None:
         """End every pool: ask the ranks to leave (``graceful``), or kill them at once. The pools'
         temporary folders go whatever happens on the way."""
+        pools = list(self.pools.values())
+        self.pools.clear()
         try:
-            for pool in self.pools.values():
-                try:
-                    if graceful:
-                        pool.close()
-                    else:
-                        pool.kill()
-                finally:
-                    pool.remove_workdir()
+            for pool in pools:
+                if graceful:
+                    pool.close()
+                else:
+                    pool.kill()
         finally:
-            for pool in self.pools.values():
+            for pool in pools:
                 pool.remove_workdir()
-            self.pools.clear()
