@@ -1,13 +1,11 @@
-"""Reading a matrix file that may hold anything: only a regular file, at most MAX_MATRIX_BYTES of it,
-strict JSON, every known field checked for its type; each problem one line naming the file and cell."""
+"""Reading a matrix file that may hold anything: strict JSON from a regular file (harness.strictjson),
+then every known field checked for its type; each problem one line naming the file and the cell."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
-import stat
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -21,16 +19,14 @@ from harness.matrix import (
     escape_unprintable,
     printable_line,
 )
-
-# The largest matrix file load_matrix reads; a real one is a few hundred KiB.
-MAX_MATRIX_BYTES = 256 * 1024 * 1024
-# JSON nested deeper than this is refused (a matrix nests about six levels).
-MAX_NESTING = 100
-# Integers with more digits than this are refused (Python's own limit for str -> int).
-MAX_INT_DIGITS = 4300
-# How much of an offending value an error message shows.
-_SHOWN_CHARS = 60
-_CHUNK_BYTES = 1 << 20
+from harness.strictjson import (
+    MAX_NESTING,
+    SHOWN_CHARS,
+    Unusable,
+    parse_strict_json,
+    quoted,
+    read_regular_file,
+)
 
 
 class _Invalid(Exception):
@@ -55,22 +51,16 @@ def _describe(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, int):
         digits = str(value)
-        return digits if len(digits) <= _SHOWN_CHARS else f"an integer of {len(digits.lstrip('-'))} digits"
+        return digits if len(digits) <= SHOWN_CHARS else f"an integer of {len(digits.lstrip('-'))} digits"
     if isinstance(value, float):
         return repr(value)
     if isinstance(value, str):
-        return f"the string {_quoted(value)}" if value else "an empty string"
+        return f"the string {quoted(value)}" if value else "an empty string"
     if isinstance(value, list):
         return "a list" if value else "an empty list"
     if isinstance(value, dict):
         return "an object" if value else "an empty object"
     return f"a {type(value).__name__}"
-
-
-def _quoted(text: str) -> str:
-    """A string as Python writes it (quoted, every unprintable character escaped), cut when long."""
-    shown = repr(text[:_SHOWN_CHARS])
-    return shown + (f" ({len(text)} characters)" if len(text) > _SHOWN_CHARS else "")
 
 
 def _shown_path(path: str | os.PathLike[str]) -> str:
@@ -82,7 +72,7 @@ def _shown_path(path: str | os.PathLike[str]) -> str:
 def _shown_name(text: str) -> str:
     """A case or variant name as shown in an error message."""
     line = printable_line(text)
-    return line if len(line) <= _SHOWN_CHARS else line[:_SHOWN_CHARS] + "…"
+    return line if len(line) <= SHOWN_CHARS else line[:SHOWN_CHARS] + "…"
 
 
 def _raise_if(message: Optional[str]) -> None:
@@ -311,133 +301,16 @@ def _is_text(value: str) -> bool:
     return True
 
 
-def _refuse_constant(name: str) -> Any:
-    raise _Invalid(f"not JSON ({name} is not a JSON number)")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        shown = text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + "…"
-        raise _Invalid(f"the number {shown} is too large (not a finite float)")
-    return value
-
-
-def _bounded_int(text: str) -> int:
-    digits = len(text.lstrip("-"))
-    if digits > MAX_INT_DIGITS:
-        raise _Invalid(f"an integer of {digits} digits is too large (more than {MAX_INT_DIGITS})")
-    return int(text)
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise _Invalid(f"duplicate key {_quoted(key)} in a JSON object")
-        result[key] = value
-    return result
-
-
-def _format_size(size: int) -> str:
-    mib = 1024 * 1024
-    return f"{size // mib} MiB" if size >= mib and size % mib == 0 else f"{size} bytes"
-
-
-_FILE_KINDS = (
-    (stat.S_ISDIR, "is a directory, not a matrix file"),
-    (stat.S_ISFIFO, "is a FIFO (named pipe), not a regular file"),
-    (stat.S_ISCHR, "is a character device, not a regular file"),
-    (stat.S_ISBLK, "is a block device, not a regular file"),
-    (stat.S_ISSOCK, "is a socket, not a regular file"),
-)
-
-
-def _refuse_unless_regular(mode: int) -> None:
-    if stat.S_ISREG(mode):
-        return
-    for is_kind, reason in _FILE_KINDS:
-        if is_kind(mode):
-            raise _Invalid(reason)
-    raise _Invalid("is not a regular file")
-
-
-def _refuse_if_too_large(size: int, limit: int) -> None:
-    if size > limit:
-        raise _Invalid(f"is {size} bytes, more than the {_format_size(limit)} a matrix file may have")
-
-
-def _read_regular_file(path: Path) -> bytes:
-    """The bytes of a regular file of at most MAX_MATRIX_BYTES; never blocks on a FIFO or a device."""
-    limit = MAX_MATRIX_BYTES
-    try:
-        _refuse_unless_regular(os.stat(path).st_mode)
-        # O_NONBLOCK: should the path become a FIFO after the stat, opening it does not wait for a writer.
-        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
-        fd = os.open(path, flags)
-    except FileNotFoundError:
-        raise _Invalid("no such file") from None
-    except NotADirectoryError:
-        raise _Invalid("no such file (a folder on its path is a file)") from None
-    except OSError as exc:
-        raise _Invalid(f"cannot read ({exc.strerror or exc})") from None
-    except ValueError:  # e.g. a NUL in the path
-        raise _Invalid("cannot read (not a valid path)") from None
-    try:
-        status = os.fstat(fd)
-        _refuse_unless_regular(status.st_mode)
-        _refuse_if_too_large(status.st_size, limit)
-        chunks, total = [], 0
-        while total <= limit:
-            chunk = os.read(fd, min(_CHUNK_BYTES, limit + 1 - total))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-        if total > limit:
-            raise _Invalid(f"is more than the {_format_size(limit)} a matrix file may have")
-        return b"".join(chunks)
-    except OSError as exc:
-        raise _Invalid(f"cannot read ({exc.strerror or exc})") from None
-    finally:
-        os.close(fd)
-
-
-def parse_matrix_json(raw: bytes) -> Any:
-    """Strict JSON: UTF-8 text (a leading BOM allowed), no NaN or Infinity, no number too large
-    for its type, no duplicate key in an object, no nesting that exhausts the stack."""
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise _Invalid(f"not JSON: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})") from None
-    if not text.strip():
-        raise _Invalid("not JSON (the file is empty)")
-    try:
-        return json.loads(
-            text,
-            parse_constant=_refuse_constant,
-            parse_float=_finite_float,
-            parse_int=_bounded_int,
-            object_pairs_hook=_unique_keys,
-        )
-    except json.JSONDecodeError as exc:
-        raise _Invalid(f"not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
-    except RecursionError:
-        raise _Invalid(f"JSON nested too deeply (more than {MAX_NESTING} levels)") from None
-    except ValueError as exc:  # a number the parser itself could not convert
-        raise _Invalid(f"not JSON ({printable_line(exc)[:200]})") from None
-
-
 def load_matrix(path: str | os.PathLike[str]) -> Matrix:
     """Read a matrix file; any problem is a MatrixError with a one-line reason naming the file.
 
     Only a regular file is read (a directory, FIFO, device or socket is refused before it is
-    opened), at most MAX_MATRIX_BYTES of it, as strict JSON, then checked by Matrix.from_dict.
+    opened), at most MAX_FILE_BYTES of it, as strict JSON, then checked by Matrix.from_dict.
     """
     shown = _shown_path(path)
     try:
-        data = parse_matrix_json(_read_regular_file(Path(path)))
-    except _Invalid as exc:
+        data = parse_strict_json(read_regular_file(Path(path)))
+    except Unusable as exc:
         raise MatrixError(f"{shown}: {exc}") from None
     return Matrix.from_dict(data, source=shown)
 

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import harness.matrix
 import harness.matrixfile
+import harness.strictjson
 from harness.cli import main
 from harness.matrix import STATUSES, Matrix, MatrixError
 from harness.matrixfile import load_matrix
@@ -130,7 +131,7 @@ def test_socket_is_refused(tmp_path, good):
 
 
 def test_oversize_file_is_refused_with_its_size(tmp_path, good, monkeypatch):
-    monkeypatch.setattr(harness.matrixfile, "MAX_MATRIX_BYTES", 1000)
+    monkeypatch.setattr(harness.strictjson, "MAX_FILE_BYTES", 1000)
     small = tmp_path / "small.json"
     small.write_text(json.dumps(GOOD), encoding="utf-8")
     assert small.stat().st_size < 1000
