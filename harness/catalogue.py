@@ -62,7 +62,6 @@ class CaseInfo:
     body: Callable[..., None]
     detects: tuple[Diagnosis, ...]
     description: str
-    place: str  # file:line of the case function, to name it in errors
 
     @property
     def canary(self) -> bool:
@@ -100,7 +99,7 @@ PRECISIONS = ("fp32", "bf16")
 _DEFINED: dict[str, tuple[str, str, int]] = {}
 
 
-def _register(name: str, body: Callable[..., None]) -> str:
+def _register(name: str, body: Callable[..., None]) -> None:
     """Record where case ``name`` is defined; a second definition elsewhere is an error naming both
     (two cases of one name would make cells with one identity, and a report keeps only one).
     The same function loaded again (a rank or the self-check imports case files anew) is no second."""
@@ -110,7 +109,6 @@ def _register(name: str, body: Callable[..., None]) -> str:
     if there[:2] != here[:2]:
         raise ValueError(f"case {name!r} is defined twice: {there[0]}:{there[2]} ({there[1]}) and "
                          f"{here[0]}:{here[2]} ({here[1]}); a case name identifies its cells and must be unique")
-    return f"{here[0]}:{here[2]}"
 
 
 def case(
@@ -148,7 +146,7 @@ def case(
     def decorate(body: Callable[..., None]) -> Callable[..., None]:
         if not body.__name__.startswith("test_"):
             raise ValueError(f"case {name!r}: name the function test_..., not {body.__name__!r}")
-        place = _register(name, body)
+        _register(name, body)
 
         def test(harness_cell: Any) -> None:
             harness_cell.run()
@@ -163,7 +161,6 @@ def case(
             body=body,
             detects=detects,
             description=inspect.getdoc(body) or "",
-            place=place,
         )
         return test
 
