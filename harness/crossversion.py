@@ -12,11 +12,10 @@ from harness.diff import (
     format_world_sizes,
     index_cells,
     label_matrices,
-    one_line,
     order_key,
     world_sizes_of,
 )
-from harness.matrix import STATUSES, Cell, Matrix
+from harness.matrix import STATUSES, Cell, Matrix, printable_line
 from harness.report import PAGE_STYLE, md_status, md_text, status_style
 
 
@@ -135,7 +134,7 @@ tr.differs td.mark { background: #fff8c5; font-weight: 700; }
 
 def _e(text: object) -> str:
     # One line, control characters and lone surrogates shown as escapes, then HTML-escaped.
-    return html.escape(one_line(text), quote=True)
+    return html.escape(printable_line(text), quote=True)
 
 
 def _status_class(status: str | None) -> str:
@@ -147,7 +146,7 @@ def _status_class(status: str | None) -> str:
 def _cell_title(column: ComparisonColumn, cell: Cell | None) -> str:
     if cell is None:
         return f"{column.heading}: no such cell"
-    summary = one_line(cell.summary)
+    summary = printable_line(cell.summary)
     title = f"{column.heading}: {cell.status}"
     return f"{title} — {summary}" if summary else title
 

@@ -207,46 +207,41 @@ def count_line(diff: MatrixDiff) -> str:
     )
 
 
-# Plain text from a matrix goes through this: one line, no control or bidi character left to act
-# on a terminal (they are shown as escapes like \x1b).
-one_line = printable_line
-
-
 def describe_key(key: CellKey) -> str:
     case, variant, world_size = key
-    return f"{one_line(case)} / {one_line(variant)} / ws={one_line(world_size)}"
+    return f"{printable_line(case)} / {printable_line(variant)} / ws={printable_line(world_size)}"
 
 
 def _change_line(tag: str, change: CellChange) -> str:
-    before, after = one_line(change.base.status), one_line(change.candidate.status)
+    before, after = printable_line(change.base.status), printable_line(change.candidate.status)
     line = f"{tag} {describe_key(change.key)}: {before} -> {after}"
-    summary = one_line(change.candidate.summary)
+    summary = printable_line(change.candidate.summary)
     return f"{line} — {summary}" if summary else line
 
 
 def _only_line(tag: str, cell: Cell) -> str:
-    line = f"{tag} {describe_key(cell.key)}: {one_line(cell.status)}"
-    summary = one_line(cell.summary)
+    line = f"{tag} {describe_key(cell.key)}: {printable_line(cell.status)}"
+    summary = printable_line(cell.summary)
     return f"{line} — {summary}" if summary else line
 
 
 def render_diff_text(diff: MatrixDiff, base_label: str, cand_label: str) -> str:
     """Plain text for a terminal or CI log: regressions first, then a count line.
 
-    One line per entry: every text from the matrices is shown by one_line, so a newline, an ANSI
+    One line per entry: every text from the matrices is shown by printable_line, so a newline, an ANSI
     escape or a bidi override in a summary or a name is printed escaped, never acted on.
     """
-    lines = [f"base: {one_line(base_label)}", f"candidate: {one_line(cand_label)}"]
-    lines += [f"note: {one_line(note)}" for note in diff.notes]
+    lines = [f"base: {printable_line(base_label)}", f"candidate: {printable_line(cand_label)}"]
+    lines += [f"note: {printable_line(note)}" for note in diff.notes]
     lines.append("")
     for change in diff.regressions:
         lines.append(_change_line("REGRESSION", change))
         if change.candidate.rerun:
-            lines.append(f"    rerun: {one_line(change.candidate.rerun)}")
+            lines.append(f"    rerun: {printable_line(change.candidate.rerun)}")
     for cell in diff.vanished:
-        lines.append(f"VANISHED {describe_key(cell.key)}: {one_line(cell.status)} -> {MISSING}")
+        lines.append(f"VANISHED {describe_key(cell.key)}: {printable_line(cell.status)} -> {MISSING}")
         if cell.rerun:
-            lines.append(f"    rerun: {one_line(cell.rerun)}")
+            lines.append(f"    rerun: {printable_line(cell.rerun)}")
     lines += [_change_line("IMPROVEMENT", change) for change in diff.improvements]
     lines += [_change_line("CHANGED", change) for change in diff.changed_other]
     lines += [_only_line("ONLY IN BASE", cell) for cell in diff.only_in_base]

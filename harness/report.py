@@ -333,10 +333,6 @@ def _needs_explaining(cell: Cell) -> bool:
     return cell.status not in QUIET_STATUSES and bool(cell.summary or cell.failures)
 
 
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
-
-
 def md_status(status: str) -> str:
     """A status for Markdown, after its symbol."""
     symbol = STATUS_SYMBOLS.get(status)
@@ -372,7 +368,7 @@ def _html_absent() -> str:
 
 def _html_cell(cell: Cell) -> str:
     box = f'<span class="status {_esc(cell.status)}">{_esc(cell.status)}</span>'
-    title = _esc(_one_line(cell.summary)) if cell.summary else _esc(cell.status)
+    title = _esc(printable_line(cell.summary)) if cell.summary else _esc(cell.status)
     details = _cell_details(cell)
     if not details:
         return f'<span title="{title}">{box}</span>'
