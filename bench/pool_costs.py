@@ -15,13 +15,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from harness.messages import CellSpec  # noqa: E402
-from harness.pool import RankPool  # noqa: E402
+from harness.catalogue import load_case_file  # noqa: E402
+from harness.cells import run_cell  # noqa: E402
+from harness.options import resolve  # noqa: E402
+from harness.pool import PoolSet  # noqa: E402
+from harness.records import Status  # noqa: E402
 
-CELLS = [
-    ("fused_loss", "fp32", {"precision": "fp32"}, "cases/test_fused_loss.py", "test_fused_loss"),
-    ("accumulate", "steps=2-fp32", {"steps": 2, "precision": "fp32"}, "cases/test_accumulate.py", "test_accumulate"),
-]
+# (case file, variant): a one-step cell and an accumulating one
+CELLS = [("cases/test_fused_loss.py", "fp32"), ("cases/test_accumulate.py", "steps=2-fp32")]
 
 
 def main() -> int:
@@ -30,31 +31,34 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
     rows = []
+    cells = []
+    for path, variant_name in CELLS:
+        case = load_case_file(ROOT / path)[0]
+        cells.append((case, next(v for v in case.info.variants if v.name == variant_name)))
     for world_size in [int(w) for w in args.world_sizes.split(",")]:
-        pool = RankPool(world_size, backend="gloo")
+        settings = resolve(world_sizes=str(world_size), backend="gloo", report_dir="reports", case_timeout="120",
+                           seed="1234")
+        pools = PoolSet(backend="gloo")
         started = time.perf_counter()
-        pool.start()
+        pools.get(world_size)
         start_s = time.perf_counter() - started
         try:
-            for case, variant, params, path, attr in CELLS:
-                spec = CellSpec(case=case, variant=variant, variant_params=params, world_size=world_size,
-                                seed=1234, backend="gloo", case_file=str(ROOT / path), case_attr=attr)
+            for case, variant in cells:
                 times = []
                 for _ in range(args.repeats + 1):
                     t = time.perf_counter()
-                    outcome = pool.run(spec, timeout_s=120)
+                    cell = run_cell(pools, case, variant, world_size, settings)
                     times.append(time.perf_counter() - t)
-                    if not outcome.ok:
-                        print(f"{case} at world size {world_size}: {outcome.faults[0].what}", file=sys.stderr)
+                    if cell.status != Status.PASS:
+                        print(f"{case.name}[{variant.name}] at world size {world_size}: {cell.status}: {cell.summary}",
+                              file=sys.stderr)
                         return 1
-                checks = sum(r.checks for r in outcome.results.values())
                 warm = times[1:]  # the first run of a case imports its module
-                rows.append((world_size, f"{start_s:.2f}", f"{case}[{variant}]", checks,
+                rows.append((world_size, f"{start_s:.2f}", f"{case.name}[{variant.name}]", cell.checks,
                              f"{statistics.median(warm) * 1000:.0f}", f"{min(warm) * 1000:.0f}"))
-                print(f"  measured {case}[{variant}] at world size {world_size}", file=sys.stderr)
+                print(f"  measured {case.name}[{variant.name}] at world size {world_size}", file=sys.stderr)
         finally:
-            pool.close()
-            pool.remove_workdir()
+            pools.close()
     header = ("world size", "pool start s", "cell", "checks", "warm cell ms (median)", "min ms")
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     for row in [header, tuple("-" * w for w in widths), *rows]:

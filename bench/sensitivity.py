@@ -18,8 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from harness import selfcheck  # noqa: E402
-from harness.matrix import FAIL  # noqa: E402
+from harness import catalogue, selfcheck  # noqa: E402
+from harness.records import Status  # noqa: E402
 
 
 def _floats(text: str) -> list[float]:
@@ -39,8 +39,8 @@ def main() -> int:
     parser.add_argument("--cases", default=None, help="comma list of case names (default: all)")
     parser.add_argument("--seed", type=int, default=selfcheck.DEFAULT_SEED)
     args = parser.parse_args()
-    catalogue = selfcheck.discover(ROOT / "cases")
-    targets = [t for t in selfcheck.select_targets(catalogue, all_variants=True,
+    cases = catalogue.discover(ROOT / "cases")
+    targets = [t for t in selfcheck.select_targets(cases, all_variants=True,
                                                     cases=args.cases.split(",") if args.cases else None)
                if not t.case.info.canary]
     caught: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
@@ -58,7 +58,7 @@ def main() -> int:
                         key = (relative, target.precision, world_size)
                         cell = runner.run(target, fault=fault)
                         caught[key][1] += 1
-                        if cell.status == FAIL:
+                        if cell.status == Status.FAIL:
                             caught[key][0] += 1
                         else:
                             missed[key].append(f"{target.label}@{backward} {cell.status}")

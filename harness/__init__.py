@@ -1,6 +1,6 @@
 """A gradient-sync correctness harness for PyTorch and accelerate."""
 
-from harness.catalogue import PRECISIONS, Diagnosis, SkipCell, Unsupported, Variant, case, grid
+from harness.decorator import PRECISIONS, Diagnosis, SkipCell, Unsupported, Variant, case, grid
 
 __version__ = "0.1.0"
 

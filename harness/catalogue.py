@@ -1,172 +1,102 @@
-"""The case decorator: turns a rank-side function into a parametrized pytest case."""
+"""The catalogue: the cases defined in case files, found by path; the one way a case file is loaded.
+
+pytest collects case files its own way; everything else (a rank running a cell, the self-check, the
+benchmarks) loads them here, each file once per process.
+"""
 
 from __future__ import annotations
 
-import inspect
-import itertools
+import importlib.util
 import os
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+from harness.decorator import CaseInfo, case_info
 
 
-class Unsupported(Exception):
-    """Raised on a rank when the installed accelerate lacks an API the case needs."""
-
-    def __init__(self, api: str, detail: str = "") -> None:
-        self.api = api
-        self.detail = detail
-        super().__init__(f"installed accelerate lacks {api}" + (f" ({detail})" if detail else ""))
-
-
-class SkipCell(Exception):
-    """Raised on a rank when the cell does not apply here; the message is the reason."""
+class CatalogueError(Exception):
+    """A case directory or file that cannot be used; the message is one line."""
 
 
 @dataclass(frozen=True)
-class Variant:
-    """One named configuration of a case, e.g. ``steps=2-bf16``."""
+class CaseRef:
+    """A case and where it is defined: the file and the name of its test function."""
 
-    name: str
-    params: Mapping[str, Any] = field(default_factory=dict)
-
-
-# Diagnoses that compare a synced gradient with a local one: a single rank cannot produce them.
-SYNC_KINDS = frozenset({"not_synced", "synced_early"})
-
-
-@dataclass(frozen=True)
-class Diagnosis:
-    """A failure a canary must produce: its ``kind``, in ``model`` when given."""
-
-    kind: str
-    model: str | None = None
-
-    def matches(self, kind: str, model: str) -> bool:
-        return kind == self.kind and (self.model is None or model == self.model)
-
-    def observable(self, world_size: int) -> bool:
-        """Whether a cell of this world size can show it (sync needs two ranks)."""
-        return world_size >= 2 or self.kind not in SYNC_KINDS
-
-    def __str__(self) -> str:
-        return self.kind + (f" in {self.model}" if self.model else "")
-
-
-@dataclass(frozen=True)
-class CaseInfo:
-    """What the harness knows of a case: its name, variants, body, and for a canary (a pattern known
-    to be wrong) the diagnoses it must produce."""
-
-    name: str
-    variants: tuple[Variant, ...]
-    body: Callable[..., None]
-    detects: tuple[Diagnosis, ...]
-    description: str
+    info: CaseInfo
+    path: Path
+    attr: str
 
     @property
-    def canary(self) -> bool:
-        return bool(self.detects)
+    def name(self) -> str:
+        return self.info.name
 
 
-def _format_value(value: Any) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
+_modules: dict[str, ModuleType] = {}
 
 
-def grid(**axes: Iterable[Any]) -> tuple[Variant, ...]:
-    """The cross product of the axes, named ``key=value`` joined by ``-``.
-
-    An axis called ``precision`` is named by its value alone (``fp32``, ``bf16``), as are string
-    values of an axis called ``form``.
-    """
-    names = list(axes)
-    values = [list(axes[name]) for name in names]
-    variants = []
-    for combo in itertools.product(*values):
-        parts = []
-        for name, value in zip(names, combo):
-            if name in ("precision", "form"):
-                parts.append(_format_value(value))
-            else:
-                parts.append(f"{name}={_format_value(value)}")
-        variants.append(Variant("-".join(parts), dict(zip(names, combo))))
-    return tuple(variants)
-
-
-PRECISIONS = ("fp32", "bf16")
-
-
-# Every case defined in this process, by name: where it is defined (file, qualified name, line).
-_DEFINED: dict[str, tuple[str, str, int]] = {}
+def _import(path: Path) -> ModuleType:
+    key = str(path)
+    module = _modules.get(key)
+    if module is not None:
+        return module
+    if not path.is_file():
+        raise CatalogueError(f"{path}: no such case file")
+    name = f"harness_case_{path.stem}_{abs(hash(key))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise CatalogueError(f"{path}: cannot import")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    _modules[key] = module
+    return module
 
 
-def _register(name: str, body: Callable[..., None]) -> None:
-    """Record where case ``name`` is defined; a second definition elsewhere is an error naming both
-    (two cases of one name would make cells with one identity, and a report keeps only one).
-    The same function loaded again (a rank or the self-check imports case files anew) is no second."""
-    code = body.__code__
-    here = (os.path.realpath(code.co_filename), body.__qualname__, code.co_firstlineno)
-    there = _DEFINED.setdefault(name, here)
-    if there[:2] != here[:2]:
-        raise ValueError(f"case {name!r} is defined twice: {there[0]}:{there[2]} ({there[1]}) and "
-                         f"{here[0]}:{here[2]} ({here[1]}); a case name identifies its cells and must be unique")
+def load_case_file(path: str | os.PathLike[str]) -> list[CaseRef]:
+    """Every case in one file, in order of definition (the file is imported once per process)."""
+    resolved = Path(path).resolve()
+    module = _import(resolved)
+    refs = []
+    for attr, value in vars(module).items():
+        info = case_info(value)
+        if info is not None:
+            refs.append(CaseRef(info=info, path=resolved, attr=attr))
+    return refs
 
 
-def case(
-    name: str,
-    *,
-    variants: Iterable[Variant] = grid(precision=PRECISIONS),
-    canary: Diagnosis | Iterable[Diagnosis] = (),
-) -> Callable[[Callable[..., None]], Callable[..., None]]:
-    """Declare a case. The decorated function runs on every rank with a ``RankContext``.
-
-    The decorator returns a pytest test function (it takes the ``harness_cell`` fixture that the
-    harness plugin provides); keep the function's ``test_`` name so that pytest collects it.
-
-    A canary is a usage pattern known to be wrong: ``canary`` names the diagnoses the harness must
-    produce for it (``Diagnosis("not_synced", model="gen")``). Its cell is ``detected`` when every one
-    of them that the world size can show was found, ``missed`` otherwise: finding some other failure
-    does not prove that the checks which should catch it work.
-    """
-    if canary is True:
-        raise TypeError(f"case {name!r}: a canary names the diagnoses it must produce, "
-                        "e.g. canary=Diagnosis('not_synced', model='gen'), not canary=True")
-    detects = (canary,) if isinstance(canary, Diagnosis) else tuple(canary or ())
-    if not all(isinstance(d, Diagnosis) for d in detects):
-        raise TypeError(f"case {name!r}: canary= takes Diagnosis(kind, model=...) objects, "
-                        f"not {[type(d).__name__ for d in detects if not isinstance(d, Diagnosis)][0]}")
-    variant_list = tuple(variants)
-    if not variant_list:
-        raise ValueError(f"case {name!r} has no variants")
-    seen = set()
-    for variant in variant_list:
-        if variant.name in seen:
-            raise ValueError(f"case {name!r} has the variant {variant.name!r} twice")
-        seen.add(variant.name)
-
-    def decorate(body: Callable[..., None]) -> Callable[..., None]:
-        if not body.__name__.startswith("test_"):
-            raise ValueError(f"case {name!r}: name the function test_..., not {body.__name__!r}")
-        _register(name, body)
-
-        def test(harness_cell: Any) -> None:
-            harness_cell.run()
-
-        test.__name__ = body.__name__
-        test.__qualname__ = body.__qualname__
-        test.__module__ = body.__module__
-        test.__doc__ = body.__doc__
-        test.__harness_case__ = CaseInfo(  # type: ignore[attr-defined]
-            name=name,
-            variants=variant_list,
-            body=body,
-            detects=detects,
-            description=inspect.getdoc(body) or "",
-        )
-        return test
-
-    return decorate
+def find_case(path: str | os.PathLike[str], attr: str) -> CaseInfo:
+    """The case defined as ``attr`` in the file at ``path``."""
+    info = case_info(getattr(_import(Path(path).resolve()), attr, None))
+    if info is None:
+        raise CatalogueError(f"{path} has no case function {attr}")
+    return info
 
 
-def case_info(function: Any) -> CaseInfo | None:
-    """The CaseInfo of a function made by ``@case``, else None."""
-    return getattr(function, "__harness_case__", None)
+def default_cases_dir() -> Path:
+    """``cases/`` in the working directory, else the one beside this package (an editable install)."""
+    here = Path("cases")
+    return here if here.is_dir() else Path(__file__).resolve().parent.parent / "cases"
+
+
+def discover(cases_dir: str | os.PathLike[str]) -> list[CaseRef]:
+    """Every case in ``cases_dir/test_*.py``, by file name, then in order of definition."""
+    directory = Path(cases_dir)
+    if not directory.is_dir():
+        raise CatalogueError(f"{directory}: no such case directory")
+    found: list[CaseRef] = []
+    defined_in: dict[str, Path] = {}
+    for path in sorted(directory.glob("test_*.py")):
+        for ref in load_case_file(path):
+            if ref.name in defined_in:
+                raise CatalogueError(f"case {ref.name!r} is defined in {defined_in[ref.name]} and in {ref.path}")
+            defined_in[ref.name] = ref.path
+            found.append(ref)
+    if not found:
+        raise CatalogueError(f"{directory}: no cases in test_*.py")
+    return found

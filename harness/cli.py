@@ -1,4 +1,5 @@
-"""The `python -m harness` command line: one function per subcommand, registered in build_parser."""
+"""The `python -m harness` command line: one function per subcommand, registered in build_parser;
+the words of its reports come from harness/render/."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from harness.crossversion import build_comparison, render_comparison_html, render_comparison_markdown
-from harness.diff import diff_matrices, label_matrices, render_diff_markdown, render_diff_text
-from harness.matrix import MatrixError, write_atomically
+from harness.comparison import build_comparison
+from harness.diff import diff_matrices, label_matrices
+from harness.matrix import MatrixError
 from harness.matrixfile import load_matrix
+from harness.render.comparison import render_comparison_html, render_comparison_markdown
+from harness.render.diff import render_diff_markdown, render_diff_text
+from harness.report import write_atomically
 from harness.options import DEFAULT_CASE_TIMEOUT_S, DEFAULT_SEED, OptionError, parse_case_timeout, parse_seed
 
 PROG = "harness"
@@ -164,21 +168,21 @@ def _world_size(text: str) -> int:
 
 
 def run_selfcheck(args: argparse.Namespace) -> int:
-    from harness import selfcheck  # imports the rank pool: only for this command
+    # the rank pool and fault injection: imported only for this command
+    from harness import catalogue, selfcheck
     from harness.faults import FAULTS
+    from harness.render.selfcheck import fault_list, progress_line, render
 
     if args.list_faults:
-        width = max(len(name) for name in FAULTS)
-        for fault in FAULTS.values():
-            print(f"{fault.name.ljust(width)}  {fault.description}")
+        sys.stdout.write(fault_list(FAULTS.values()))
         return EXIT_OK
     try:
-        catalogue = selfcheck.discover(args.cases_dir or selfcheck.default_cases_dir())
-        unknown = sorted(set(args.sensitivity_cases or ()) - {case.name for case in catalogue})
+        cases = catalogue.discover(args.cases_dir or catalogue.default_cases_dir())
+        unknown = sorted(set(args.sensitivity_cases or ()) - {case.name for case in cases})
         if unknown:
             raise UsageError(f"--sensitivity-cases: unknown case {', '.join(map(repr, unknown))}")
         result = selfcheck.run_selfcheck(
-            catalogue,
+            cases,
             cases=args.cases,
             faults=args.faults,
             variants=args.variants,
@@ -187,14 +191,14 @@ def run_selfcheck(args: argparse.Namespace) -> int:
             seed=args.seed,
             case_timeout_s=args.case_timeout,
             sensitivity_cases=None if args.no_sensitivity else (args.sensitivity_cases or selfcheck.SENSITIVITY_CASES),
-            progress=lambda line: print(line, file=sys.stderr, flush=True),
+            progress=lambda event: print(progress_line(event), file=sys.stderr, flush=True),
         )
-    except selfcheck.SelfcheckError as exc:
+    except (catalogue.CatalogueError, selfcheck.SelfcheckError) as exc:
         raise UsageError(str(exc)) from None
     except KeyboardInterrupt:
         print(f"{PROG} selfcheck: interrupted; the ranks were stopped", file=sys.stderr)
         return 130
-    report = selfcheck.render(result)
+    report = render(result)
     if args.json is not None:
         _write_report(args.json, json.dumps(result.to_dict(), indent=2) + "\n")
     sys.stdout.write(report)
@@ -264,7 +268,10 @@ SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
-        description="Work with gradient-sync matrices written by `pytest cases/` (reports/matrix.json).",
+        description=("The harness's commands beside `pytest cases/`: compare the matrices it writes\n"
+                     "(reports/matrix.json) with `diff` and `compare`, and check the harness itself with\n"
+                     "`selfcheck`."),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Run `python -m harness COMMAND --help` for a command's options and exit status.",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
 
-from harness.catalogue import SkipCell, Unsupported
-from harness.matrix import Failure
+from harness import probe
+from harness.checks import Recorder, count_batches
+from harness.decorator import SkipCell
 from harness.models import derive_seed, make_model, rank_batch, regression_dataset
-from harness.oracle import OptimizerFactory, Oracle, Recorder, SchedulerFactory
+from harness.oracle import OptimizerFactory, Oracle, SchedulerFactory
 from harness.schedule import MicroStep, accumulation_schedule, batches_per_rank, dispatched_batches_per_rank
-
-
-def _parameters(function: Any) -> set[str]:
-    try:
-        return set(inspect.signature(function).parameters)
-    except (TypeError, ValueError):
-        return set()
 
 
 class RankContext:
@@ -46,24 +39,15 @@ class RankContext:
         self.precision = str(self.variant.get("precision", "fp32"))
         self.recorder = Recorder(rank=rank)
 
-    # capabilities
+    # what the installed accelerate offers (harness/probe.py): the API, or Unsupported naming it
 
     def require(self, owner: Any, attribute: str, api: str | None = None) -> Any:
         """``getattr(owner, attribute)``, or ``Unsupported`` naming the API when it is missing."""
-        value = getattr(owner, attribute, None)
-        if value is None:
-            raise Unsupported(api or f"{getattr(owner, '__name__', type(owner).__name__)}.{attribute}")
-        return value
+        return probe.require(owner, attribute, api)
 
     def require_parameter(self, function: Any, parameter: str, api: str) -> None:
         """``Unsupported`` naming the API when ``function`` does not take ``parameter``."""
-        try:
-            signature = inspect.signature(function)
-        except (TypeError, ValueError):
-            return
-        takes_var_keyword = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
-        if parameter not in signature.parameters and not takes_var_keyword:
-            raise Unsupported(api)
+        probe.require_parameter(function, parameter, api)
 
     def skip(self, reason: str) -> None:
         raise SkipCell(reason)
@@ -81,46 +65,16 @@ class RankContext:
     def gradient_accumulation(self, num_steps: int, **options: Any) -> dict[str, Any]:
         """``Accelerator`` keyword arguments for ``GradientAccumulationPlugin(num_steps=..., **options)``,
         or ``Unsupported`` naming the plugin or the option that the installed accelerate lacks."""
-        import accelerate
-        import accelerate.utils
-
-        plugin = getattr(accelerate.utils, "GradientAccumulationPlugin", None) or getattr(
-            accelerate, "GradientAccumulationPlugin", None
-        )
-        if plugin is None:
-            raise Unsupported("GradientAccumulationPlugin")
-        self.require_parameter(accelerate.Accelerator, "gradient_accumulation_plugin",
-                               "Accelerator(gradient_accumulation_plugin=...)")
-        for name in options:
-            self.require_parameter(plugin, name, f"GradientAccumulationPlugin({name}=...)")
-        return {"gradient_accumulation_plugin": plugin(num_steps=num_steps, **options)}
+        return probe.gradient_accumulation_kwargs(num_steps, **options)
 
     def dataloader_options(self, **options: Any) -> dict[str, Any]:
         """``Accelerator`` keyword arguments for dataloader options (``split_batches``,
-        ``dispatch_batches``): a ``DataLoaderConfiguration`` where the installed accelerate has one,
-        else the ``Accelerator`` arguments of older releases; ``Unsupported`` when neither exists."""
-        import accelerate
-        import accelerate.utils
-
-        config = getattr(accelerate.utils, "DataLoaderConfiguration", None)
-        takes_config = "dataloader_config" in _parameters(accelerate.Accelerator)
-        if config is not None and takes_config:
-            for name in options:
-                self.require_parameter(config, name, f"DataLoaderConfiguration({name}=...)")
-            return {"dataloader_config": config(**options)}
-        for name in options:
-            if name not in _parameters(accelerate.Accelerator):
-                raise Unsupported(f"DataLoaderConfiguration({name}=...) or Accelerator({name}=...)")
-        return dict(options)
+        ``dispatch_batches``), or ``Unsupported`` when the installed accelerate takes neither form."""
+        return probe.dataloader_kwargs(**options)
 
     def ddp_options(self, **options: Any) -> dict[str, Any]:
         """``Accelerator`` keyword arguments that hand ``options`` to DistributedDataParallel."""
-        import accelerate.utils
-
-        handler = self.require(accelerate.utils, "DistributedDataParallelKwargs", "DistributedDataParallelKwargs")
-        for name in options:
-            self.require_parameter(handler, name, f"DistributedDataParallelKwargs({name}=...)")
-        return {"kwargs_handlers": [handler(**options)]}
+        return probe.ddp_kwargs(**options)
 
     # models and data
 
@@ -213,19 +167,4 @@ class RankContext:
     def batches(self, loader: Iterable[Any], expected: int, *, what: str, epoch: int = 0) -> Iterator[Any]:
         """Iterate ``loader`` to its end, yielding at most ``expected`` batches; a different count is a
         failure of kind ``schedule`` (the loader is still exhausted, as a user's loop would)."""
-        seen = 0
-        for batch in loader:
-            seen += 1
-            if seen <= expected:
-                yield batch
-        if seen != expected:
-            self.recorder.add(
-                Failure(
-                    rank=self.rank, step=0, model="dataloader", param="len", kind="schedule",
-                    max_abs_diff=float(abs(seen - expected)), checked="schedule",
-                    message=(
-                        f"{what} on rank {self.rank} yielded {seen} batches in epoch {epoch}, "
-                        f"the contract says {expected}"
-                    ),
-                )
-            )
+        return count_batches(self.recorder, loader, expected, what=what, epoch=epoch)

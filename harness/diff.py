@@ -1,4 +1,5 @@
-"""Cell-by-cell comparison of two matrices: regressions, improvements, and what only one has."""
+"""Cell-by-cell comparison of two matrices: regressions, improvements, and what only one has
+(the text is harness/render/diff.py's)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from harness.matrix import GOOD_STATUSES, Cell, Matrix, printable_line
-from harness.report import md_text
+from harness.matrix import Cell, Matrix
+from harness.records import GOOD_STATUSES
 
 CellKey = tuple[str, str, int]
-
-# What a vanished cell's candidate status is shown as.
-MISSING = "missing"
-VANISHED_SUMMARY = "vanished: no such cell in the candidate, which ran this world size"
 
 
 @dataclass
@@ -43,8 +40,13 @@ class MatrixDiff:
     only_in_base: list[Cell] = field(default_factory=list)
     only_in_candidate: list[Cell] = field(default_factory=list)
     unchanged: int = 0
-    notes: list[str] = field(default_factory=list)
     vanished: list[Cell] = field(default_factory=list)
+    # why the two runs may not be comparable everywhere
+    base_world_sizes: list[int] = field(default_factory=list)  # as recorded, else of its cells
+    candidate_world_sizes: list[int] = field(default_factory=list)
+    changed_environment: dict[str, tuple[str, str]] = field(default_factory=dict)  # backend, device
+    base_complete: bool = True
+    candidate_complete: bool = True
 
     @property
     def regression_count(self) -> int:
@@ -73,10 +75,6 @@ def world_sizes_of(matrix: Matrix) -> list[int]:
     if isinstance(declared, list) and declared:
         return sorted({ws for ws in declared if isinstance(ws, int)})
     return sorted({c.world_size for c in matrix.cells if isinstance(c.world_size, int)})
-
-
-def format_world_sizes(world_sizes: Sequence[int]) -> str:
-    return "[" + ",".join(str(ws) for ws in world_sizes) + "]"
 
 
 def candidate_world_sizes(base: Matrix, candidate: Matrix) -> set[int]:
@@ -121,36 +119,13 @@ def diff_matrices(base: Matrix, candidate: Matrix) -> MatrixDiff:
                 diff.improvements.append(change)
             else:
                 diff.changed_other.append(change)
-    diff.notes = describe_mismatched_runs(base, candidate)
-    return diff
-
-
-def describe_mismatched_runs(base: Matrix, candidate: Matrix) -> list[str]:
-    """Notes on why two runs may not be comparable everywhere."""
-    notes = []
-    base_ws, cand_ws = world_sizes_of(base), world_sizes_of(candidate)
-    if not cand_ws and base_ws:
-        notes.append(
-            "the candidate records no world size and has no cell: it is taken to have run the base's "
-            f"world sizes {format_world_sizes(base_ws)}"
-        )
-    elif base_ws != cand_ws:
-        notes.append(
-            "compared only where cells meet: "
-            f"base world sizes {format_world_sizes(base_ws)}, "
-            f"candidate {format_world_sizes(cand_ws)}"
-        )
+    diff.base_world_sizes, diff.candidate_world_sizes = world_sizes_of(base), world_sizes_of(candidate)
     for name in ("backend", "device"):
         before, after = base.environment.get(name), candidate.environment.get(name)
         if before and after and before != after:
-            notes.append(f"the runs used different {name}s: base {before}, candidate {after}")
-    if not base.complete:
-        notes.append("the base run did not finish; its missing cells show as only in the candidate")
-    if not candidate.complete:
-        notes.append(
-            "the candidate run did not finish; a cell it did not reach that held in base counts as vanished"
-        )
-    return notes
+            diff.changed_environment[name] = (str(before), str(after))
+    diff.base_complete, diff.candidate_complete = base.complete, candidate.complete
+    return diff
 
 
 def label_matrix(matrix: Matrix, source: str | Path) -> str:
@@ -186,111 +161,3 @@ def _disambiguate(labels: list[str], suffixes: list[str]) -> list[str]:
             label = f"{label} ({suffix})"
         result.append(label)
     return result
-
-
-def _plural(count: int, singular: str, plural: str) -> str:
-    return f"{count} {singular if count == 1 else plural}"
-
-
-def count_line(diff: MatrixDiff) -> str:
-    regressions = _plural(diff.regression_count, "regression", "regressions")
-    if diff.vanished:
-        regressions += f" ({len(diff.vanished)} vanished)"
-    return ", ".join(
-        [
-            regressions,
-            _plural(len(diff.improvements), "improvement", "improvements"),
-            _plural(len(diff.changed_other), "other change", "other changes"),
-            _plural(len(diff.only_in_base), "cell only in base", "cells only in base"),
-            f"{len(diff.only_in_candidate)} only in candidate",
-        ]
-    )
-
-
-def describe_key(key: CellKey) -> str:
-    case, variant, world_size = key
-    return f"{printable_line(case)} / {printable_line(variant)} / ws={printable_line(world_size)}"
-
-
-def _change_line(tag: str, change: CellChange) -> str:
-    before, after = printable_line(change.base.status), printable_line(change.candidate.status)
-    line = f"{tag} {describe_key(change.key)}: {before} -> {after}"
-    summary = printable_line(change.candidate.summary)
-    return f"{line} — {summary}" if summary else line
-
-
-def _only_line(tag: str, cell: Cell) -> str:
-    line = f"{tag} {describe_key(cell.key)}: {printable_line(cell.status)}"
-    summary = printable_line(cell.summary)
-    return f"{line} — {summary}" if summary else line
-
-
-def render_diff_text(diff: MatrixDiff, base_label: str, cand_label: str) -> str:
-    """Plain text for a terminal or CI log: regressions first, then a count line.
-
-    One line per entry: every text from the matrices is shown by printable_line, so a newline, an ANSI
-    escape or a bidi override in a summary or a name is printed escaped, never acted on.
-    """
-    lines = [f"base: {printable_line(base_label)}", f"candidate: {printable_line(cand_label)}"]
-    lines += [f"note: {printable_line(note)}" for note in diff.notes]
-    lines.append("")
-    for change in diff.regressions:
-        lines.append(_change_line("REGRESSION", change))
-        if change.candidate.rerun:
-            lines.append(f"    rerun: {printable_line(change.candidate.rerun)}")
-    for cell in diff.vanished:
-        lines.append(f"VANISHED {describe_key(cell.key)}: {printable_line(cell.status)} -> {MISSING}")
-        if cell.rerun:
-            lines.append(f"    rerun: {printable_line(cell.rerun)}")
-    lines += [_change_line("IMPROVEMENT", change) for change in diff.improvements]
-    lines += [_change_line("CHANGED", change) for change in diff.changed_other]
-    lines += [_only_line("ONLY IN BASE", cell) for cell in diff.only_in_base]
-    lines += [_only_line("ONLY IN CANDIDATE", cell) for cell in diff.only_in_candidate]
-    if len(lines) > 3 + len(diff.notes):
-        lines.append("")
-    lines.append(count_line(diff))
-    return "\n".join(lines) + "\n"
-
-
-def _markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(md_text(v) for v in row) + " |" for row in rows]
-    return lines
-
-
-def render_diff_markdown(diff: MatrixDiff, base_label: str, cand_label: str) -> str:
-    """Markdown for a CI step summary or a pull request comment."""
-    lines = [
-        f"### Matrix diff: {md_text(base_label)} → {md_text(cand_label)}",
-        "",
-        f"**{count_line(diff)}**",
-        "",
-    ]
-    for note in diff.notes:
-        lines += [f"> note: {md_text(note)}", ""]
-    change_sections = (
-        ("Regressions", diff.regressions),
-        ("Improvements", diff.improvements),
-        ("Other changes", diff.changed_other),
-    )
-    for title, changes in change_sections:
-        rows = [
-            [c.key[0], c.key[1], str(c.key[2]), c.base.status, c.candidate.status, c.candidate.summary]
-            for c in changes
-        ]
-        if title == "Regressions":
-            rows += [[c.case, c.variant, str(c.world_size), c.status, MISSING, VANISHED_SUMMARY] for c in diff.vanished]
-        if not rows:
-            continue
-        header = ["case", "variant", "world size", "base", "candidate", "candidate summary"]
-        lines += [f"#### {title} ({len(rows)})", "", *_markdown_table(header, rows), ""]
-    only_sections = (("Only in base", diff.only_in_base), ("Only in candidate", diff.only_in_candidate))
-    for title, cells in only_sections:
-        if not cells:
-            continue
-        rows = [[c.case, c.variant, str(c.world_size), c.status, c.summary] for c in cells]
-        header = ["case", "variant", "world size", "status", "summary"]
-        lines += [f"#### {title} ({len(cells)})", "", *_markdown_table(header, rows), ""]
-    if not (diff.regressions or diff.vanished or diff.improvements or diff.changed_other):
-        lines += [f"No cell changed status ({diff.unchanged} compared).", ""]
-    return "\n".join(lines)

@@ -9,16 +9,9 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from harness.matrix import (
-    SCHEMA_VERSION,
-    STATUSES,
-    Cell,
-    Failure,
-    Matrix,
-    MatrixError,
-    escape_unprintable,
-    printable_line,
-)
+from harness.matrix import SCHEMA_VERSION, Cell, Matrix, MatrixError
+from harness.records import STATUSES, Failure
+from harness.render.text import escape_unprintable, printable_line
 from harness.strictjson import (
     MAX_NESTING,
     SHOWN_CHARS,

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from harness.records import Failure, RankOutcome
+
 
 class ProtocolError(RuntimeError):
     """A message of a type the receiver does not accept at this point."""
@@ -54,30 +56,19 @@ class StartupFailed:
     traceback: str
 
 
-# How a rank's part of a cell ended.
-OK = "ok"
-RAISED = "raised"
-UNSUPPORTED = "unsupported"
-SKIPPED = "skipped"
-
-
 @dataclass(frozen=True)
 class RankResult:
     rank: int
-    outcome: str
+    outcome: RankOutcome
     cell_id: str = ""
     detail: str = ""
-    failures: list[dict[str, Any]] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)
     omitted_failures: int = 0
     checks: int = 0
     grad_checks: int = 0
     vacuous_checks: int = 0
     max_abs_diff: float = 0.0
     duration_s: float = 0.0
-
-
-TO_RANK = (RunCell, Shutdown)
-TO_CONTROLLER = (Ready, StartupFailed, RankResult)
 
 
 def expect(message: Any, *types: type) -> Any:

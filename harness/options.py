@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-import shlex
 from dataclasses import dataclass
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -29,6 +28,7 @@ class Settings:
     case_timeout_s: float
     seed: int
     gpu_count: int
+    fault: str | None = None  # a planted sync fault (the self-check's); never in a real run
 
 
 def parse_world_sizes(text: str) -> tuple[int, ...] | None:
@@ -91,7 +91,7 @@ def count_gpus() -> int:
 
 def resolve(
     *, world_sizes: str, backend: str, report_dir: str, case_timeout: str | float, seed: str | int,
-    gpu_count: int | None = None,
+    gpu_count: int | None = None, fault: str | None = None,
 ) -> Settings:
     """Validate every option and resolve ``auto``: nccl when every rank can have its own GPU."""
     sizes = parse_world_sizes(world_sizes)
@@ -115,21 +115,5 @@ def resolve(
         case_timeout_s=timeout,
         seed=seed_value,
         gpu_count=gpus,
+        fault=fault,
     )
-
-
-# Inside the report dir: where a printed rerun command writes its reports.
-RERUN_DIR = "rerun"
-
-
-def rerun_command(nodeid: str, *, world_size: int, backend: str, seed: int, report_dir: str = "reports",
-                  case_timeout_s: float = DEFAULT_CASE_TIMEOUT_S, fault: str | None = None) -> str:
-    """The command that runs one cell again. Its reports go to a folder of their own inside the
-    report dir, so that running it never replaces a whole run's matrix with one cell."""
-    parts = ["pytest", nodeid, "--world-sizes", str(world_size), "--backend", backend, "--seed", str(seed),
-             "--report-dir", os.path.join(report_dir, RERUN_DIR)]
-    if case_timeout_s != DEFAULT_CASE_TIMEOUT_S:
-        parts += ["--case-timeout", f"{case_timeout_s:g}"]
-    if fault:
-        parts += ["--harness-fault", fault]
-    return shlex.join(parts)

@@ -3,70 +3,24 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from harness.catalogue import PRECISIONS
-from harness.compare import (
-    Expectation,
-    Hypotheses,
-    diagnose,
-    difference,
-    distinguishable,
-    make_failure,
-    reduction_allowance,
-    rounding_allowance,
-)
-from harness.matrix import Failure
+from harness.checks import Checks, Recorder
+from harness.closeness import Expectation, reduction_allowance, rounding_allowance
+from harness.decorator import PRECISIONS
 from harness.replica import forward_as, unwrap
 from harness.schedule import MicroStep
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
-# Failures kept per rank; the rest are counted. The first ones in step order say the most.
-MAX_FAILURES = 64
-
-
-@dataclass
-class Recorder:
-    """Failures and check counts of one rank in one cell."""
-
-    rank: int
-    failures: list[Failure] = field(default_factory=list)
-    omitted: int = 0
-    checks: int = 0  # every comparison: gradients, parameters, flags, learning rates
-    grad_checks: int = 0
-    vacuous_checks: int = 0  # gradient checks where synced and local could not be told apart
-    max_abs_diff: float = 0.0
-
-    def add(self, failure: Failure) -> None:
-        if len(self.failures) < MAX_FAILURES:
-            self.failures.append(failure)
-        else:
-            self.omitted += 1
-
-    def observe(self, max_abs: float) -> None:
-        self.max_abs_diff = max(self.max_abs_diff, max_abs)
-
-
-def _where(step: MicroStep | int) -> tuple[int, str]:
-    if isinstance(step, MicroStep):
-        return step.index, step.where()
-    return step, f"step {step}"
-
 
 def _flat(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in tensors])
-
-
-def _joined(expectations: Mapping[str, Expectation]) -> Expectation:
-    """One flat expectation of a model's parameters, for a model-wide question."""
-    return Expectation(_flat(e.value for e in expectations.values()), _flat(e.allowed for e in expectations.values()))
 
 
 def _pieces(flat: torch.Tensor, like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -86,10 +40,9 @@ class Oracle:
     contract of the API it used says that backward must average across ranks; the oracle then
     averages with an explicit ``all_reduce(SUM) / world_size``. It never reads accelerate's state.
 
-    After every check the replicas are anchored to the rank's real state (its parameters, and its
-    gradients after a gradient check), so each check judges only the arithmetic since the last one:
-    an error is reported where it happens, and the allowance stays at the floating-point limit of
-    one step (harness/compare.py) instead of growing with every step the replicas run on their own.
+    Each replica gradient carries its allowance (harness/closeness.py): how far the rank's may
+    legitimately be from it. The checks a case calls are judged in harness/checks.py, which anchors
+    the oracle to the rank's real state after each one through the ``adopt_*`` methods here.
     """
 
     def __init__(
@@ -109,7 +62,6 @@ class Oracle:
             raise ValueError("the oracle needs at least one model")
         if precision not in PRECISIONS:
             raise ValueError(f"unknown precision {precision!r}; known: {', '.join(PRECISIONS)}")
-        self.recorder = recorder
         self.rank = rank
         self.world_size = world_size
         self.num_steps = num_steps
@@ -117,12 +69,11 @@ class Oracle:
         self.models = forward_as(self.replicas, precision)
         self.params = {name: dict(r.named_parameters()) for name, r in self.replicas.items()}
         self.local = {name: {p: torch.zeros_like(t) for p, t in ps.items()} for name, ps in self.params.items()}
-        # how far each replica gradient may legitimately be from the rank's (harness/compare.py)
+        # how far each replica gradient may legitimately be from the rank's (harness/closeness.py)
         self.allowed = {name: self._no_allowance(name) for name in self.params}
         self.previous: dict[str, dict[str, Expectation]] | None = None
         self.last_sync = False
         self.stepped = False
-        self.diverged: set[tuple[str, str]] = set()
         self.before_step: dict[str, dict[str, torch.Tensor]] | None = None
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         if optimizer is not None:
@@ -133,6 +84,7 @@ class Oracle:
         if scheduler_steps < 1:
             raise ValueError(f"scheduler_steps must be >= 1, got {scheduler_steps}")
         self.scheduler_steps = scheduler_steps
+        self.checks = Checks(self, recorder)
 
     def _no_allowance(self, name: str) -> dict[str, torch.Tensor]:
         return {p: torch.zeros_like(t, dtype=torch.float64) for p, t in self.params[name].items()}
@@ -155,7 +107,7 @@ class Oracle:
         if sync:
             self._average_grads()
 
-    def _reduce(self, tensors: Mapping[str, torch.Tensor], carried: Mapping[str, torch.Tensor] | None = None
+    def reduce(self, tensors: Mapping[str, torch.Tensor], carried: Mapping[str, torch.Tensor] | None = None
                 ) -> dict[str, Expectation]:
         """The explicit all-rank average of ``tensors``, each with its allowance: the reduction's
         bound from every rank's |contribution|, plus the allowances the ranks carried into it
@@ -178,7 +130,7 @@ class Oracle:
             for p in ps.values():
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            reduced = self._reduce({pname: p.grad for pname, p in ps.items()}, self.allowed[name])
+            reduced = self.reduce({pname: p.grad for pname, p in ps.items()}, self.allowed[name])
             for pname, p in ps.items():
                 p.grad = reduced[pname].value
                 self.allowed[name][pname] = reduced[pname].allowed
@@ -229,186 +181,79 @@ class Oracle:
                 self.local[name][pname].zero_()
             self.allowed[name] = self._no_allowance(name)
 
-    # checks
+    # collectives and what the contract expects now (read by harness/checks.py)
 
-    def check_grads(self, step: MicroStep | int, models: Mapping[str, nn.Module]) -> None:
-        """Compare every parameter's gradient on this rank with the oracle's (after a backward),
-        then carry on from the rank's gradients."""
-        index, where = _where(step)
-        for name, model in models.items():
-            actual_params = self._actual_params(name, model)
-            local = {pname: Expectation(t.clone(), rounding_allowance(t)) for pname, t in self.local[name].items()}
-            synced = self._reduce(self.local[name])  # what a sync now would give: the other hypothesis
-            self.recorder.checks += 1
-            self.recorder.grad_checks += 1
-            if not distinguishable(_joined(local), _joined(synced)):
-                self.recorder.vacuous_checks += 1
-            failed = False
-            for pname, replica_param in self.params[name].items():
-                expected = Expectation(
-                    replica_param.grad if replica_param.grad is not None else torch.zeros_like(replica_param),
-                    self.allowed[name][pname],
-                )
-                actual_param = actual_params[pname]
-                actual = actual_param.grad if actual_param.grad is not None else torch.zeros_like(actual_param)
-                diff = difference(actual, expected)
-                self.recorder.observe(diff.max_abs)
-                if diff.close:
-                    continue
-                previous = self.previous[name][pname] if self.previous is not None else None
-                kind, factor = diagnose(
-                    actual,
-                    Hypotheses(expected=expected, local=local[pname], synced=synced[pname], previous=previous,
-                               expected_sync=self.last_sync),
-                )
-                failed = True
-                self.recorder.add(
-                    make_failure(rank=self.rank, step=index, where=where, model=name, param=pname,
-                                 checked="grad", kind=kind, factor=factor, diff=diff)
-                )
-            self._anchor(name, actual_params, params=False)
-            if failed:
-                self._anchor_local(name, actual_params)
+    def rank0_copy(self, name: str, actual_params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Rank 0's copy of the model's parameters (DDP keeps every rank's equal to it)."""
+        reference = _flat(actual_params[p].detach() for p in self.params[name])
+        if self.world_size > 1:
+            dist.broadcast(reference, src=0)
+        return _pieces(reference, self.params[name])
 
-    def check_params(
-        self,
-        step: MicroStep | int,
-        models: Mapping[str, nn.Module],
-        optimizers: Mapping[str, Any] | None = None,
-    ) -> None:
-        """Compare every parameter's update since the last optimizer step of the schedule
-        (``p_after - p_before``) with the oracle's, and every parameter with rank 0's copy.
+    def expected_grads(self, name: str) -> dict[str, Expectation]:
+        return {
+            pname: Expectation(p.grad if p.grad is not None else torch.zeros_like(p), self.allowed[name][pname])
+            for pname, p in self.params[name].items()
+        }
 
-        ``optimizers`` (by model name, the case's own optimizers): after a mismatch, the oracle's
-        optimizer takes over their state (moments, step counts), so that the next steps are judged
-        on their own. Without them a stateful optimizer's later steps are judged against the
-        oracle's own state."""
-        index, where = _where(step)
-        stepped = self.stepped and self.before_step is not None
-        for name, model in models.items():
-            actual_params = self._actual_params(name, model)
-            reference = _flat(actual_params[p].detach() for p in self.params[name])
-            if self.world_size > 1:
-                dist.broadcast(reference, src=0)
-            rank0 = _pieces(reference, self.params[name])
-            self.recorder.checks += 1
-            failed = False
-            for pname, replica_param in self.params[name].items():
-                after = replica_param.detach()
-                before = self.before_step[name][pname] if self.before_step is not None else after
-                actual = actual_params[pname].detach()
-                allowed = rounding_allowance(after, before)
-                expected = Expectation(after.double() - before.double(), allowed)
-                update = actual.double() - before.double()
-                diff = difference(update, expected)
-                self.recorder.observe(diff.max_abs)
-                if diff.close:
-                    self._check_equal_to_rank0(index, where, name, pname, actual, rank0[pname])
-                    continue
-                failed = True
-                moved = bool((update.abs() > allowed).any())
-                due = stepped and bool((expected.value.abs() > allowed).any())
-                kind = self._param_kind(actual, rank0[pname], moved=moved, due=due)
-                self.recorder.add(
-                    make_failure(rank=self.rank, step=index, where=where, model=name, param=pname,
-                                 checked="param", kind=kind, factor=None, diff=diff)
-                )
-            self._anchor(name, actual_params, params=True)
-            if failed:
-                self._anchor_local(name, actual_params)
-                self._anchor(name, actual_params, params=False)  # a rank that stepped wrongly: its gradients too
-                if optimizers is not None and name in optimizers and name in self.optimizers:
-                    self.optimizers[name].load_state_dict(copy.deepcopy(optimizers[name].state_dict()))
-        self.before_step = None
-        self.stepped = False
+    def local_grads(self, name: str) -> dict[str, Expectation]:
+        """This rank's own gradients since the window began: what a backward that did not sync leaves."""
+        return {pname: Expectation(t.clone(), rounding_allowance(t)) for pname, t in self.local[name].items()}
 
-    def _actual_params(self, name: str, model: nn.Module) -> dict[str, torch.Tensor]:
-        actual = dict(unwrap(model).named_parameters())
-        missing = [p for p in self.params[name] if p not in actual]
-        if missing:
-            raise KeyError(f"model {name!r} has no parameter {missing[0]!r} on rank {self.rank}")
-        return actual
+    def synced_grads(self, name: str) -> dict[str, Expectation]:
+        """The all-rank average of the local gradients: what a sync now would leave (a collective)."""
+        return self.reduce(self.local[name])
 
-    def _check_equal_to_rank0(
-        self, index: int, where: str, name: str, pname: str, actual: torch.Tensor, rank0: torch.Tensor
-    ) -> None:
-        """DDP keeps every rank's parameters equal; report the step where they first part (once)."""
-        key = (name, pname)
-        if key in self.diverged:
-            return
-        diff = difference(actual, Expectation.rounded(rank0))
-        if diff.close:
-            return
-        self.diverged.add(key)
-        self.recorder.add(
-            make_failure(rank=self.rank, step=index, where=where, model=name, param=pname, checked="param",
-                         kind="params_diverged", factor=None, diff=diff, noun="parameter")
-        )
+    def previous_grad(self, name: str, pname: str) -> Expectation | None:
+        """The last window's final gradient, which a missed zero_grad would leave behind."""
+        return self.previous[name][pname] if self.previous is not None else None
 
-    @staticmethod
-    def _param_kind(actual: torch.Tensor, rank0: torch.Tensor, *, moved: bool, due: bool) -> str:
-        if not difference(actual, Expectation.rounded(rank0)).close:
-            return "params_diverged"
-        if due and not moved:
-            return "step_skipped"
-        if moved and not due:
-            return "stepped_early"
-        return "mismatch"
+    # carrying on from the rank's real state (when: harness/checks.py)
 
-    def _anchor(self, name: str, actual_params: Mapping[str, torch.Tensor], *, params: bool) -> None:
-        """Carry on from the state the rank is really in: its parameters (after a parameter check)
-        or its gradients (after a gradient check), with nothing left to allow for."""
+    def adopt_params(self, name: str, actual_params: Mapping[str, torch.Tensor]) -> None:
         with torch.no_grad():
             for pname, replica_param in self.params[name].items():
-                actual = actual_params[pname]
-                if params:
-                    replica_param.copy_(actual.detach())
-                else:
-                    replica_param.grad = None if actual.grad is None else actual.grad.detach().clone()
-        if not params:
-            self.allowed[name] = self._no_allowance(name)
+                replica_param.copy_(actual_params[pname].detach())
 
-    def _anchor_local(self, name: str, actual_params: Mapping[str, torch.Tensor]) -> None:
+    def adopt_grads(self, name: str, actual_params: Mapping[str, torch.Tensor]) -> None:
+        """The rank's gradients, with nothing left to allow for."""
+        for pname, replica_param in self.params[name].items():
+            grad = actual_params[pname].grad
+            replica_param.grad = None if grad is None else grad.detach().clone()
+        self.allowed[name] = self._no_allowance(name)
+
+    def restart_window(self, name: str, actual_params: Mapping[str, torch.Tensor]) -> None:
         """After a mismatch: a rank that cleared its gradients starts its next window here."""
         for pname, actual in actual_params.items():
             if actual.grad is None or not bool(actual.grad.any()):
                 self.local[name][pname].zero_()
 
+    def adopt_optimizer_state(self, name: str, optimizer: Any) -> None:
+        """The case's optimizer state (moments, step counts), after a parameter mismatch."""
+        if name in self.optimizers:
+            self.optimizers[name].load_state_dict(copy.deepcopy(optimizer.state_dict()))
+
+    def end_step(self) -> None:
+        """The parameters were checked: the next check judges the next optimizer step."""
+        self.before_step = None
+        self.stepped = False
+
+    # the checks a case calls (judged in harness/checks.py)
+
+    def check_grads(self, step: MicroStep | int, models: Mapping[str, nn.Module]) -> None:
+        """Compare every parameter's gradient on this rank with the oracle's (after a backward)."""
+        self.checks.grads(step, models)
+
+    def check_params(self, step: MicroStep | int, models: Mapping[str, nn.Module],
+                     optimizers: Mapping[str, Any] | None = None) -> None:
+        """Compare every parameter's update since the last optimizer step with the oracle's, and
+        with rank 0's copy; ``optimizers``: the case's own, whose state the oracle adopts after a mismatch."""
+        self.checks.params(step, models, optimizers)
+
     def check_sync_flag(self, step: MicroStep, flag: bool) -> None:
-        """Report where ``accelerator.sync_gradients`` disagrees with the schedule (its own kind)."""
-        self.recorder.checks += 1
-        if bool(flag) == step.optimizer_step:
-            return
-        self.recorder.add(
-            Failure(
-                rank=self.rank, step=step.index, model="accelerator", param="sync_gradients",
-                kind="sync_flag", max_abs_diff=0.0, checked="flag",
-                message=(
-                    f"accelerator.sync_gradients on rank {self.rank} at {step.where()}: "
-                    f"is {bool(flag)}, the schedule says {step.optimizer_step}"
-                ),
-            )
-        )
+        """Compare ``accelerator.sync_gradients`` with the schedule."""
+        self.checks.sync_flag(step, flag)
 
     def check_lr(self, step: MicroStep | int, optimizers: Mapping[str, Any]) -> None:
-        """Compare each optimizer's learning rates with the oracle's (whose schedulers advanced only
-        at the schedule's optimizer steps, ``scheduler_steps`` times each)."""
-        index, where = _where(step)
-        for name, optimizer in optimizers.items():
-            self.recorder.checks += 1
-            expected_groups = self.optimizers[name].param_groups
-            for group, (actual, expected) in enumerate(zip(optimizer.param_groups, expected_groups)):
-                gap = abs(float(actual["lr"]) - float(expected["lr"]))
-                if gap <= 1e-12 + 1e-6 * abs(float(expected["lr"])):
-                    continue
-                self.recorder.add(
-                    Failure(
-                        rank=self.rank, step=index, model=name, param=f"param_groups[{group}].lr",
-                        kind="mismatch", max_abs_diff=gap, checked="lr",
-                        message=(
-                            f"learning rate of optimizer '{name}' (param group {group}) on rank {self.rank} at "
-                            f"{where}: is {float(actual['lr']):.6g}, the contract says {float(expected['lr']):.6g}"
-                        ),
-                    )
-                )
-
+        """Compare each optimizer's learning rates with the oracle's schedulers'."""
+        self.checks.lr(step, optimizers)

@@ -8,19 +8,21 @@ import os
 import platform
 import re
 import signal
-import time
-import traceback
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from harness.catalogue import CaseInfo, Variant, case_info
-from harness.matrix import BAD_STATUSES, GOOD_STATUSES, SKIP, Cell, Matrix, merge_cells
-from harness.messages import CellSpec
-from harness.options import DEFAULT_CASE_TIMEOUT_S, DEFAULT_SEED, OptionError, Settings, rerun_command, resolve
-from harness.pool import PoolSet, PoolStartError
-from harness.report import check_report_dir, render_table, write_reports
-from harness.verdict import format_message, judge
+from harness.catalogue import CaseRef
+from harness.cells import cell_id, run_cell
+from harness.decorator import case_info
+from harness.matrix import Cell, Matrix, merge_cells
+from harness.options import DEFAULT_CASE_TIMEOUT_S, DEFAULT_SEED, OptionError, Settings, resolve
+from harness.pool import PoolSet
+from harness.records import BAD_STATUSES, GOOD_STATUSES
+from harness.render.failures import cell_message, skip_reason
+from harness.render.matrix import terminal_summary
+from harness.report import check_report_dir, write_reports
 
 SETTINGS = pytest.StashKey[Settings]()
 STATE = pytest.StashKey["HarnessState"]()
@@ -106,9 +108,8 @@ class HarnessState:
             "world_sizes": list(self.settings.world_sizes),
             "seed": self.settings.seed,
         }
-        fault = self.config.getoption("harness_fault")
-        if fault is not None:  # a matrix made under an injected fault must say so
-            environment["fault"] = fault
+        if self.settings.fault is not None:  # a matrix made under an injected fault must say so
+            environment["fault"] = self.settings.fault
         self._environment = environment
         return environment
 
@@ -130,9 +131,10 @@ def pytest_configure(config: pytest.Config) -> None:
             report_dir=config.getoption("report_dir"),
             case_timeout=config.getoption("case_timeout"),
             seed=config.getoption("seed"),
+            fault=config.getoption("harness_fault"),
         )
-        fault = config.getoption("harness_fault")
-        if fault is not None:
+        fault = settings.fault
+        if fault is not None:  # fault injection is imported only when one is asked for
             from harness.faults import resolve as resolve_fault
 
             try:
@@ -161,10 +163,6 @@ def _terminate(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
 
 
-def _cell_id(variant: Variant, world_size: int) -> str:
-    return f"{variant.name}-ws{world_size}"
-
-
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     info = case_info(metafunc.function)
     if info is None:
@@ -172,7 +170,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     settings = metafunc.config.stash[SETTINGS]
     params = [(info, variant, ws) for variant in info.variants for ws in settings.world_sizes]
     metafunc.parametrize(
-        "harness_cell", params, ids=[_cell_id(v, ws) for _, v, ws in params], indirect=True
+        "harness_cell", params, ids=[cell_id(v.name, ws) for _, v, ws in params], indirect=True
     )
 
 
@@ -221,58 +219,23 @@ def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
 
 
 class CellRunner:
-    """The ``harness_cell`` fixture: runs its cell on the pool of its world size."""
+    """The ``harness_cell`` fixture: runs its cell on the pool of its world size (harness/cells.py)."""
 
     def __init__(self, request: pytest.FixtureRequest) -> None:
-        self.info: CaseInfo
-        self.variant: Variant
-        self.info, self.variant, self.world_size = request.param
+        info, self.variant, self.world_size = request.param
         self.item = request.node
         self.state: HarnessState = request.config.stash[STATE]
-
-    def rerun_command(self) -> str:
-        s = self.state.settings
-        return rerun_command(self.item.nodeid, world_size=self.world_size, backend=s.backend, seed=s.seed,
-                             report_dir=s.report_dir, case_timeout_s=s.case_timeout_s,
-                             fault=self.state.config.getoption("harness_fault"))
-
-    def judge(self) -> Cell:
-        s = self.state.settings
-        common = dict(case=self.info.name, variant=self.variant.name, world_size=self.world_size,
-                      nodeid=self.item.nodeid, rerun=self.rerun_command())
-        if s.backend == "nccl" and self.world_size > s.gpu_count:
-            return Cell(status=SKIP, summary=f"nccl needs one GPU per rank: world size {self.world_size}, "
-                                             f"{s.gpu_count} GPU(s) here", **common)
-        spec = CellSpec(
-            case=self.info.name, variant=self.variant.name, variant_params=dict(self.variant.params),
-            world_size=self.world_size, seed=s.seed, backend=s.backend,
-            case_file=str(self.item.path), case_attr=self.item.function.__name__,
-            fault=self.state.config.getoption("harness_fault"), cell_id=self.item.nodeid,
-        )
-        common.update(detects=self.info.detects, timeout_s=s.case_timeout_s)
-        try:
-            pool = self.state.pools.get(self.world_size)
-        except PoolStartError as exc:
-            return judge(outcome=None, duration_s=0.0, start_error=str(exc), **common)
-        started = time.perf_counter()  # the cell's own time; starting the pool is not part of it
-        try:
-            outcome = pool.run(spec, timeout_s=s.case_timeout_s)
-        except Exception:
-            # whatever broke here, the ranks' state is unknown: the cell is an error, the pool is
-            # killed (the next cell starts a new one) and the run goes on
-            pool.kill()
-            return judge(outcome=None, duration_s=time.perf_counter() - started,
-                         controller_error=traceback.format_exc(), **common)
-        return judge(outcome=outcome, duration_s=time.perf_counter() - started, **common)
+        self.case = CaseRef(info=info, path=Path(self.item.path).resolve(), attr=self.item.function.__name__)
 
     def run(self) -> None:
-        cell = self.judge()
+        cell = run_cell(self.state.pools, self.case, self.variant, self.world_size, self.state.settings,
+                        node=self.item.nodeid)
         self.item.user_properties.append((CELL_PROPERTY, cell.to_dict()))
         if cell.status in GOOD_STATUSES:
             return
         if cell.status in BAD_STATUSES:
-            pytest.fail(format_message(cell), pytrace=False)
-        pytest.skip(f"{cell.status}: {cell.summary}")
+            pytest.fail(cell_message(cell), pytrace=False)
+        pytest.skip(skip_reason(cell))
 
 
 @pytest.fixture
@@ -307,10 +270,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     matrix = state.matrix if state is not None else None
     if matrix is None:
         return
-    title = "gradient-sync matrix" + ("" if matrix.complete else " (INCOMPLETE)")
+    title, lines = terminal_summary(matrix, [os.path.relpath(p) for p in state.reports_written], state.write_error)
     terminalreporter.write_sep("=", title)
-    for line in render_table(matrix).splitlines():
+    for line in lines:
         terminalreporter.write_line(line)
-    terminalreporter.write_line("reports: " + ", ".join(os.path.relpath(p) for p in state.reports_written))
-    if state.write_error:
-        terminalreporter.write_line(f"while the run went on, the reports could not be rewritten: {state.write_error}")

@@ -9,13 +9,11 @@ import shutil
 import signal
 import tempfile
 import time
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from harness import rank as rank_side
 from harness.messages import (
-    RAISED,
     CellSpec,
     ProtocolError,
     RankResult,
@@ -25,6 +23,7 @@ from harness.messages import (
     StartupFailed,
     expect,
 )
+from harness.records import CellOutcome, FaultKind, RankFault, RankOutcome
 
 # Seconds a pool may take to start: spawning, importing torch and accelerate, joining the group.
 START_TIMEOUT_S = 180.0
@@ -35,28 +34,6 @@ _TAIL_CHARS = 4000
 
 class PoolStartError(RuntimeError):
     """The ranks could not be started; the message says which rank and why."""
-
-
-@dataclass
-class RankFault:
-    """What went wrong with one rank during a cell."""
-
-    rank: int
-    what: str  # "raised", "exited", "killed", "hung", "blocked"
-    detail: str = ""
-
-
-@dataclass
-class PoolOutcome:
-    """The ranks' results for one cell, or the faults that kept them from reporting."""
-
-    results: dict[int, RankResult] = field(default_factory=dict)
-    faults: list[RankFault] = field(default_factory=list)
-    timed_out: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return not self.faults
 
 
 def _signal_name(code: int) -> str:
@@ -168,7 +145,7 @@ class RankPool:
                         f"{_tail(self._path('log', rank))}"
                     )
 
-    def run(self, spec: CellSpec, *, timeout_s: float) -> PoolOutcome:
+    def run(self, spec: CellSpec, *, timeout_s: float) -> CellOutcome:
         """Run one cell on every rank; a rank that raises, dies or hangs becomes a RankFault.
 
         After any fault the pool is dead (killed) and must be started again before the next cell."""
@@ -178,7 +155,7 @@ class RankPool:
         self.log_offsets = [_size(self._path("log", rank)) for rank in range(self.world_size)]
         for conn in self.conns:
             conn.send(RunCell(spec))
-        outcome = PoolOutcome()
+        outcome = CellOutcome()
         deadline = time.monotonic() + timeout_s
         pending = set(range(self.world_size))
         first_fault_at: float | None = None
@@ -198,12 +175,12 @@ class RankPool:
                     except (EOFError, OSError):
                         message = None
                     except ProtocolError as exc:
-                        outcome.faults.append(RankFault(rank, "raised", f"protocol error: {exc}"))
+                        outcome.faults.append(RankFault(rank, FaultKind.RAISED, f"protocol error: {exc}"))
                         pending.discard(rank)
                         first_fault_at = first_fault_at or time.monotonic()
                         continue
                 if isinstance(message, RankResult) and message.cell_id != spec.cell_id:
-                    outcome.faults.append(RankFault(rank, "raised", f"protocol error: a result for cell "
+                    outcome.faults.append(RankFault(rank, FaultKind.RAISED, f"protocol error: a result for cell "
                                                     f"{message.cell_id!r} arrived for {spec.cell_id!r}"))
                     pending.discard(rank)
                     first_fault_at = first_fault_at or time.monotonic()
@@ -211,8 +188,8 @@ class RankPool:
                 if isinstance(message, RankResult):
                     outcome.results[rank] = message
                     pending.discard(rank)
-                    if message.outcome == RAISED:
-                        outcome.faults.append(RankFault(rank, "raised", message.detail))
+                    if message.outcome == RankOutcome.RAISED:
+                        outcome.faults.append(RankFault(rank, FaultKind.RAISED, message.detail))
                         first_fault_at = first_fault_at or time.monotonic()
                     continue
                 if process.sentinel in ready or not process.is_alive():
@@ -221,22 +198,21 @@ class RankPool:
                     pending.discard(rank)
                     first_fault_at = first_fault_at or time.monotonic()
         if pending:
-            outcome.timed_out = first_fault_at is None
             stacks = self._dump_stacks(pending)
             for rank in sorted(pending):
                 stack = stacks.get(rank, "")
                 if first_fault_at is not None:
-                    what = "blocked"
+                    what = FaultKind.BLOCKED
                 elif _in_collective(stack) and any(not _in_collective(stacks.get(r, "")) for r in pending):
-                    what = "blocked"
+                    what = FaultKind.BLOCKED
                 else:
-                    what = "hung"
+                    what = FaultKind.HUNG
                 outcome.faults.append(RankFault(rank, what, stack))
         # A rank whose collective failed because a peer died or raised is that peer's victim.
-        victims = [f for f in outcome.faults if f.what == "raised" and _collective_error(f.detail)]
-        if any(f.what != "blocked" and f not in victims for f in outcome.faults):
+        victims = [f for f in outcome.faults if f.what == FaultKind.RAISED and _collective_error(f.detail)]
+        if any(f.what != FaultKind.BLOCKED and f not in victims for f in outcome.faults):
             for fault in victims:
-                fault.what = "blocked"
+                fault.what = FaultKind.BLOCKED
         if outcome.faults:
             self.kill()
         return outcome
@@ -245,8 +221,8 @@ class RankPool:
         code = self.processes[rank].exitcode
         log = _tail(self._path("log", rank), since=self.log_offsets[rank])
         if code is not None and code < 0:
-            return RankFault(rank, "killed", f"killed by {_signal_name(-code)}\n{log}".rstrip())
-        return RankFault(rank, "exited", f"exited with code {code}\n{log}".rstrip())
+            return RankFault(rank, FaultKind.KILLED, f"killed by {_signal_name(-code)}\n{log}".rstrip())
+        return RankFault(rank, FaultKind.EXITED, f"exited with code {code}\n{log}".rstrip())
 
     def _dump_stacks(self, ranks: set[int]) -> dict[int, str]:
         """Ask faulthandler in each stuck rank for every thread's stack."""

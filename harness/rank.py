@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import faulthandler
-import importlib.util
 import os
 import signal
-import sys
 import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import Any
+from typing import Any, ContextManager
 
 from harness.messages import (
-    OK,
-    RAISED,
-    SKIPPED,
-    UNSUPPORTED,
     CellSpec,
     RankResult,
     Ready,
@@ -27,6 +22,7 @@ from harness.messages import (
     StartupFailed,
     expect,
 )
+from harness.records import RankOutcome
 
 # Signal that makes a rank dump every thread's stack (faulthandler) into its stack file.
 DUMP_SIGNAL = signal.SIGUSR1
@@ -75,82 +71,36 @@ def _set_environment(rank: int, world_size: int, backend: str) -> None:
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
 
 
-_case_modules: dict[str, Any] = {}
-
-
-def _load_case(spec: CellSpec) -> Any:
-    module = _case_modules.get(spec.case_file)
-    if module is None:
-        name = "harness_case_" + str(abs(hash(spec.case_file)))
-        module_spec = importlib.util.spec_from_file_location(name, spec.case_file)
-        if module_spec is None or module_spec.loader is None:
-            raise ImportError(f"cannot import the case file {spec.case_file}")
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[name] = module
-        module_spec.loader.exec_module(module)
-        _case_modules[spec.case_file] = module
-    function = getattr(module, spec.case_attr, None)
-    info = getattr(function, "__harness_case__", None)
-    if info is None:
-        raise LookupError(f"{spec.case_file} has no case function {spec.case_attr}")
-    return info.body
-
-
-def _reset_accelerate() -> None:
-    """Forget the last cell's Accelerator; keep the process group.
-
-    Every release from 0.19 has a ``_reset_state`` on ``AcceleratorState``, ``PartialState`` and
-    ``GradientState``; 0.19 replaces the shared dicts, later releases clear them in place, and none
-    destroys the process group. ``AcceleratorState``'s takes ``reset_partial_state`` where it can
-    forget ``PartialState`` too; without it, each is reset on its own."""
-    import inspect
-
-    from accelerate import state
-
-    reset_accelerator_state = state.AcceleratorState._reset_state
-    try:
-        takes_partial = "reset_partial_state" in inspect.signature(reset_accelerator_state).parameters
-    except (TypeError, ValueError):
-        takes_partial = False
-    if takes_partial:
-        reset_accelerator_state(reset_partial_state=True)
-    else:
-        reset_accelerator_state()
-        partial_state = getattr(state, "PartialState", None)
-        if partial_state is not None:
-            partial_state._reset_state()
-    state.GradientState._reset_state()
-
-
 def run_cell(spec: CellSpec, rank: int, device: Any) -> RankResult:
     import torch
 
-    from harness.catalogue import SkipCell, Unsupported
+    from harness.catalogue import find_case
     from harness.context import RankContext
-    from harness.faults import apply_fault
+    from harness.decorator import SkipCell, Unsupported
+    from harness.probe import reset_accelerate
 
     started = time.perf_counter()
     ctx = None
     try:
-        _reset_accelerate()
-        body = _load_case(spec)
+        reset_accelerate()
+        body = find_case(spec.case_file, spec.case_attr).body
         ctx = RankContext(
             case=spec.case, variant=spec.variant, params=spec.variant_params, rank=rank,
             world_size=spec.world_size, seed=spec.seed, device=device,
         )
         torch.manual_seed(ctx.seed + rank)
-        with apply_fault(spec.fault, rank=rank):
+        with _planted_fault(spec.fault, rank):
             body(ctx)
-        outcome, detail = OK, ""
+        outcome, detail = RankOutcome.OK, ""
     except Unsupported as exc:
-        outcome, detail = UNSUPPORTED, str(exc)
+        outcome, detail = RankOutcome.UNSUPPORTED, str(exc)
     except SkipCell as exc:
-        outcome, detail = SKIPPED, str(exc)
+        outcome, detail = RankOutcome.SKIPPED, str(exc)
     except Exception:
-        outcome, detail = RAISED, traceback.format_exc()
+        outcome, detail = RankOutcome.RAISED, traceback.format_exc()
     finally:
         try:
-            _reset_accelerate()
+            reset_accelerate()
         except Exception:
             pass
     recorder = ctx.recorder if ctx is not None else None
@@ -159,7 +109,7 @@ def run_cell(spec: CellSpec, rank: int, device: Any) -> RankResult:
         outcome=outcome,
         cell_id=spec.cell_id,
         detail=detail,
-        failures=[f.to_dict() for f in recorder.failures] if recorder else [],
+        failures=list(recorder.failures) if recorder else [],
         omitted_failures=recorder.omitted if recorder else 0,
         checks=recorder.checks if recorder else 0,
         grad_checks=recorder.grad_checks if recorder else 0,
@@ -167,6 +117,16 @@ def run_cell(spec: CellSpec, rank: int, device: Any) -> RankResult:
         max_abs_diff=recorder.max_abs_diff if recorder else 0.0,
         duration_s=time.perf_counter() - started,
     )
+
+
+def _planted_fault(name: str | None, rank: int) -> ContextManager[None]:
+    """The self-check's planted fault, patched in for the cell; fault injection is imported only
+    for a cell that has one, never on the path of a real run."""
+    if name is None:
+        return contextlib.nullcontext()
+    from harness.faults import apply_fault
+
+    return apply_fault(name, rank=rank)
 
 
 def _warm_up(device: Any) -> None:

@@ -10,7 +10,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from harness.matrix import printable_line
+from harness.render.text import printable_line
 
 # The largest file read; a real matrix is a few hundred KiB.
 MAX_FILE_BYTES = 256 * 1024 * 1024

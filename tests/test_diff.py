@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main
-from harness.diff import diff_matrices, label_matrices, render_diff_markdown, render_diff_text
-from harness.matrix import STATUSES, Cell, Matrix
+from harness.diff import diff_matrices, label_matrices
+from harness.matrix import Cell, Matrix
+from harness.records import STATUSES
+from harness.render.diff import notes, render_diff_markdown, render_diff_text
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -103,7 +105,7 @@ def test_a_world_size_the_candidate_did_not_run_is_no_regression():
     diff = diff_matrices(base, candidate)
     assert not diff.has_regressions
     assert [c.key for c in diff.only_in_base] == [("a", "v", 4)]
-    assert "compared only where cells meet: base world sizes [1,4], candidate [1]" in diff.notes
+    assert "compared only where cells meet: base world sizes [1,4], candidate [1]" in notes(diff)
 
 
 def test_candidate_world_sizes_come_from_its_cells_when_not_recorded():
@@ -125,7 +127,7 @@ def test_an_empty_candidate_that_records_nothing_ran_the_bases_world_sizes():
     diff = diff_matrices(base, make_matrix([], world_sizes=()))
     assert [c.key for c in diff.vanished] == [("a", "v", 1), ("a", "v", 2)]
     assert [c.key for c in diff.only_in_base] == [("b", "v", 2)]
-    assert any("taken to have run the base's world sizes [1,2]" in note for note in diff.notes)
+    assert any("taken to have run the base's world sizes [1,2]" in note for note in notes(diff))
     # An empty candidate that says it ran other world sizes loses nothing.
     assert not diff_matrices(base, make_matrix([], world_sizes=(4,))).has_regressions
 
@@ -134,7 +136,7 @@ def test_an_unfinished_candidate_loses_the_cells_it_did_not_reach():
     base = make_matrix([("a", "v", 1, "pass"), ("b", "v", 1, "pass")])
     diff = diff_matrices(base, make_matrix([("a", "v", 1, "pass")], complete=False))
     assert [c.key for c in diff.vanished] == [("b", "v", 1)]
-    assert any("the candidate run did not finish" in note for note in diff.notes)
+    assert any("the candidate run did not finish" in note for note in notes(diff))
 
 
 def test_world_size_note_only_when_sets_differ():
@@ -142,8 +144,8 @@ def test_world_size_note_only_when_sets_differ():
     base = make_matrix(cells + [("a", "v", 4, "pass")], world_sizes=(1, 2, 4))
     candidate = make_matrix(cells, world_sizes=(1, 2))
     diff = diff_matrices(base, candidate)
-    assert "compared only where cells meet: base world sizes [1,2,4], candidate [1,2]" in diff.notes
-    assert diff_matrices(candidate, candidate).notes == []
+    assert "compared only where cells meet: base world sizes [1,2,4], candidate [1,2]" in notes(diff)
+    assert notes(diff_matrices(candidate, candidate)) == []
 
 
 def test_text_report_orders_sections_and_counts():
@@ -229,7 +231,7 @@ def test_markdown_diff_of_files_with_markup_in_them(tmp_path, capsys):
     assert main(["diff", str(base), str(cand), "--format", "markdown"]) == 1
     md = capsys.readouterr().out
     assert "<" not in md
-    assert f"| a | &lt;!-- the rest of the summary --&gt; | 2 | pass | fail | &lt;!-- the rest" in md
+    assert "| a | &lt;!-- the rest of the summary --&gt; | 2 | pass | fail | &lt;!-- the rest" in md
     assert md.startswith("### Matrix diff: accelerate &lt;!-- the rest of the summary --&gt; → accelerate 1.15.0")
 
 

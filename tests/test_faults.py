@@ -122,7 +122,7 @@ def test_a_single_event_perturbation_scales_one_rank_after_one_backward_only():
     import torch
     from accelerate import Accelerator
 
-    from harness.rank import _reset_accelerate
+    from harness.probe import reset_accelerate as _reset_accelerate
 
     def grads_after_backwards(rank):
         _reset_accelerate()

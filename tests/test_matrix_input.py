@@ -21,7 +21,8 @@ import harness.matrix
 import harness.matrixfile
 import harness.strictjson
 from harness.cli import main
-from harness.matrix import STATUSES, Matrix, MatrixError
+from harness.matrix import Matrix, MatrixError
+from harness.records import STATUSES
 from harness.matrixfile import load_matrix
 
 GOOD = {
@@ -299,7 +300,8 @@ def test_unknown_keys_are_accepted(tmp_path):
 
 
 def test_a_matrix_the_harness_wrote_round_trips(tmp_path):
-    from harness.matrix import Cell, Failure
+    from harness.matrix import Cell
+    from harness.records import Failure
     from harness.report import render_json
 
     failure = Failure(rank=1, step=3, model="gen", param="weight", kind="wrong_scale", max_abs_diff=0.25,

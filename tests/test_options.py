@@ -77,7 +77,7 @@ def test_the_longest_case_timeout_accepted_is_one_the_pool_can_really_wait_for()
 
 
 def test_the_rerun_command_writes_its_reports_beside_the_runs_not_over_them():
-    from harness.options import rerun_command
+    from harness.cells import rerun_command
 
     command = rerun_command("cases/test_x.py::test_x[fp32-ws2]", world_size=2, backend="gloo", seed=7,
                             report_dir="out", case_timeout_s=30, fault="grads_summed")

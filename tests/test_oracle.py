@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 from distributed import run_on_ranks
 from harness.models import make_model, regression_loss
-from harness.oracle import Oracle, Recorder
+from harness.checks import Recorder
+from harness.oracle import Oracle
 from harness.replica import MixedPrecisionReplica
 from harness.schedule import accumulation_schedule
 

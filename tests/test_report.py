@@ -10,17 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from harness.matrix import STATUSES, Cell, Failure, Matrix, write_atomically
-from harness.report import (
-    check_report_dir,
-    md_code,
-    md_text,
-    render_html,
-    render_json,
-    render_markdown,
-    render_table,
-    write_reports,
-)
+from harness.matrix import Cell, Matrix
+from harness.records import STATUSES, Failure
+from harness.render.matrix import render_html, render_markdown, render_table
+from harness.render.text import md_code, md_text
+from harness.report import check_report_dir, render_json, write_atomically, write_reports
 
 PLANTED_MESSAGE = "'gen.weight' on rank 1 at step 3: not synced <b>& friends</b>"
 
@@ -338,8 +332,10 @@ def assert_no_raw_markup_from_data(markdown: str) -> None:
 
 
 def test_no_raw_html_from_the_data_reaches_any_markdown() -> None:
-    from harness.crossversion import build_comparison, render_comparison_markdown
-    from harness.diff import diff_matrices, render_diff_markdown
+    from harness.comparison import build_comparison
+    from harness.diff import diff_matrices
+    from harness.render.comparison import render_comparison_markdown
+    from harness.render.diff import render_diff_markdown
 
     base, candidate = hostile_matrices()
     matrix_md = render_markdown(candidate)
@@ -386,7 +382,7 @@ def test_markdown_failure_bullets_escape_every_field() -> None:
 
 
 def test_reports_say_sync_is_not_tested_at_world_size_one_only_where_there_are_such_cells() -> None:
-    from harness.report import WORLD_SIZE_ONE_NOTE
+    from harness.render.matrix import WORLD_SIZE_ONE_NOTE
 
     with_one = make_matrix()
     assert "sync is not tested at world size 1" in WORLD_SIZE_ONE_NOTE

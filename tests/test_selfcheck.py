@@ -11,9 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from harness import catalogue as case_catalogue
 from harness import selfcheck
-from harness.matrix import ERROR, FAIL, PASS, Cell
-from harness.selfcheck import Runner, Target, first_kinds, measure_sensitivity, run_selfcheck
+from harness.matrix import Cell
+from harness.records import Status
+from harness.render.selfcheck import sensitivity_text
+from harness.selfcheck import Runner, Target, first_kinds, measure_sensitivity
 
 ROOT = Path(__file__).resolve().parent.parent
 SEEDS = range(1000, 1010)
@@ -21,7 +24,7 @@ SEEDS = range(1000, 1010)
 
 @pytest.fixture(scope="module")
 def catalogue():
-    return selfcheck.discover(ROOT / "cases")
+    return case_catalogue.discover(ROOT / "cases")
 
 
 # Each registered fault, the cell that must catch it, and the diagnoses it must produce at the first
@@ -71,8 +74,8 @@ def fault_cells(catalogue):
 @pytest.mark.parametrize("fault", sorted(EXPECTED_DIAGNOSES))
 def test_each_fault_is_caught_by_its_cell_with_its_diagnosis(fault_cells, fault):
     clean, faulty = fault_cells[fault]
-    assert clean.status == PASS, clean.summary
-    assert faulty.status == FAIL, faulty.summary
+    assert clean.status == Status.PASS, clean.summary
+    assert faulty.status == Status.FAIL, faulty.summary
     expected = EXPECTED_DIAGNOSES[fault][2]
     assert expected <= set(first_kinds(faulty)), (first_kinds(faulty), faulty.summary)
 
@@ -140,7 +143,7 @@ class _ThresholdRunner:
     def run(self, target, *, fault=None, seed=None) -> Cell:
         self.calls += 1
         relative = float(fault.split(":", 1)[1])
-        status = FAIL if relative >= self.threshold else PASS
+        status = Status.FAIL if relative >= self.threshold else Status.PASS
         return Cell(case=target.case.name, variant=target.variant.name, world_size=2, status=status)
 
 
@@ -158,22 +161,22 @@ def test_sensitivity_bisects_to_the_grid_points_around_the_threshold(catalogue, 
 def test_sensitivity_says_when_nothing_is_caught(catalogue):
     target = selfcheck.select_targets(catalogue, cases=["fused_loss"])[0]
     found = measure_sensitivity(_ThresholdRunner(10.0), [target])
-    assert found.caught is None and "not caught" in found.text()
+    assert found.caught is None and "not caught" in sensitivity_text(found)
 
 
 class _AlwaysFailRunner:
     world_size = 2
 
     def run(self, target, *, fault=None, seed=None) -> Cell:
-        return Cell(case=target.case.name, variant=target.variant.name, world_size=2, status=FAIL)
+        return Cell(case=target.case.name, variant=target.variant.name, world_size=2, status=Status.FAIL)
 
 
 def test_a_case_that_fails_clean_cannot_catch_a_fault(catalogue):
     targets = selfcheck.select_targets(catalogue, cases=["fused_loss", "no_sync"])
-    clean = [Cell(case="fused_loss", variant="fp32", world_size=2, status=FAIL),
-             Cell(case="no_sync", variant="fp32", world_size=2, status=PASS)]
+    clean = [Cell(case="fused_loss", variant="fp32", world_size=2, status=Status.FAIL),
+             Cell(case="no_sync", variant="fp32", world_size=2, status=Status.PASS)]
     [result] = selfcheck.run_faults(_AlwaysFailRunner(), targets, [selfcheck.FAULTS["grads_summed"]], clean=clean)
-    assert [c.status for c in result.cells] == ["skip", FAIL]
+    assert [c.status for c in result.cells] == ["skip", Status.FAIL]
     assert [c.case for c in result.caught_by] == ["no_sync"]
 
 
@@ -207,9 +210,9 @@ def test_no_false_alarm_over_ten_seeds(catalogue, world_size):
                     continue
                 cell = runner.run(target, seed=seed)
                 cells += 1
-                if cell.status == FAIL:
+                if cell.status == Status.FAIL:
                     failed.append(f"{target.label} seed {seed}: {cell.summary}\n  rerun: {cell.rerun}")
-                elif cell.status == ERROR:
+                elif cell.status == Status.ERROR:
                     errored[target.case.name] = f"{target.label} seed {seed}: {cell.summary}"
     elapsed = time.monotonic() - started
     print(f"world size {world_size}: {cells} clean cells over {len(SEEDS)} seeds in {elapsed:.0f} s")

@@ -5,27 +5,27 @@ from __future__ import annotations
 
 import pytest
 
-from harness.catalogue import Diagnosis
-from harness.matrix import Failure
-from harness.messages import OK, SKIPPED, UNSUPPORTED, RankResult
-from harness.pool import PoolOutcome, RankFault
-from harness.verdict import format_message, judge
+from harness.decorator import Diagnosis
+from harness.messages import RankResult
+from harness.records import CellOutcome, Failure, FaultKind, RankFault, RankOutcome
+from harness.render.failures import cell_message as format_message
+from harness.verdict import judge
 
 NESTED = (Diagnosis("not_synced", model="gen"), Diagnosis("stepped_early", model="disc"))
 
 
 def failure(kind, model="model", rank=1, step=2, checked="grad"):
     return Failure(rank=rank, step=step, model=model, param="weight", kind=kind, max_abs_diff=0.5,
-                   checked=checked, message=f"'{model}.weight' on rank {rank} at step {step}: {kind}").to_dict()
+                   checked=checked, message=f"'{model}.weight' on rank {rank} at step {step}: {kind}")
 
 
-def result(rank, *, outcome=OK, failures=(), checks=12, grad_checks=6, vacuous=0, detail=""):
+def result(rank, *, outcome=RankOutcome.OK, failures=(), checks=12, grad_checks=6, vacuous=0, detail=""):
     return RankResult(rank=rank, outcome=outcome, detail=detail, failures=list(failures), checks=checks,
                       grad_checks=grad_checks, vacuous_checks=vacuous, max_abs_diff=2.5e-7)
 
 
 def cell(*results, world_size=2, detects=(), **kwargs):
-    outcome = PoolOutcome(results={r.rank: r for r in results})
+    outcome = CellOutcome(results={r.rank: r for r in results})
     options = dict(case="c", variant="fp32", world_size=world_size, detects=detects, outcome=outcome,
                    timeout_s=10.0, duration_s=0.1, rerun="pytest 'cases/c.py::test_c[fp32-ws2]'")
     options.update(kwargs)
@@ -72,7 +72,7 @@ def test_a_failure_on_any_rank_fails_the_cell_and_the_message_reads_like_assert_
     assert message.splitlines()[-1] == "Rerun this cell: pytest 'cases/c.py::test_c[fp32-ws2]'"
 
 
-@pytest.mark.parametrize("other", [SKIPPED, UNSUPPORTED])
+@pytest.mark.parametrize("other", [RankOutcome.SKIPPED, RankOutcome.UNSUPPORTED])
 def test_ranks_that_disagree_on_skip_or_unsupported_make_an_error_that_keeps_the_failures_visible(other):
     c = cell(result(0, outcome=other, detail="not here"), result(1, failures=[failure("wrong_scale")]))
     assert c.status == "error"
@@ -82,10 +82,10 @@ def test_ranks_that_disagree_on_skip_or_unsupported_make_an_error_that_keeps_the
 
 
 def test_ranks_that_agree_on_skip_or_unsupported_give_that_status_with_the_reason():
-    skipped = cell(result(0, outcome=SKIPPED, detail="needs 4 GPUs"), result(1, outcome=SKIPPED, detail="needs 4 GPUs"))
+    skipped = cell(result(0, outcome=RankOutcome.SKIPPED, detail="needs 4 GPUs"), result(1, outcome=RankOutcome.SKIPPED, detail="needs 4 GPUs"))
     assert (skipped.status, skipped.summary) == ("skip", "needs 4 GPUs")
-    lacking = cell(result(0, outcome=UNSUPPORTED, detail="installed accelerate lacks X"),
-                   result(1, outcome=UNSUPPORTED, detail="installed accelerate lacks X"))
+    lacking = cell(result(0, outcome=RankOutcome.UNSUPPORTED, detail="installed accelerate lacks X"),
+                   result(1, outcome=RankOutcome.UNSUPPORTED, detail="installed accelerate lacks X"))
     assert (lacking.status, lacking.summary) == ("unsupported", "installed accelerate lacks X")
 
 
@@ -124,8 +124,8 @@ def test_at_world_size_one_a_canary_needs_only_what_one_rank_can_show():
 
 
 def test_a_rank_that_raised_names_it_and_the_blocked_ones():
-    outcome = PoolOutcome(faults=[RankFault(1, "raised", "Traceback ...\nZeroDivisionError: planted"),
-                                  RankFault(0, "blocked", "File distributed_c10d.py in all_reduce")])
+    outcome = CellOutcome(faults=[RankFault(1, FaultKind.RAISED, "Traceback ...\nZeroDivisionError: planted"),
+                                  RankFault(0, FaultKind.BLOCKED, "File distributed_c10d.py in all_reduce")])
     c = judge(case="c", variant="v", world_size=2, outcome=outcome, timeout_s=5, duration_s=1)
     assert c.status == "error"
     assert c.summary == "rank 1 raised ZeroDivisionError: planted (rank 0 blocked waiting for it)"
@@ -133,12 +133,12 @@ def test_a_rank_that_raised_names_it_and_the_blocked_ones():
 
 
 @pytest.mark.parametrize("what, detail, summary", [
-    ("exited", "exited with code 7\nlog", "rank 1 exited with code 7"),
-    ("killed", "killed by SIGKILL", "rank 1 killed by SIGKILL"),
-    ("hung", "", "rank 1 hung (no result within 5 s)"),
+    (FaultKind.EXITED, "exited with code 7\nlog", "rank 1 exited with code 7"),
+    (FaultKind.KILLED, "killed by SIGKILL", "rank 1 killed by SIGKILL"),
+    (FaultKind.HUNG, "", "rank 1 hung (no result within 5 s)"),
 ])
 def test_a_rank_that_died_or_hung_is_named(what, detail, summary):
-    c = judge(case="c", variant="v", world_size=2, outcome=PoolOutcome(faults=[RankFault(1, what, detail)]),
+    c = judge(case="c", variant="v", world_size=2, outcome=CellOutcome(faults=[RankFault(1, what, detail)]),
               timeout_s=5, duration_s=1)
     assert (c.status, c.summary) == ("error", summary)
 

@@ -1,37 +1,18 @@
-"""Comparison with the oracle within bounds derived from the arithmetic, and the diagnosis of what a
-wrong gradient is instead."""
+"""Closeness to the oracle within bounds derived from the arithmetic: the allowances, the difference
+measured as assert_close measures it, and when two hypotheses can be told apart."""
 
 import random
 
 import pytest
 import torch
 
-from harness.compare import (
-    Expectation,
-    Hypotheses,
-    diagnose,
-    difference,
-    distinguishable,
-    fitted_scale,
-    make_failure,
-    reduction_allowance,
-    rounding_allowance,
-)
+from harness.closeness import Expectation, difference, distinguishable, reduction_allowance, rounding_allowance
 
 EPS32 = torch.finfo(torch.float32).eps
 
 
 def exact(values):
     return Expectation.rounded(torch.tensor(values))
-
-
-def hyp(**kw):
-    local = exact([1.0, 2.0, 3.0])
-    synced = exact([2.0, -1.0, 0.5])
-    previous = exact([0.3, 0.7, -0.2])
-    base = dict(expected=synced, local=local, synced=synced, previous=previous, expected_sync=True)
-    base.update(kw)
-    return Hypotheses(**base)
 
 
 def test_difference_reports_like_assert_close_with_the_allowance_where_it_is_greatest():
@@ -108,62 +89,7 @@ def test_index_of_a_matrix_is_unravelled():
     assert difference(a, Expectation.rounded(b)).max_abs_index == (1, 2)
 
 
-def test_diagnoses_not_synced():
-    h = hyp()
-    assert diagnose(h.local.value, h) == ("not_synced", None)
-
-
-def test_diagnoses_synced_early():
-    h = hyp(expected=exact([1.0, 2.0, 3.0]), expected_sync=False)
-    assert diagnose(h.synced.value, h) == ("synced_early", None)
-
-
-def test_diagnoses_wrong_scale_with_its_factor_even_a_small_one():
-    h = hyp()
-    kind, factor = diagnose(h.expected.value * 2.0, h)
-    assert kind == "wrong_scale" and abs(factor - 2.0) < 1e-9
-    kind, factor = diagnose(h.expected.value * (1 + 1e-5), h)
-    assert kind == "wrong_scale" and factor == pytest.approx(1 + 1e-5, rel=1e-7)
-
-
-def test_diagnoses_stale_gradient_left_from_the_last_window():
-    h = hyp()
-    assert diagnose(h.expected.value + h.previous.value, h)[0] == "stale"
-
-
-def test_anything_else_is_a_mismatch():
-    assert diagnose(torch.tensor([9.0, 9.0, -9.0]), hyp()) == ("mismatch", None)
-
-
-def test_no_sync_diagnosis_when_synced_and_local_are_alike():
-    same = exact([1.0, 2.0, 3.0])
-    h = hyp(local=same, synced=same, expected=exact([3.0, 6.0, 9.0]))
-    assert diagnose(same.value, h)[0] != "not_synced"
-
-
 def test_distinguishable_needs_a_margin_far_beyond_both_allowances():
     a = torch.tensor([1.0, 1.0])
     assert not distinguishable(Expectation.rounded(a), Expectation.rounded(a * (1 + 8 * EPS32)))
     assert distinguishable(Expectation.rounded(a), Expectation.rounded(a * (1 + 1e-4)))
-
-
-def test_fitted_scale():
-    e = torch.tensor([1.0, -2.0])
-    assert abs(fitted_scale(e * 3, e) - 3.0) < 1e-12
-    assert fitted_scale(e, torch.zeros(2)) is None
-
-
-def test_failure_message_names_where_and_what_and_what_was_allowed_there():
-    d = difference(torch.tensor([1.0, 2.0, 3.0]), exact([1.0, 4.0, 3.0]))
-    failure = make_failure(rank=1, step=3, where="step 3 (epoch 0, batch 2)", model="gen", param="weight",
-                           checked="grad", kind="not_synced", factor=None, diff=d)
-    lines = failure.message.splitlines()
-    assert lines[0].startswith("gradient of 'gen.weight' on rank 1 at step 3 (epoch 0, batch 2): not synced")
-    assert lines[1] == "Mismatched elements: 1 / 3 (33.3%)"
-    assert lines[2] == "Greatest absolute difference: 2 at index (1,) (up to 9.5e-07 allowed there)"
-    assert lines[3].startswith("Greatest relative difference: 0.5 at index (1,) (up to 2.4e-07 allowed there)")
-    assert (failure.rank, failure.step, failure.model, failure.param, failure.kind) == (1, 3, "gen", "weight", "not_synced")
-    assert failure.atol == d.allowed_abs
-    param = make_failure(rank=0, step=2, where="step 2", model="m", param="w", checked="param",
-                         kind="step_skipped", factor=None, diff=d)
-    assert param.message.startswith("update of parameter 'm.w' on rank 0 at step 2: the optimizer did not step")

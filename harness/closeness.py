@@ -1,5 +1,5 @@
-"""Comparison of a rank's tensors with the oracle's, within bounds derived from the arithmetic, and
-the diagnosis of a mismatch."""
+"""How close a rank's tensor is to the oracle's: an expected value with a per-element allowance
+derived from the arithmetic, and the difference measured as assert_close measures it."""
 
 from __future__ import annotations
 
@@ -8,11 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.matrix import Failure
-
 # What may legitimately differ, and so what a check allows (per element, never a fixed rtol):
 #
-# The oracle is anchored to the rank's real state after every check (oracle.py), so a check
+# The oracle is anchored to the rank's real state after every check (harness/checks.py), so a check
 # judges only the arithmetic since the last one: one backward, one reduction, one optimizer step.
 # - A reduction. DDP divides each rank's gradient by N and sums (the backend picks the order);
 #   the oracle sums, then divides. Each side's N-1 additions and one division round at most
@@ -137,111 +135,3 @@ def distinguishable(a: Expectation, b: Expectation) -> bool:
     """Whether two hypotheses differ somewhere by far more than both allowances together."""
     gap = (a.value.double() - b.value.double()).abs()
     return bool((gap > MARGIN * (a.allowed + b.allowed)).any())
-
-
-def _matches(actual: torch.Tensor, hypothesis: Expectation | None) -> bool:
-    return hypothesis is not None and difference(actual, hypothesis).close
-
-
-def fitted_scale(actual: torch.Tensor, expected: torch.Tensor) -> float | None:
-    """The constant c minimising |actual - c * expected|, or None when expected is zero."""
-    e = expected.double().reshape(-1)
-    denom = float(e @ e)
-    if denom == 0.0:
-        return None
-    return float(actual.double().reshape(-1) @ e) / denom
-
-
-KIND_TEXT = {
-    "not_synced": "not synced (the rank's local gradient where the average of all ranks was due)",
-    "synced_early": "synced when it should be local (the average of all ranks where this rank's own gradient was due)",
-    "stale": "stale from the last window (the gradient was not cleared after the optimizer step)",
-    "wrong_scale": "scaled by {factor:.6g}",
-    "params_diverged": "parameters diverged across ranks (no longer equal to rank 0's)",
-    "stepped_early": "the optimizer stepped where the schedule has no step",
-    "step_skipped": "the optimizer did not step where the schedule has one",
-    "mismatch": "does not match the oracle",
-}
-
-
-@dataclass(frozen=True)
-class Hypotheses:
-    """What a wrong gradient could be instead: each a named way of being wrong."""
-
-    expected: Expectation
-    local: Expectation | None = None  # this rank's own accumulated gradient
-    synced: Expectation | None = None  # the all-rank average of the local gradients
-    previous: Expectation | None = None  # the last window's final gradient
-    expected_sync: bool = True
-
-
-def diagnose(actual: torch.Tensor, hyp: Hypotheses) -> tuple[str, float | None]:
-    """Name what is wrong with ``actual``, trying the specific diagnoses before the generic one."""
-    if hyp.local is not None and hyp.synced is not None and distinguishable(hyp.local, hyp.synced):
-        if hyp.expected_sync and _matches(actual, hyp.local):
-            return "not_synced", None
-        if not hyp.expected_sync and _matches(actual, hyp.synced):
-            return "synced_early", None
-    if hyp.previous is not None:
-        if _matches(actual, hyp.expected.plus(hyp.previous)):
-            return "stale", None
-        if _matches(actual, hyp.previous) and distinguishable(hyp.previous, hyp.expected):
-            return "stale", None
-    factor = fitted_scale(actual, hyp.expected.value)
-    if factor is not None and not _matches(actual, hyp.expected) and _matches(actual, hyp.expected.scaled(factor)):
-        return "wrong_scale", factor
-    return "mismatch", None
-
-
-def _fmt_index(index: tuple[int, ...]) -> str:
-    return "(" + ", ".join(str(i) for i in index) + ("," if len(index) == 1 else "") + ")"
-
-
-def describe(*, what: str, where: str, kind: str, factor: float | None, diff: Difference) -> str:
-    """The assert_close-style block for one mismatch, headed by where and what."""
-    text = KIND_TEXT[kind].format(factor=factor or 0.0)
-    share = 100.0 * diff.mismatched / max(diff.numel, 1)
-    return (
-        f"{what} {where}: {text}\n"
-        f"Mismatched elements: {diff.mismatched} / {diff.numel} ({share:.1f}%)\n"
-        f"Greatest absolute difference: {diff.max_abs:.6g} at index {_fmt_index(diff.max_abs_index)} "
-        f"(up to {diff.allowed_abs:.2g} allowed there)\n"
-        f"Greatest relative difference: {diff.max_rel:.6g} at index {_fmt_index(diff.max_rel_index)} "
-        f"(up to {diff.allowed_rel:.2g} allowed there)"
-    )
-
-
-def make_failure(
-    *,
-    rank: int,
-    step: int,
-    where: str,
-    model: str,
-    param: str,
-    checked: str,
-    kind: str,
-    factor: float | None,
-    diff: Difference,
-    noun: str | None = None,
-) -> Failure:
-    """A failure of a gradient check (``checked="grad"``) or a parameter check (``"param"``), where
-    ``diff`` compared the gradients or the updates; ``noun`` names what was compared otherwise."""
-    noun = noun or ("gradient of" if checked == "grad" else "update of parameter")
-    what = f"{noun} '{model}.{param}'"
-    return Failure(
-        rank=rank,
-        step=step,
-        model=model,
-        param=param,
-        kind=kind,
-        max_abs_diff=diff.max_abs,
-        max_rel_diff=diff.max_rel if math.isfinite(diff.max_rel) else 1e308,
-        index=list(diff.max_abs_index),
-        checked=checked,
-        factor=factor,
-        mismatched=diff.mismatched,
-        numel=diff.numel,
-        atol=diff.allowed_abs,
-        rtol=diff.allowed_rel if math.isfinite(diff.allowed_rel) else 1e308,
-        message=describe(what=what, where=f"on rank {rank} at {where}", kind=kind, factor=factor, diff=diff),
-    )

@@ -1,74 +1,15 @@
-"""One table of cell statuses across several matrices, e.g. one per accelerate release."""
+"""The cross-release table as a person reads it: Markdown for a step summary, a self-contained HTML page."""
 
 from __future__ import annotations
 
-import html
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Sequence
+from harness.comparison import Comparison, ComparisonColumn
+from harness.diff import world_sizes_of
+from harness.matrix import Cell
+from harness.records import STATUSES
+from harness.render.diff import format_world_sizes
+from harness.render.style import ABSENT, PAGE_STYLE, md_status, status_style
+from harness.render.text import html_text, md_text, printable_line
 
-from harness.diff import (
-    CellKey,
-    format_world_sizes,
-    index_cells,
-    label_matrices,
-    order_key,
-    world_sizes_of,
-)
-from harness.matrix import STATUSES, Cell, Matrix, printable_line
-from harness.report import PAGE_STYLE, md_status, md_text, status_style
-
-
-@dataclass
-class ComparisonColumn:
-    """One input matrix and the heading it is shown under."""
-
-    heading: str
-    source: str
-    matrix: Matrix
-
-
-@dataclass
-class ComparisonRow:
-    """One cell key and its cell in each column (None where that input lacks it)."""
-
-    key: CellKey
-    cells: list[Cell | None]
-
-    @property
-    def statuses(self) -> list[str | None]:
-        return [cell.status if cell is not None else None for cell in self.cells]
-
-    @property
-    def differs(self) -> bool:
-        """True when the inputs that have this cell disagree on its status."""
-        return len({s for s in self.statuses if s is not None}) > 1
-
-
-@dataclass
-class Comparison:
-    columns: list[ComparisonColumn]
-    rows: list[ComparisonRow]
-
-    @property
-    def differing_rows(self) -> list[ComparisonRow]:
-        return [row for row in self.rows if row.differs]
-
-
-def build_comparison(matrices: Sequence[tuple[str | Path, Matrix]]) -> Comparison:
-    """Rows: every cell key of any input, sorted; columns: the inputs, in the order given."""
-    headings = label_matrices(matrices)
-    columns = [
-        ComparisonColumn(heading=heading, source=str(source), matrix=matrix)
-        for heading, (source, matrix) in zip(headings, matrices)
-    ]
-    indexed = [index_cells(column.matrix) for column in columns]
-    keys = sorted({key for cells in indexed for key in cells}, key=order_key)
-    rows = [ComparisonRow(key=key, cells=[cells.get(key) for cells in indexed]) for key in keys]
-    return Comparison(columns=columns, rows=rows)
-
-
-ABSENT = "—"
 DIFFERS_MARK = "≠"
 
 
@@ -132,11 +73,6 @@ tr.differs td.mark { background: #fff8c5; font-weight: 700; }
 """
 )
 
-def _e(text: object) -> str:
-    # One line, control characters and lone surrogates shown as escapes, then HTML-escaped.
-    return html.escape(printable_line(text), quote=True)
-
-
 def _status_class(status: str | None) -> str:
     if status is None:
         return "s-absent"
@@ -168,44 +104,44 @@ def render_comparison_html(comparison: Comparison) -> str:
         f"across {len(columns)} inputs.</strong></p>",
         "<table>",
         "<tr><th>input</th><th>source</th><th>environment</th>"
-        + "".join(f'<th class="{_status_class(s)}">{_e(s)}</th>' for s in STATUSES)
+        + "".join(f'<th class="{_status_class(s)}">{html_text(s)}</th>' for s in STATUSES)
         + "</tr>",
     ]
     for column in columns:
         counts = column.matrix.counts()
         out.append(
-            f"<tr><td>{_e(column.heading)}</td><td>{_e(column.source)}</td>"
-            f"<td>{_e(_environment_line(column))}</td>"
+            f"<tr><td>{html_text(column.heading)}</td><td>{html_text(column.source)}</td>"
+            f"<td>{html_text(_environment_line(column))}</td>"
             + "".join(f"<td>{counts.get(s, 0)}</td>" for s in STATUSES)
             + "</tr>"
         )
     out += [
         "</table>",
         '<p class="legend">'
-        + "".join(f'<span class="{_status_class(s)}">{_e(s)}</span>' for s in STATUSES)
-        + f'<span class="s-absent">{_e(ABSENT)} no such cell</span></p>',
-        f"<p>{_e(DIFFERS_MARK)} marks a cell whose status differs between the inputs that have it. "
+        + "".join(f'<span class="{_status_class(s)}">{html_text(s)}</span>' for s in STATUSES)
+        + f'<span class="s-absent">{html_text(ABSENT)} no such cell</span></p>',
+        f"<p>{html_text(DIFFERS_MARK)} marks a cell whose status differs between the inputs that have it. "
         "Hover over a status for its summary.</p>",
         "<table>",
         "<tr><th></th><th>case</th><th>variant</th><th>world size</th>"
-        + "".join(f"<th>{_e(c.heading)}</th>" for c in columns)
+        + "".join(f"<th>{html_text(c.heading)}</th>" for c in columns)
         + "</tr>",
     ]
     for row in comparison.rows:
         case, variant, world_size = row.key
         row_class = ' class="differs"' if row.differs else ""
-        marker = _e(DIFFERS_MARK) if row.differs else ""
+        marker = html_text(DIFFERS_MARK) if row.differs else ""
         tds = [
             f'<td class="mark">{marker}</td>',
-            f"<td>{_e(case)}</td>",
-            f"<td>{_e(variant)}</td>",
-            f"<td>{_e(world_size)}</td>",
+            f"<td>{html_text(case)}</td>",
+            f"<td>{html_text(variant)}</td>",
+            f"<td>{html_text(world_size)}</td>",
         ]
         for column, cell in zip(columns, row.cells):
             status = cell.status if cell is not None else None
             tds.append(
-                f'<td class="status {_status_class(status)}" title="{_e(_cell_title(column, cell))}">'
-                f"{_e(ABSENT if status is None else status)}</td>"
+                f'<td class="status {_status_class(status)}" title="{html_text(_cell_title(column, cell))}">'
+                f"{html_text(ABSENT if status is None else status)}</td>"
             )
         out.append(f"<tr{row_class}>" + "".join(tds) + "</tr>")
     out += ["</table>", "</body>", "</html>"]

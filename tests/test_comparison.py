@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main
-from harness.crossversion import build_comparison, render_comparison_html, render_comparison_markdown
+from harness.comparison import build_comparison
+from harness.render.comparison import render_comparison_html, render_comparison_markdown
 from harness.matrix import Cell, Matrix
 
 

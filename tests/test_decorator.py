@@ -3,16 +3,16 @@
 import pytest
 
 from harness import Diagnosis, Variant, case
-from harness.catalogue import case_info
+from harness.decorator import case_info
 
 
 def test_a_canary_must_name_the_diagnoses_it_produces():
     with pytest.raises(TypeError, match="not canary=True"):
-        case("catalogue_test_bare_canary", canary=True)
+        case("decorator_test_bare_canary", canary=True)
     with pytest.raises(TypeError, match="takes Diagnosis"):
-        case("catalogue_test_string_canary", canary=["not_synced"])
+        case("decorator_test_string_canary", canary=["not_synced"])
 
-    @case("catalogue_test_canary", variants=[Variant("v")], canary=Diagnosis("not_synced", model="gen"))
+    @case("decorator_test_canary", variants=[Variant("v")], canary=Diagnosis("not_synced", model="gen"))
     def test_canary(ctx):
         pass
 
@@ -31,12 +31,12 @@ def test_a_case_name_is_one_function():
 
         return test_one
 
-    first = define("catalogue_test_twice")
-    assert case_info(define("catalogue_test_twice")).name == "catalogue_test_twice"  # the same function again
+    first = define("decorator_test_twice")
+    assert case_info(define("decorator_test_twice")).name == "decorator_test_twice"  # the same function again
 
-    with pytest.raises(ValueError, match="case 'catalogue_test_twice' is defined twice: .*test_catalogue.py:"):
-        @case("catalogue_test_twice", variants=[Variant("v")])
+    with pytest.raises(ValueError, match="case 'decorator_test_twice' is defined twice: .*test_decorator.py:"):
+        @case("decorator_test_twice", variants=[Variant("v")])
         def test_other(ctx):
             pass
 
-    assert case_info(first).name == "catalogue_test_twice"
+    assert case_info(first).name == "decorator_test_twice"

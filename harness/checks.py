@@ -1,0 +1,265 @@
+"""How a rank's state is judged against the oracle: the checks a case calls, the diagnosis of a
+mismatch, the failures recorded, and the oracle anchored to the rank's real state afterwards.
+
+After every check the oracle carries on from the state the rank is really in (its parameters, and
+its gradients after a gradient check), so each check judges only the arithmetic since the last
+one: an error is reported where it happens, and the allowance stays at the floating-point limit of
+one step (harness/closeness.py) instead of growing with every step the replicas run on their own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
+
+import torch
+from torch import nn
+
+from harness.closeness import Difference, Expectation, difference, distinguishable, rounding_allowance
+from harness.diagnosis import Hypotheses, diagnose
+from harness.records import Failure, FailureKind
+from harness.render import failures as text
+from harness.replica import unwrap
+from harness.schedule import MicroStep
+
+if TYPE_CHECKING:
+    from harness.oracle import Oracle
+
+# Failures kept per rank; the rest are counted. The first ones in step order say the most.
+MAX_FAILURES = 64
+
+
+@dataclass
+class Recorder:
+    """Failures and check counts of one rank in one cell."""
+
+    rank: int
+    failures: list[Failure] = field(default_factory=list)
+    omitted: int = 0
+    checks: int = 0  # every comparison: gradients, parameters, flags, learning rates
+    grad_checks: int = 0
+    vacuous_checks: int = 0  # gradient checks where synced and local could not be told apart
+    max_abs_diff: float = 0.0
+
+    def add(self, failure: Failure) -> None:
+        if len(self.failures) < MAX_FAILURES:
+            self.failures.append(failure)
+        else:
+            self.omitted += 1
+
+    def observe(self, max_abs: float) -> None:
+        self.max_abs_diff = max(self.max_abs_diff, max_abs)
+
+
+def where(step: MicroStep | int) -> tuple[int, str]:
+    """A failure's step number and the words for where it is."""
+    if isinstance(step, MicroStep):
+        return step.index, step.where()
+    return step, f"step {step}"
+
+
+def make_failure(
+    *,
+    rank: int,
+    step: int,
+    where: str,
+    model: str,
+    param: str,
+    checked: str,
+    kind: FailureKind,
+    factor: float | None,
+    diff: Difference,
+    noun: str | None = None,
+) -> Failure:
+    """A failure of a gradient check (``checked="grad"``) or a parameter check (``"param"``), where
+    ``diff`` compared the gradients or the updates; ``noun`` names what was compared otherwise."""
+    noun = noun or ("gradient of" if checked == "grad" else "update of parameter")
+    what = f"{noun} '{model}.{param}'"
+    return Failure(
+        rank=rank,
+        step=step,
+        model=model,
+        param=param,
+        kind=kind,
+        max_abs_diff=diff.max_abs,
+        max_rel_diff=diff.max_rel if math.isfinite(diff.max_rel) else 1e308,
+        index=list(diff.max_abs_index),
+        checked=checked,
+        factor=factor,
+        mismatched=diff.mismatched,
+        numel=diff.numel,
+        atol=diff.allowed_abs,
+        rtol=diff.allowed_rel if math.isfinite(diff.allowed_rel) else 1e308,
+        message=text.mismatch_text(what=what, where=f"on rank {rank} at {where}", kind=kind, factor=factor, diff=diff),
+    )
+
+
+def _joined(expectations: Mapping[str, Expectation]) -> Expectation:
+    """One flat expectation of a model's parameters, for a model-wide question."""
+    values = [e.value.reshape(-1) for e in expectations.values()]
+    allowed = [e.allowed.reshape(-1) for e in expectations.values()]
+    return Expectation(torch.cat(values), torch.cat(allowed))
+
+
+def _param_kind(actual: torch.Tensor, rank0: torch.Tensor, *, moved: bool, due: bool) -> FailureKind:
+    if not difference(actual, Expectation.rounded(rank0)).close:
+        return FailureKind.PARAMS_DIVERGED
+    if due and not moved:
+        return FailureKind.STEP_SKIPPED
+    if moved and not due:
+        return FailureKind.STEPPED_EARLY
+    return FailureKind.MISMATCH
+
+
+class Checks:
+    """The checks of one rank's state against one oracle, recorded in ``recorder``."""
+
+    def __init__(self, oracle: Oracle, recorder: Recorder) -> None:
+        self.oracle = oracle
+        self.recorder = recorder
+        self.rank = oracle.rank
+        self.diverged: set[tuple[str, str]] = set()
+
+    def _actual_params(self, name: str, model: nn.Module) -> dict[str, torch.Tensor]:
+        actual = dict(unwrap(model).named_parameters())
+        missing = [p for p in self.oracle.params[name] if p not in actual]
+        if missing:
+            raise KeyError(f"model {name!r} has no parameter {missing[0]!r} on rank {self.rank}")
+        return actual
+
+    def grads(self, step: MicroStep | int, models: Mapping[str, nn.Module]) -> None:
+        """Compare every parameter's gradient on this rank with the oracle's (after a backward),
+        then carry on from the rank's gradients."""
+        oracle = self.oracle
+        index, at = where(step)
+        for name, model in models.items():
+            actual_params = self._actual_params(name, model)
+            local = oracle.local_grads(name)
+            synced = oracle.synced_grads(name)  # what a sync now would give: the other hypothesis
+            self.recorder.checks += 1
+            self.recorder.grad_checks += 1
+            if not distinguishable(_joined(local), _joined(synced)):
+                self.recorder.vacuous_checks += 1
+            failed = False
+            for pname, expected in oracle.expected_grads(name).items():
+                actual_param = actual_params[pname]
+                actual = actual_param.grad if actual_param.grad is not None else torch.zeros_like(actual_param)
+                diff = difference(actual, expected)
+                self.recorder.observe(diff.max_abs)
+                if diff.close:
+                    continue
+                kind, factor = diagnose(
+                    actual,
+                    Hypotheses(expected=expected, local=local[pname], synced=synced[pname],
+                               previous=oracle.previous_grad(name, pname), expected_sync=oracle.last_sync),
+                )
+                failed = True
+                self.recorder.add(make_failure(rank=self.rank, step=index, where=at, model=name, param=pname,
+                                               checked="grad", kind=kind, factor=factor, diff=diff))
+            oracle.adopt_grads(name, actual_params)
+            if failed:
+                oracle.restart_window(name, actual_params)
+
+    def params(self, step: MicroStep | int, models: Mapping[str, nn.Module],
+               optimizers: Mapping[str, Any] | None = None) -> None:
+        """Compare every parameter's update since the last optimizer step of the schedule
+        (``p_after - p_before``) with the oracle's, and every parameter with rank 0's copy.
+
+        ``optimizers`` (by model name, the case's own optimizers): after a mismatch, the oracle's
+        optimizer takes over their state (moments, step counts), so that the next steps are judged
+        on their own. Without them a stateful optimizer's later steps are judged against the
+        oracle's own state."""
+        oracle = self.oracle
+        index, at = where(step)
+        stepped = oracle.stepped and oracle.before_step is not None
+        for name, model in models.items():
+            actual_params = self._actual_params(name, model)
+            rank0 = oracle.rank0_copy(name, actual_params)
+            self.recorder.checks += 1
+            failed = False
+            for pname, replica_param in oracle.params[name].items():
+                after = replica_param.detach()
+                before = oracle.before_step[name][pname] if oracle.before_step is not None else after
+                actual = actual_params[pname].detach()
+                allowed = rounding_allowance(after, before)
+                expected = Expectation(after.double() - before.double(), allowed)
+                update = actual.double() - before.double()
+                diff = difference(update, expected)
+                self.recorder.observe(diff.max_abs)
+                if diff.close:
+                    self._equal_to_rank0(index, at, name, pname, actual, rank0[pname])
+                    continue
+                failed = True
+                moved = bool((update.abs() > allowed).any())
+                due = stepped and bool((expected.value.abs() > allowed).any())
+                kind = _param_kind(actual, rank0[pname], moved=moved, due=due)
+                self.recorder.add(make_failure(rank=self.rank, step=index, where=at, model=name, param=pname,
+                                               checked="param", kind=kind, factor=None, diff=diff))
+            oracle.adopt_params(name, actual_params)
+            if failed:
+                oracle.restart_window(name, actual_params)
+                oracle.adopt_grads(name, actual_params)  # a rank that stepped wrongly: its gradients too
+                if optimizers is not None and name in optimizers:
+                    oracle.adopt_optimizer_state(name, optimizers[name])
+        oracle.end_step()
+
+    def _equal_to_rank0(self, index: int, at: str, name: str, pname: str, actual: torch.Tensor,
+                        rank0: torch.Tensor) -> None:
+        """DDP keeps every rank's parameters equal; report the step where they first part (once)."""
+        key = (name, pname)
+        if key in self.diverged:
+            return
+        diff = difference(actual, Expectation.rounded(rank0))
+        if diff.close:
+            return
+        self.diverged.add(key)
+        self.recorder.add(make_failure(rank=self.rank, step=index, where=at, model=name, param=pname,
+                                       checked="param", kind=FailureKind.PARAMS_DIVERGED, factor=None, diff=diff,
+                                       noun="parameter"))
+
+    def sync_flag(self, step: MicroStep, flag: bool) -> None:
+        """Report where ``accelerator.sync_gradients`` disagrees with the schedule (its own kind)."""
+        self.recorder.checks += 1
+        if bool(flag) == step.optimizer_step:
+            return
+        self.recorder.add(Failure(
+            rank=self.rank, step=step.index, model="accelerator", param="sync_gradients",
+            kind=FailureKind.SYNC_FLAG, max_abs_diff=0.0, checked="flag",
+            message=text.sync_flag_text(rank=self.rank, where=step.where(), flag=bool(flag), due=step.optimizer_step),
+        ))
+
+    def lr(self, step: MicroStep | int, optimizers: Mapping[str, Any]) -> None:
+        """Compare each optimizer's learning rates with the oracle's (whose schedulers advanced only
+        at the schedule's optimizer steps)."""
+        index, at = where(step)
+        for name, optimizer in optimizers.items():
+            self.recorder.checks += 1
+            expected_groups = self.oracle.optimizers[name].param_groups
+            for group, (actual, expected) in enumerate(zip(optimizer.param_groups, expected_groups)):
+                gap = abs(float(actual["lr"]) - float(expected["lr"]))
+                if gap <= 1e-12 + 1e-6 * abs(float(expected["lr"])):
+                    continue
+                self.recorder.add(Failure(
+                    rank=self.rank, step=index, model=name, param=f"param_groups[{group}].lr",
+                    kind=FailureKind.MISMATCH, max_abs_diff=gap, checked="lr",
+                    message=text.lr_text(rank=self.rank, where=at, optimizer=name, group=group,
+                                         actual=float(actual["lr"]), expected=float(expected["lr"])),
+                ))
+
+
+def count_batches(recorder: Recorder, loader: Iterable[Any], expected: int, *, what: str,
+                  epoch: int = 0) -> Iterator[Any]:
+    """Iterate ``loader`` to its end, yielding at most ``expected`` batches; a different count is a
+    failure of kind ``schedule`` (the loader is still exhausted, as a user's loop would)."""
+    seen = 0
+    for batch in loader:
+        seen += 1
+        if seen <= expected:
+            yield batch
+    if seen != expected:
+        recorder.add(Failure(
+            rank=recorder.rank, step=0, model="dataloader", param="len", kind=FailureKind.SCHEDULE,
+            max_abs_diff=float(abs(seen - expected)), checked="schedule",
+            message=text.batch_count_text(rank=recorder.rank, what=what, epoch=epoch, seen=seen, expected=expected),
+        ))

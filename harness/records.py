@@ -1,0 +1,137 @@
+"""The records both sides of a pool share: statuses, failure kinds, failures, rank faults, a cell's outcome.
+
+Plain data with no dependency (not torch, not pytest, nothing of the harness): the rank side builds
+them, the controller judges and reports them. The enums are ``str`` enums whose values are the
+public names of the report schema (CONTRACT.md), so a member is equal to, hashes like and prints as
+its name, and matrices from any harness version keep comparing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the protocol imports these records, not the other way round
+    from harness.messages import RankResult
+
+
+class _Name(str, Enum):
+    """A public name: ``str(member)`` and ``f"{member}"`` are its value, on every Python."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+class Status(_Name):
+    """A judged cell's status."""
+
+    PASS = "pass"
+    FAIL = "fail"
+    ERROR = "error"
+    SKIP = "skip"
+    UNSUPPORTED = "unsupported"
+    DETECTED = "detected"
+    MISSED = "missed"
+
+
+STATUSES = tuple(s.value for s in Status)
+# A run is red when any cell has one of these.
+BAD_STATUSES = frozenset({Status.FAIL, Status.ERROR, Status.MISSED})
+# A cell "holds" when it shows the harness judging correctly; diff counts leaving these as regressions.
+GOOD_STATUSES = frozenset({Status.PASS, Status.DETECTED})
+
+
+class FailureKind(_Name):
+    """What a failure was diagnosed as."""
+
+    NOT_SYNCED = "not_synced"
+    SYNCED_EARLY = "synced_early"
+    WRONG_SCALE = "wrong_scale"
+    STALE = "stale"
+    PARAMS_DIVERGED = "params_diverged"
+    STEPPED_EARLY = "stepped_early"
+    STEP_SKIPPED = "step_skipped"
+    SYNC_FLAG = "sync_flag"
+    SCHEDULE = "schedule"
+    MISMATCH = "mismatch"
+
+
+# Diagnoses that compare a synced gradient with a local one: a single rank cannot produce them.
+SYNC_KINDS = frozenset({FailureKind.NOT_SYNCED, FailureKind.SYNCED_EARLY})
+
+
+class RankOutcome(_Name):
+    """How a rank's part of a cell ended."""
+
+    OK = "ok"
+    RAISED = "raised"
+    UNSUPPORTED = "unsupported"
+    SKIPPED = "skipped"
+
+
+class FaultKind(_Name):
+    """What went wrong with a rank that kept it from reporting a result."""
+
+    RAISED = "raised"
+    EXITED = "exited"
+    KILLED = "killed"
+    HUNG = "hung"
+    BLOCKED = "blocked"  # waiting in a collective for a rank that raised, died or hung
+
+
+# The faults that are a cause; a blocked rank is the victim of one of them.
+CAUSES = frozenset({FaultKind.RAISED, FaultKind.EXITED, FaultKind.KILLED, FaultKind.HUNG})
+
+
+@dataclass
+class Failure:
+    """One disagreement between a rank and the oracle."""
+
+    rank: int
+    step: int
+    model: str
+    param: str
+    kind: str  # a FailureKind; a matrix of another harness version may hold others
+    max_abs_diff: float
+    message: str
+    max_rel_diff: float = 0.0
+    index: list[int] | None = None
+    checked: str = "grad"  # "grad", "param", "flag", "lr" or "schedule"
+    factor: float | None = None
+    mismatched: int = 0
+    numel: int = 0
+    atol: float = 0.0
+    rtol: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["kind"] = str(self.kind)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Failure":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass
+class RankFault:
+    """What went wrong with one rank during a cell."""
+
+    rank: int
+    what: FaultKind
+    detail: str = ""
+
+
+@dataclass
+class CellOutcome:
+    """The ranks' results for one cell, or the faults that kept them from reporting."""
+
+    results: dict[int, RankResult] = field(default_factory=dict)
+    faults: list[RankFault] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.faults
