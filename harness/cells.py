@@ -97,6 +97,6 @@ def run_cell(pools: PoolSet, case: CaseRef, variant: Variant, world_size: int, s
     return judge(outcome=outcome, duration_s=time.perf_counter() - started, **common)
 
 
-def with_run(settings: Settings, *, seed: int | None = None, fault: str | None = None) -> Settings:
+def settings_for(settings: Settings, *, seed: int | None = None, fault: str | None = None) -> Settings:
     """``settings`` for one more run of a cell with another seed or a planted fault."""
     return dataclasses.replace(settings, seed=settings.seed if seed is None else seed, fault=fault)

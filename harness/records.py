@@ -131,7 +131,3 @@ class CellOutcome:
 
     results: dict[int, RankResult] = field(default_factory=dict)
     faults: list[RankFault] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.faults

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 from harness.catalogue import CaseRef
-from harness.cells import run_cell, with_run
+from harness.cells import run_cell, settings_for
 from harness.decorator import PRECISIONS, Variant
 from harness.faults import FAULTS, Fault, resolve
 from harness.matrix import Cell
@@ -109,7 +109,7 @@ class Runner:
         self.pools.close()
 
     def run(self, target: Target, *, fault: str | None = None, seed: int | None = None) -> Cell:
-        settings = with_run(self.settings, seed=seed, fault=fault)
+        settings = settings_for(self.settings, seed=seed, fault=fault)
         return run_cell(self.pools, target.case, target.variant, self.world_size, settings)
 
 
