@@ -78,10 +78,20 @@ def find_case(path: str | os.PathLike[str], attr: str) -> CaseInfo:
     return info
 
 
+def installed_cases_dir() -> Path:
+    """Where the built-in catalogue is: the package ``harness.cases`` (``cases/`` of the checkout in an
+    editable install, ``harness/cases/`` inside an installed one)."""
+    spec = importlib.util.find_spec("harness.cases")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not locations:
+        raise CatalogueError("the built-in catalogue (the package harness.cases) is not installed")
+    return Path(locations[0])
+
+
 def default_cases_dir() -> Path:
-    """``cases/`` in the working directory, else the one beside this package (an editable install)."""
+    """``cases/`` in the working directory, else the built-in catalogue."""
     here = Path("cases")
-    return here if here.is_dir() else Path(__file__).resolve().parent.parent / "cases"
+    return here if here.is_dir() else installed_cases_dir()
 
 
 def discover(cases_dir: str | os.PathLike[str]) -> list[CaseRef]:

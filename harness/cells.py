@@ -74,9 +74,12 @@ def run_cell(pools: PoolSet, case: CaseRef, variant: Variant, world_size: int, s
     Whatever goes wrong is the cell's verdict, never an exception: a pool that cannot start, a rank
     that raises, dies or hangs, or the controller failing while it waits (the pool is then killed,
     and the next cell starts a new one)."""
-    node = node or nodeid(case, variant.name, world_size)
+    # the rerun command names the case file from the working directory, so that it runs from here
+    # whatever pytest's rootdir (an installed catalogue lies outside it)
+    runnable = nodeid(case, variant.name, world_size)
+    node = node or runnable
     common = dict(case=case.name, variant=variant.name, world_size=world_size, nodeid=node,
-                  rerun=rerun_command(node, world_size=world_size, backend=settings.backend, seed=settings.seed,
+                  rerun=rerun_command(runnable, world_size=world_size, backend=settings.backend, seed=settings.seed,
                                       report_dir=settings.report_dir, case_timeout_s=settings.case_timeout_s,
                                       fault=settings.fault))
     if settings.backend == "nccl" and world_size > settings.gpu_count:

@@ -250,15 +250,58 @@ def add_selfcheck_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="cases for the perturbation search (default: fused_loss,accumulate where present)")
     parser.add_argument("--no-sensitivity", action="store_true", help="skip the perturbation search")
     parser.add_argument("--cases-dir", type=Path, metavar="DIR", default=None,
-                        help="where the case files are (default: ./cases)")
+                        help="where the case files (test_*.py) are: your own cases, or the catalogue "
+                             "(default: ./cases, else the installed catalogue)")
     parser.add_argument("--json", type=Path, metavar="FILE", default=None, help="also write every result to FILE")
     parser.add_argument("--list-faults", action="store_true", help="list the registered faults and exit")
     parser.set_defaults(run=run_selfcheck)
 
 
+def run_catalogue(args: argparse.Namespace) -> int:
+    import pytest
+
+    from harness.catalogue import CatalogueError, installed_cases_dir
+
+    try:
+        cases_dir = installed_cases_dir()
+    except CatalogueError as exc:
+        raise UsageError(str(exc)) from None
+    pytest_args = list(args.pytest_args)
+    if pytest_args[:1] == ["--"]:
+        pytest_args = pytest_args[1:]
+    # the pytest cache goes to the working directory, never into the installed package
+    rootdir = [] if any(a == "--rootdir" or a.startswith("--rootdir=") for a in pytest_args) else ["--rootdir", "."]
+    return int(pytest.main([str(cases_dir), *rootdir, *pytest_args]))
+
+
+def add_run_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "run",
+        help="run the built-in case catalogue with pytest (from an installed harness)",
+        description=(
+            "Run the case catalogue that ships with the installed harness (the package harness.cases),\n"
+            "as `pytest -n auto cases/` runs it in a checkout. Every argument after `run` goes to pytest:\n"
+            "the harness's options (--world-sizes, --backend, --report-dir, --case-timeout, --seed),\n"
+            "-n auto, -k, -x and the rest. Reports go to ./reports unless --report-dir says otherwise."
+        ),
+        epilog=(
+            "exit status: pytest's own; non-zero whenever any cell is fail, error or missed\n"
+            "\n"
+            "examples:\n"
+            "  python -m harness run -n auto\n"
+            "  python -m harness run --world-sizes 1,2 -k 'fused_loss or accumulate'"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("pytest_args", nargs=argparse.REMAINDER, metavar="PYTEST_ARGS",
+                        help="options and node ids for pytest")
+    parser.set_defaults(run=run_catalogue)
+
+
 # Each subcommand is an add_*_parser function that registers its parser and sets `run`;
 # a new subcommand is one more function here and one more entry in this tuple.
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    add_run_parser,
     add_diff_parser,
     add_compare_parser,
     add_selfcheck_parser,
@@ -268,9 +311,9 @@ SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
-        description=("The harness's commands beside `pytest cases/`: compare the matrices it writes\n"
-                     "(reports/matrix.json) with `diff` and `compare`, and check the harness itself with\n"
-                     "`selfcheck`."),
+        description=("The harness's commands beside `pytest cases/`: run the installed catalogue with `run`,\n"
+                     "compare the matrices it writes (reports/matrix.json) with `diff` and `compare`, and\n"
+                     "check the harness (or your own cases) with `selfcheck`."),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Run `python -m harness COMMAND --help` for a command's options and exit status.",
     )
@@ -282,7 +325,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"] and argv[1:] not in (["-h"], ["--help"]):
+        # everything after `run` is pytest's, in its order, its options too
+        args = argparse.Namespace(command="run", run=run_catalogue, pytest_args=argv[1:])
+    else:
+        args = parser.parse_args(argv)
     try:
         return args.run(args)
     except (MatrixError, UsageError) as exc:

@@ -68,6 +68,7 @@ class HarnessState:
         self.matrix: Matrix | None = None
         self.created = ""
         self.write_error = ""
+        self.signals_installed = False
         self._environment: dict[str, Any] | None = None
 
     # registered as a plugin object, so that these are hooks of this process's state
@@ -152,6 +153,14 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[STATE] = state
     config.pluginmanager.register(state, "harness-state")
     config.addinivalue_line("markers", "harness_case: a gradient-sync cell (added by the harness plugin)")
+
+
+def _end_on_signals(state: HarnessState) -> None:
+    """From the first cell on (and only in a run that has cells: the plugin is loaded in every pytest
+    run where the harness is installed), SIGTERM and SIGHUP end the run as Ctrl-C does."""
+    if state.signals_installed:
+        return
+    state.signals_installed = True
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _terminate)
 
@@ -188,6 +197,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     items.sort(key=lambda i: (0 if world_size(i) else 1, -world_size(i), order[id(i)]))
     for item in harness_items:
         item.add_marker("harness_case")
+    _end_on_signals(config.stash[STATE])
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -216,6 +226,8 @@ def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
     state = node.config.stash.get(STATE, None)
     if state is not None and not state.expected_ids:
         state.expected_ids = {i for i in ids if _CELL_ID.search(i)}
+    if state is not None and state.expected_ids:
+        _end_on_signals(state)
 
 
 class CellRunner:

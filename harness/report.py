@@ -48,21 +48,20 @@ def write_reports(matrix: Matrix, report_dir: str | os.PathLike[str]) -> list[Pa
 
 
 def check_report_dir(report_dir: str | os.PathLike[str]) -> str | None:
-    """None when reports can be written into report_dir (creating it), else a one-line reason."""
+    """None when reports can be written into report_dir, else a one-line reason. It creates nothing
+    (the folder is made when the first cell's reports are written): the plugin is loaded in every
+    pytest run where the harness is installed, and a run without cells must leave no trace."""
     directory = Path(report_dir)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=directory, prefix=".probe.", suffix=".tmp")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        reason = exc.strerror or str(exc)
-        if isinstance(exc, FileExistsError) or (directory.exists() and not directory.is_dir()):
-            reason = "exists and is not a directory"
-        return f"cannot write to reports dir '{directory}': {reason}"
-    return None
-
-
+    existing = directory
+    while not existing.exists() and not existing.is_symlink() and existing.parent != existing:
+        existing = existing.parent
+    if not existing.is_dir():
+        reason = "exists and is not a directory" if existing == directory else "Not a directory"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        reason = "Permission denied"
+    else:
+        return None
+    return f"cannot write to reports dir '{directory}': {reason}"
 
 
 def _current_umask() -> int:

@@ -268,11 +268,10 @@ def test_reports_follow_the_umask(tmp_path: Path, umask: int, mode: int) -> None
         assert stat.S_IMODE(path.stat().st_mode) == mode, path.name
 
 
-def test_check_report_dir_accepts_a_fresh_nested_dir(tmp_path: Path) -> None:
+def test_check_report_dir_accepts_a_fresh_nested_dir_and_creates_nothing(tmp_path: Path) -> None:
     target = tmp_path / "x" / "y"
     assert check_report_dir(target) is None
-    assert target.is_dir()
-    assert list(target.iterdir()) == []
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_check_report_dir_rejects_a_regular_file(tmp_path: Path) -> None:

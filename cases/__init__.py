@@ -1,0 +1,1 @@
+"""The case catalogue; installed as the package ``harness.cases`` (``python -m harness run``)."""

@@ -1,3 +1,0 @@
-"""Loads the harness plugin for every run from this checkout (cases/ and tests/)."""
-
-pytest_plugins = ["harness.plugin"]
