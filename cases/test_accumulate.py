@@ -17,7 +17,8 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.05)
 
 
-@case("accumulate", variants=grid(steps=[1, 2, 3], precision=PRECISIONS))
+# fp16 (a gradient scaler) where accelerate runs it: an accelerator device; on CPU the cell is skip
+@case("accumulate", variants=grid(steps=[1, 2, 3], precision=PRECISIONS) + grid(steps=[2], precision=["fp16"]))
 def test_accumulate(ctx):
     """One model through a prepared dataloader and optimizer for two epochs: forward,
     ``backward``, ``optimizer.step()``, ``optimizer.zero_grad()`` inside ``accumulate(model)``."""

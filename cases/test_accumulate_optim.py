@@ -72,7 +72,7 @@ def test_accumulate_scheduler(ctx):
         oracle.check_params(point, {"model": model}, {"model": optimizer})
 
 
-@case("accumulate_clip_grad", variants=grid(steps=[2, 3], precision=PRECISIONS))
+@case("accumulate_clip_grad", variants=grid(steps=[2, 3], precision=PRECISIONS) + grid(steps=[2], precision=["fp16"]))
 def test_accumulate_clip_grad(ctx):
     """``accelerator.clip_grad_norm_`` at sync points (``if accelerator.sync_gradients``), as the
     accelerate docs show: it must clip the averaged gradient of the whole window."""

@@ -52,6 +52,11 @@ class Recorder:
         self.max_abs_diff = max(self.max_abs_diff, max_abs)
 
 
+def as_optimizers(value: Any) -> tuple[Any, ...]:
+    """One optimizer, or a list or tuple of them, as a tuple."""
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
 def where(step: MicroStep | int) -> tuple[int, str]:
     """A failure's step number and the words for where it is."""
     if isinstance(step, MicroStep):
@@ -235,8 +240,9 @@ class Checks:
         index, at = where(step)
         for name, optimizer in optimizers.items():
             self.recorder.checks += 1
-            expected_groups = self.oracle.optimizers[name].param_groups
-            for group, (actual, expected) in enumerate(zip(optimizer.param_groups, expected_groups)):
+            actual_groups = [g for opt in as_optimizers(optimizer) for g in opt.param_groups]
+            expected_groups = [g for opt in self.oracle.optimizers[name] for g in opt.param_groups]
+            for group, (actual, expected) in enumerate(zip(actual_groups, expected_groups)):
                 gap = abs(float(actual["lr"]) - float(expected["lr"]))
                 if gap <= 1e-12 + 1e-6 * abs(float(expected["lr"])):
                     continue

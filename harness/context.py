@@ -1,22 +1,45 @@
-"""What a case sees on its rank: who it is, accelerate, seeded models and data, and the oracle."""
+"""What a case sees on its rank: who it is, accelerate, models and data built alike on every rank,
+the schedule, and the oracle. ``RankContext`` is public API (docs/writing-a-case.md)."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Mapping
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Hashable, Iterable, Iterator, Mapping, TypeVar
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, Dataset
 
 from harness import probe
 from harness.checks import Recorder, count_batches
 from harness.decorator import SkipCell
-from harness.models import derive_seed, make_model, rank_batch, regression_dataset
-from harness.oracle import OptimizerFactory, Oracle, SchedulerFactory
+from harness.models import derive_seed, make_model, rank_batch, regression_dataset, seeded
+from harness.oracle import ModelOptimizers, OptimizerFactory, Oracle, SchedulerFactory
 from harness.schedule import MicroStep, accumulation_schedule, batches_per_rank, dispatched_batches_per_rank
+
+ModelT = TypeVar("ModelT", bound=nn.Module)
+
+MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
+
+
+@dataclass(frozen=True)
+class Accumulation:
+    """The accumulation settings the case gave its Accelerator: the one place the oracle and the
+    schedule take them from, so that they are given once."""
+
+    num_steps: int = 1
+    sync_with_dataloader: bool = True
+    sync_each_batch: bool = False
 
 
 class RankContext:
-    """Handed to a case body on every rank of a cell."""
+    """Handed to a case body on every rank of a cell.
+
+    Attributes: ``case`` (the case name), ``variant_name`` (e.g. ``steps=2-bf16``), ``variant`` (its
+    parameters, a dict), ``precision`` (``fp32``, ``bf16`` or ``fp16``), ``rank``, ``world_size``,
+    ``seed`` (the run's base seed) and ``device`` (this rank's ``torch.device``).
+    """
 
     def __init__(
         self,
@@ -37,12 +60,18 @@ class RankContext:
         self.seed = seed
         self.device = device
         self.precision = str(self.variant.get("precision", "fp32"))
+        if self.precision not in MIXED_PRECISION:
+            raise ValueError(f"variant {variant!r}: unknown precision {self.precision!r}; "
+                             f"known: {', '.join(MIXED_PRECISION)}")
         self.recorder = Recorder(rank=rank)
+        self.accumulation: Accumulation | None = None
+        self._scaler_kwargs: dict[str, Any] = {}
 
     # what the installed accelerate offers (harness/probe.py): the API, or Unsupported naming it
 
     def require(self, owner: Any, attribute: str, api: str | None = None) -> Any:
-        """``getattr(owner, attribute)``, or ``Unsupported`` naming the API when it is missing."""
+        """``getattr(owner, attribute)``, or ``Unsupported`` naming the API when it is missing: the
+        cell is then ``unsupported`` rather than an error (find APIs by asking, never by version)."""
         return probe.require(owner, attribute, api)
 
     def require_parameter(self, function: Any, parameter: str, api: str) -> None:
@@ -50,21 +79,40 @@ class RankContext:
         probe.require_parameter(function, parameter, api)
 
     def skip(self, reason: str) -> None:
+        """End the cell as ``skip`` with ``reason``: it does not apply here (every rank must agree)."""
         raise SkipCell(reason)
 
     # accelerate
 
     def accelerator(self, **kwargs: Any) -> Any:
-        """An ``Accelerator`` on this rank's device with the variant's mixed precision."""
+        """An ``Accelerator`` on this rank's device with the variant's mixed precision; ``kwargs`` go
+        to ``Accelerator`` as they are.
+
+        Its accumulation settings (``gradient_accumulation_steps=``, or the plugin made by
+        ``gradient_accumulation``) are remembered: ``oracle`` and ``schedule`` take them from here,
+        so they are given once. Under fp16 a cell where accelerate makes no gradient scaler (it runs
+        fp16 only on an accelerator device, not on CPU) is ``skip``, saying so."""
         from accelerate import Accelerator
 
-        kwargs.setdefault("mixed_precision", "bf16" if self.precision == "bf16" else "no")
+        kwargs.setdefault("mixed_precision", MIXED_PRECISION[self.precision])
         kwargs.setdefault("cpu", self.device.type == "cpu")
-        return Accelerator(**kwargs)
+        self.accumulation = _accumulation_of(kwargs)
+        self._scaler_kwargs = _scaler_kwargs_of(kwargs)
+        try:
+            accelerator = Accelerator(**kwargs)
+        except ValueError as exc:
+            if kwargs["mixed_precision"] == "fp16" and "fp16" in str(exc):
+                self.skip(f"accelerate refuses fp16 on {self.device.type}: {exc}")
+            raise
+        if kwargs["mixed_precision"] == "fp16" and getattr(accelerator, "scaler", None) is None:
+            self.skip(f"accelerate makes no fp16 gradient scaler on {self.device.type} "
+                      "(it runs fp16 mixed precision on an accelerator device only)")
+        return accelerator
 
     def gradient_accumulation(self, num_steps: int, **options: Any) -> dict[str, Any]:
-        """``Accelerator`` keyword arguments for ``GradientAccumulationPlugin(num_steps=..., **options)``,
-        or ``Unsupported`` naming the plugin or the option that the installed accelerate lacks."""
+        """``Accelerator`` keyword arguments for ``GradientAccumulationPlugin(num_steps=..., **options)``
+        (e.g. ``sync_each_batch=True``), or ``Unsupported`` naming the plugin or the option that the
+        installed accelerate lacks."""
         return probe.gradient_accumulation_kwargs(num_steps, **options)
 
     def dataloader_options(self, **options: Any) -> dict[str, Any]:
@@ -78,10 +126,23 @@ class RankContext:
 
     # models and data
 
-    def model(self, kind: str, name: str | None = None) -> nn.Module:
-        """A model with the same weights on every rank (DDP would broadcast rank 0's anyway; the
-        oracle's replicas must start from them too)."""
-        model = make_model(kind, derive_seed(self.seed, self.case, name or kind))
+    def model(self, factory: Callable[..., ModelT] | str, *args: Any, name: str | None = None,
+              **kwargs: Any) -> ModelT:
+        """``factory(*args, **kwargs)`` (your model's class or any function that builds it) with the
+        same weights on every rank, moved to this rank's device.
+
+        The RNG is seeded from the run's seed, the case and ``name`` (default: the factory's name)
+        while it builds, so every rank builds the same weights, as DDP and the oracle's replicas
+        both need; two models of one class in a case need two names. A string names one of the
+        harness's own toy models (``regressor``, ``generator``, ...)."""
+        if isinstance(factory, str):
+            model: Any = make_model(factory, derive_seed(self.seed, self.case, name or factory))
+        else:
+            label = name or getattr(factory, "__qualname__", None) or type(factory).__name__
+            with seeded(derive_seed(self.seed, self.case, "model", label), self.device):
+                model = factory(*args, **kwargs)
+            if not isinstance(model, nn.Module):
+                raise TypeError(f"ctx.model({label}): the factory returned {type(model).__name__}, not a torch.nn.Module")
         return model.to(self.device)
 
     def batch(self, step: int, *, rows: int = 6, features: int = 4, label: str = "") -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,6 +152,30 @@ class RankContext:
             self.rank, rows=rows, features=features,
         )
         return x.to(self.device), y.to(self.device)
+
+    def dataloader(self, dataset: Dataset, *, batch_size: int, drop_last: bool = False, split_batches: bool = False,
+                   dispatch_batches: bool = False, **loader_kwargs: Any) -> tuple[DataLoader, int]:
+        """A ``DataLoader`` over your own map-style dataset (give it to ``accelerator.prepare``), and
+        how many batches each rank's prepared dataloader must yield per epoch, from the contract of
+        accelerate's sharding (or, with ``dispatch_batches``, dispatching) with ``even_batches``.
+
+        ``split_batches``/``dispatch_batches`` must be what the Accelerator was given
+        (``dataloader_options``); ``loader_kwargs`` go to ``DataLoader`` (``shuffle``, ``collate_fn``,
+        ...). A yield of another length is a failure of kind ``schedule`` in ``epochs``."""
+        if split_batches and batch_size % self.world_size:
+            # accelerate rejects this at prepare(): the cell does not apply at this world size
+            self.skip(f"split_batches needs the batch size ({batch_size}) to be a multiple of the world size "
+                      f"({self.world_size})")
+        if dispatch_batches and drop_last:
+            raise ValueError("ctx.dataloader: the harness has no contract for dispatch_batches with drop_last")
+        samples = len(dataset)  # type: ignore[arg-type]
+        if dispatch_batches:
+            expected = dispatched_batches_per_rank(samples, batch_size=batch_size, world_size=self.world_size,
+                                                   split_batches=split_batches)
+        else:
+            expected = batches_per_rank(samples, batch_size=batch_size, world_size=self.world_size,
+                                        split_batches=split_batches, drop_last=drop_last)
+        return DataLoader(dataset, batch_size=batch_size, drop_last=drop_last, **loader_kwargs), expected
 
     def dataset(
         self,
@@ -102,14 +187,13 @@ class RankContext:
         dispatch_batches: bool = False,
         samples: int | None = None,
         label: str = "data",
-    ):
-        """A dataset all ranks share, and how many batches each rank's prepared dataloader must yield.
+    ) -> tuple[Dataset, int]:
+        """The harness's own regression dataset, shared by all ranks, and how many batches each
+        rank's prepared dataloader must yield.
 
         By default it is sized so that each rank gets ``batches`` batches and the last global batch is
-        one sample short (the uneven end); ``samples`` sets the size instead. The expected count comes
-        from the contract of the sharding (or, with ``dispatch_batches``, the dispatching) dataloader."""
+        one sample short (the uneven end); ``samples`` sets the size instead."""
         if split_batches and batch_size % self.world_size:
-            # accelerate rejects this at prepare(): the cell does not apply at this world size
             self.skip(f"split_batches needs the batch size ({batch_size}) to be a multiple of the world size "
                       f"({self.world_size})")
         global_batch = batch_size if split_batches else batch_size * self.world_size
@@ -120,33 +204,88 @@ class RankContext:
         expected = count(samples, batch_size=batch_size, world_size=self.world_size, split_batches=split_batches)
         return dataset, expected
 
+    # randomness in the forward
+
+    def replay_rng(self, key: Hashable) -> ContextManager[None]:
+        """Run the block under an RNG state fixed by ``key`` (a ``MicroStep``, a step number, any
+        label) and by this rank, cell and seed; ``oracle.backward(..., rng=key)`` runs the oracle's
+        forward under the same state, so dropout draws the same masks on both sides. Each rank's
+        state differs, as each rank's dropout does in training. The RNG state outside the block is
+        left as it was."""
+        label = key.index if isinstance(key, MicroStep) else key
+        seed = derive_seed(self.seed, self.case, self.variant_name, "rng", self.rank, label)
+        return seeded(seed, self.device)
+
     # the oracle and its schedule
 
     def oracle(
         self,
         models: Mapping[str, nn.Module],
         *,
-        num_steps: int = 1,
+        num_steps: int | None = None,
         optimizer: OptimizerFactory | Mapping[str, OptimizerFactory] | None = None,
+        optimizers: ModelOptimizers | Mapping[str, ModelOptimizers] | None = None,
         scheduler: SchedulerFactory | None = None,
         scheduler_steps: int = 1,
     ) -> Oracle:
-        """Replicas of ``models`` as they are now: call before ``accelerator.prepare``.
+        """Replicas of ``models`` (by name) as they are now: call before ``accelerator.prepare``.
+        Every rank's models must have the same weights (build them with ``model``).
 
-        ``scheduler_steps``: how many times the schedulers advance at each optimizer step."""
+        ``num_steps``: the accumulation steps, taken from ``accelerator`` when not given.
+        ``optimizers``: your own factory, called with a replica (``make_optimizers(model)``, returning
+        one optimizer or a list), or one per model name; ``optimizer``: instead, a factory called with
+        the replica's parameters (``lambda params: torch.optim.SGD(params, lr=0.1)``).
+        ``scheduler``: called with each of the oracle's optimizers; ``scheduler_steps``: how many
+        times the schedulers advance at each optimizer step."""
+        scaler = self._scaler_kwargs if self.precision == "fp16" else None
         return Oracle(
             models,
             recorder=self.recorder,
             rank=self.rank,
             world_size=self.world_size,
             precision=self.precision,
-            num_steps=num_steps,
+            num_steps=self._given_once("num_steps", num_steps, self._accumulation().num_steps),
             optimizer=optimizer,
+            optimizers=optimizers,
             scheduler=scheduler,
             scheduler_steps=scheduler_steps,
+            replay_rng=self.replay_rng,
+            scaler_kwargs=scaler,
         )
 
-    schedule = staticmethod(accumulation_schedule)
+    def schedule(
+        self,
+        batches_per_epoch: int | list[int],
+        *,
+        epochs: int,
+        num_steps: int | None = None,
+        sync_with_dataloader: bool | None = None,
+        sync_each_batch: bool | None = None,
+    ) -> list[MicroStep]:
+        """The micro-steps the accumulation contract gives for ``epochs`` epochs of
+        ``batches_per_epoch`` batches: where gradients must sync and the optimizer must step
+        (``harness.schedule.accumulation_schedule``). The accumulation settings come from
+        ``accelerator`` when not given."""
+        given = self._accumulation()
+        return accumulation_schedule(
+            batches_per_epoch,
+            epochs=epochs,
+            num_steps=self._given_once("num_steps", num_steps, given.num_steps),
+            sync_with_dataloader=self._given_once("sync_with_dataloader", sync_with_dataloader,
+                                                  given.sync_with_dataloader),
+            sync_each_batch=self._given_once("sync_each_batch", sync_each_batch, given.sync_each_batch),
+        )
+
+    def _accumulation(self) -> Accumulation:
+        return self.accumulation if self.accumulation is not None else Accumulation()
+
+    def _given_once(self, what: str, value: Any, configured: Any) -> Any:
+        if value is None:
+            return configured
+        if self.accumulation is not None and value != configured:
+            raise ValueError(f"{what}={value!r} here, but the Accelerator was given {what}={configured!r}; "
+                             "give it once, to ctx.accelerator")
+        return value
 
     def epochs(self, loader: Iterable[Any], schedule: list[MicroStep]) -> Iterator[tuple[MicroStep, Any]]:
         """Iterate ``loader`` once per epoch of ``schedule``, pairing each batch with its micro-step.
@@ -168,3 +307,24 @@ class RankContext:
         """Iterate ``loader`` to its end, yielding at most ``expected`` batches; a different count is a
         failure of kind ``schedule`` (the loader is still exhausted, as a user's loop would)."""
         return count_batches(self.recorder, loader, expected, what=what, epoch=epoch)
+
+
+def _accumulation_of(kwargs: Mapping[str, Any]) -> Accumulation:
+    """What the Accelerator's keyword arguments say of accumulation (a plugin wins, as in accelerate)."""
+    plugin = kwargs.get("gradient_accumulation_plugin")
+    if plugin is not None:
+        return Accumulation(
+            num_steps=int(plugin.num_steps),
+            sync_with_dataloader=bool(getattr(plugin, "sync_with_dataloader", True)),
+            sync_each_batch=bool(getattr(plugin, "sync_each_batch", False)),
+        )
+    return Accumulation(num_steps=int(kwargs.get("gradient_accumulation_steps", 1)))
+
+
+def _scaler_kwargs_of(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``GradScalerKwargs`` handler's settings, for the oracle's own gradient scaler."""
+    for handler in kwargs.get("kwargs_handlers") or ():
+        if type(handler).__name__ == "GradScalerKwargs":
+            with contextlib.suppress(Exception):
+                return dict(handler.to_kwargs())
+    return {}

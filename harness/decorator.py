@@ -91,7 +91,11 @@ def grid(**axes: Iterable[Any]) -> tuple[Variant, ...]:
     return tuple(variants)
 
 
+# The precisions a case runs in by default: fp32, and bf16 autocast (``mixed_precision="bf16"``).
 PRECISIONS = ("fp32", "bf16")
+# With fp16 too (``mixed_precision="fp16"``: autocast and a gradient scaler), which accelerate runs
+# only on an accelerator device: on CPU its cells are ``skip``, saying so.
+ALL_PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 # Every case defined in this process, by name: where it is defined (file, qualified name, line).

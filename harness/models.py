@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import zlib
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -12,6 +14,18 @@ def derive_seed(seed: int, *parts: object) -> int:
     """A stable 31-bit seed from a base seed and any labels (case, variant, rank, ...)."""
     text = "/".join(str(p) for p in (seed, *parts))
     return zlib.crc32(text.encode("utf-8")) & 0x7FFFFFFF
+
+
+@contextlib.contextmanager
+def seeded(seed: int, device: torch.device | None = None) -> Iterator[None]:
+    """Run the block with torch's global RNG (the CPU's, and ``device``'s when it is a GPU) seeded
+    with ``seed``; the state before it is restored after, so the block takes nothing from it."""
+    devices = []
+    if device is not None and device.type == "cuda":
+        devices = [device.index if device.index is not None else torch.cuda.current_device()]
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
 
 
 def generator(seed: int) -> torch.Generator:
@@ -97,8 +111,7 @@ def make_model(kind: str, seed: int) -> nn.Module:
         model_type = MODEL_TYPES[kind]
     except KeyError:
         raise ValueError(f"unknown model kind {kind!r}; known: {', '.join(sorted(MODEL_TYPES))}") from None
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with seeded(seed):
         return model_type()
 
 

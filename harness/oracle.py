@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, ContextManager, Hashable, Iterable, Mapping, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from harness.checks import Checks, Recorder
+from harness.checks import Checks, Recorder, as_optimizers
 from harness.closeness import Expectation, reduction_allowance, rounding_allowance
-from harness.decorator import PRECISIONS
+from harness.decorator import ALL_PRECISIONS
 from harness.replica import forward_as, unwrap
 from harness.schedule import MicroStep
 
+# ``optimizer=``: called with a replica's parameters, as ``torch.optim.SGD(params, lr=...)`` is.
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
+# ``optimizers=``: the user's own factory, called with the replica module; one optimizer or several.
+ModelOptimizers = Callable[[nn.Module], Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+# What ``backward(rng=key)`` replays: the RNG state the case's own forward ran under for that key.
+RngReplay = Callable[[Hashable], ContextManager[None]]
 
 
 def _flat(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
@@ -55,17 +61,27 @@ class Oracle:
         precision: str,
         num_steps: int = 1,
         optimizer: OptimizerFactory | Mapping[str, OptimizerFactory] | None = None,
+        optimizers: ModelOptimizers | Mapping[str, ModelOptimizers] | None = None,
         scheduler: SchedulerFactory | None = None,
         scheduler_steps: int = 1,
+        replay_rng: RngReplay | None = None,
+        scaler_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         if not models:
             raise ValueError("the oracle needs at least one model")
-        if precision not in PRECISIONS:
-            raise ValueError(f"unknown precision {precision!r}; known: {', '.join(PRECISIONS)}")
+        if precision not in ALL_PRECISIONS:
+            raise ValueError(f"unknown precision {precision!r}; known: {', '.join(ALL_PRECISIONS)}")
+        if optimizer is not None and optimizers is not None:
+            raise TypeError("give the oracle optimizer= (called with parameters) or optimizers= "
+                            "(called with the model), not both")
+        if num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         self.rank = rank
         self.world_size = world_size
         self.num_steps = num_steps
+        self.replay_rng = replay_rng
         self.replicas = {name: copy.deepcopy(unwrap(m)) for name, m in models.items()}
+        self._require_equal_on_every_rank()
         self.models = forward_as(self.replicas, precision)
         self.params = {name: dict(r.named_parameters()) for name, r in self.replicas.items()}
         self.local = {name: {p: torch.zeros_like(t) for p, t in ps.items()} for name, ps in self.params.items()}
@@ -75,26 +91,74 @@ class Oracle:
         self.last_sync = False
         self.stepped = False
         self.before_step: dict[str, dict[str, torch.Tensor]] | None = None
-        self.optimizers: dict[str, torch.optim.Optimizer] = {}
-        if optimizer is not None:
-            for name, replica in self.replicas.items():
+        # each model's optimizers, in the order the case's own factory makes them
+        self.optimizers: dict[str, tuple[torch.optim.Optimizer, ...]] = {}
+        for name, replica in self.replicas.items():
+            if optimizer is not None:
                 factory = optimizer[name] if isinstance(optimizer, Mapping) else optimizer
-                self.optimizers[name] = factory(replica.parameters())
-        self.schedulers = [scheduler(opt) for opt in self.optimizers.values()] if scheduler else []
+                self.optimizers[name] = (factory(replica.parameters()),)
+            elif optimizers is not None:
+                make = optimizers.get(name) if isinstance(optimizers, Mapping) else optimizers
+                if make is not None:
+                    self.optimizers[name] = as_optimizers(make(replica))
+        every = [opt for opts in self.optimizers.values() for opt in opts]
+        self.schedulers = [scheduler(opt) for opt in every] if scheduler else []
         if scheduler_steps < 1:
             raise ValueError(f"scheduler_steps must be >= 1, got {scheduler_steps}")
         self.scheduler_steps = scheduler_steps
+        # fp16 as accelerate documents it: the loss scaled by a GradScaler in backward, the
+        # gradients unscaled before a clip and by the prepared optimizer's step, which skips on inf
+        self.scaler = self._grad_scaler(scaler_kwargs or {}) if precision == "fp16" else None
+        self._unscaled = False  # this window's gradients were unscaled (by a clip)
         self.checks = Checks(self, recorder)
+
+    def _grad_scaler(self, kwargs: Mapping[str, Any]) -> Any:
+        device_type = next(next(iter(self.replicas.values())).parameters()).device.type
+        return torch.amp.GradScaler(device_type, **kwargs)
+
+    def _require_equal_on_every_rank(self) -> None:
+        """The replicas start from this rank's models; DDP starts from rank 0's. A model built
+        differently on each rank (``MyNet()`` under a per-rank seed) would fail every rank but 0
+        with no visible cause, so it is refused here, on every rank, with the remedy."""
+        if self.world_size < 2:
+            return
+        tensors = [p.detach().reshape(-1).double() for r in self.replicas.values() for p in r.parameters()]
+        mine = torch.cat(tensors) if tensors else torch.zeros(0, dtype=torch.float64)
+        reference = mine.clone()
+        dist.broadcast(reference, src=0)
+        differs = torch.zeros(self.world_size, device=mine.device)
+        differs[self.rank] = 0.0 if torch.equal(mine, reference) else 1.0
+        dist.all_reduce(differs)  # every rank learns which ranks differ, and says the same
+        ranks = [r for r, flag in enumerate(differs.tolist()) if flag]
+        if ranks:
+            names = ", ".join(repr(n) for n in self.replicas)
+            raise ValueError(
+                f"the models ({names}) do not have the same weights on every rank when the oracle is made "
+                f"({'ranks' if len(ranks) > 1 else 'rank'} {', '.join(map(str, ranks))} "
+                f"{'differ' if len(ranks) > 1 else 'differs'} from rank 0); "
+                "DDP would start every rank from rank 0's weights and the oracle from each rank's own. "
+                "Build each model with ctx.model(YourModel, ...) (seeded the same on every rank), and make "
+                "the oracle before accelerator.prepare"
+            )
 
     def _no_allowance(self, name: str) -> dict[str, torch.Tensor]:
         return {p: torch.zeros_like(t, dtype=torch.float64) for p, t in self.params[name].items()}
 
     # the contract, step by step
 
-    def backward(self, closure: Callable[[dict[str, nn.Module]], torch.Tensor], *, sync: bool) -> None:
-        """Run one micro-batch's loss (scaled by 1/num_steps, as ``Accelerator.backward`` documents)
-        into the replicas' gradients; average across ranks when the contract says this backward syncs."""
-        loss = closure(self.models) / self.num_steps
+    def backward(self, closure: Callable[[dict[str, nn.Module]], torch.Tensor], *, sync: bool,
+                 rng: Hashable | None = None) -> None:
+        """Run one micro-batch's loss (scaled by 1/num_steps, as ``Accelerator.backward`` documents,
+        and by the gradient scaler under fp16) into the replicas' gradients; average across ranks
+        when the contract says this backward syncs.
+
+        ``closure(models)`` computes the loss from the replicas (a dict by model name), the same way
+        the case computed it from the prepared models. ``rng``: the key the case's forward ran under
+        ``ctx.replay_rng(key)``; the closure runs under the same RNG state (the same dropout masks)."""
+        with self._replayed(rng):
+            loss = closure(self.models) / self.num_steps
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
         flat = [(name, pname, p) for name, ps in self.params.items() for pname, p in ps.items() if p.requires_grad]
         grads = torch.autograd.grad(loss, [p for _, _, p in flat], allow_unused=True)
         for (name, pname, p), g in zip(flat, grads):
@@ -125,6 +189,13 @@ class Oracle:
         averages, allowances = _pieces(average, tensors), _pieces(allowed, tensors)
         return {pname: Expectation(averages[pname], allowances[pname]) for pname in tensors}
 
+    def _replayed(self, key: Hashable | None) -> ContextManager[None]:
+        if key is None:
+            return contextlib.nullcontext()
+        if self.replay_rng is None:
+            raise ValueError("backward(rng=...) needs an oracle made by ctx.oracle(...), which knows the RNG to replay")
+        return self.replay_rng(key)
+
     def _average_grads(self) -> None:
         for name, ps in self.params.items():
             for p in ps.values():
@@ -138,6 +209,7 @@ class Oracle:
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> dict[str, float]:
         """Clip each model's replica gradients, as ``clip_grad_norm_`` on synced gradients does;
         the total norm of each model's gradients before clipping."""
+        self._unscale()
         norms = {}
         for name, replica in self.replicas.items():
             ps = self.params[name]
@@ -155,15 +227,39 @@ class Oracle:
                 )
         return norms
 
+    def _unscale(self) -> None:
+        """Under fp16: divide the gradients (and their allowances) by the scale, once per window, as
+        ``unscale_gradients`` does before a clip; the scale is a power of two, so exactly."""
+        if self.scaler is None or self._unscaled:
+            return
+        inverse = 1.0 / float(self.scaler.get_scale())
+        for opts in self.optimizers.values():
+            for optimizer in opts:
+                self.scaler.unscale_(optimizer)
+        for name in self.allowed:
+            self.allowed[name] = {p: a * inverse for p, a in self.allowed[name].items()}
+            for local in self.local[name].values():
+                local.mul_(inverse)
+        self._unscaled = True
+
     def step(self, point: MicroStep | bool) -> None:
-        """At an optimizer step of the schedule: step, advance the schedulers, clear the gradients."""
+        """At an optimizer step of the schedule: step, advance the schedulers, clear the gradients.
+
+        Under fp16 each optimizer steps through the gradient scaler (skipped when a gradient is
+        not finite) and the scale is updated after it, as a prepared optimizer's ``step`` does."""
         due = point.optimizer_step if isinstance(point, MicroStep) else bool(point)
         self.stepped = due
         self.before_step = {name: {p: t.detach().clone() for p, t in ps.items()} for name, ps in self.params.items()}
         if not due:
             return
-        for optimizer in self.optimizers.values():
-            optimizer.step()
+        for opts in self.optimizers.values():
+            for optimizer in opts:
+                if self.scaler is not None:
+                    self.scaler.step(optimizer)
+                    self.scaler.update()
+                else:
+                    optimizer.step()
+        self._unscaled = False
         for scheduler in self.schedulers:
             for _ in range(self.scheduler_steps):
                 scheduler.step()
@@ -228,10 +324,11 @@ class Oracle:
             if actual.grad is None or not bool(actual.grad.any()):
                 self.local[name][pname].zero_()
 
-    def adopt_optimizer_state(self, name: str, optimizer: Any) -> None:
-        """The case's optimizer state (moments, step counts), after a parameter mismatch."""
-        if name in self.optimizers:
-            self.optimizers[name].load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    def adopt_optimizer_state(self, name: str, optimizers: Any) -> None:
+        """The case's optimizer state (moments, step counts), after a parameter mismatch:
+        ``optimizers`` is one optimizer or several, in the order of the oracle's for that model."""
+        for mine, theirs in zip(self.optimizers.get(name, ()), as_optimizers(optimizers)):
+            mine.load_state_dict(copy.deepcopy(theirs.state_dict()))
 
     def end_step(self) -> None:
         """The parameters were checked: the next check judges the next optimizer step."""
@@ -247,7 +344,8 @@ class Oracle:
     def check_params(self, step: MicroStep | int, models: Mapping[str, nn.Module],
                      optimizers: Mapping[str, Any] | None = None) -> None:
         """Compare every parameter's update since the last optimizer step with the oracle's, and
-        with rank 0's copy; ``optimizers``: the case's own, whose state the oracle adopts after a mismatch."""
+        with rank 0's copy (after ``step``). ``optimizers``: the case's own, by model name (one
+        optimizer or a list), whose state the oracle adopts after a mismatch."""
         self.checks.params(step, models, optimizers)
 
     def check_sync_flag(self, step: MicroStep, flag: bool) -> None:
@@ -255,5 +353,6 @@ class Oracle:
         self.checks.sync_flag(step, flag)
 
     def check_lr(self, step: MicroStep | int, optimizers: Mapping[str, Any]) -> None:
-        """Compare each optimizer's learning rates with the oracle's schedulers'."""
+        """Compare each optimizer's learning rates with the oracle's schedulers' (``optimizers`` by
+        model name, one optimizer or a list)."""
         self.checks.lr(step, optimizers)

@@ -15,17 +15,21 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-class MixedPrecisionReplica(nn.Module):
-    """A replica whose forward runs as ``mixed_precision="bf16"`` documents: under autocast, with
-    low-precision floating outputs returned as fp32."""
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
-    def __init__(self, inner: nn.Module, device_type: str) -> None:
+
+class MixedPrecisionReplica(nn.Module):
+    """A replica whose forward runs as ``mixed_precision="bf16"`` (or ``"fp16"``) documents: under
+    autocast, with low-precision floating outputs returned as fp32."""
+
+    def __init__(self, inner: nn.Module, device_type: str, dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
         self.inner = inner
         self.device_type = device_type
+        self.dtype = dtype
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(device_type=self.device_type, dtype=torch.bfloat16):
+        with torch.autocast(device_type=self.device_type, dtype=self.dtype):
             out = self.inner(*args, **kwargs)
         return _to_fp32(out)
 
@@ -42,8 +46,8 @@ def _to_fp32(value: Any) -> Any:
 
 def forward_as(replicas: Mapping[str, nn.Module], precision: str) -> dict[str, nn.Module]:
     """The modules the oracle runs its micro-batches through: the replicas themselves in fp32, under
-    autocast for ``bf16`` (the parameters, and so the gradients, stay fp32 either way)."""
-    if precision != "bf16":
+    autocast for ``bf16`` and ``fp16`` (the parameters, and so the gradients, stay fp32 either way)."""
+    if precision not in AUTOCAST_DTYPES:
         return dict(replicas)
     device_type = next(next(iter(replicas.values())).parameters()).device.type
-    return {name: MixedPrecisionReplica(r, device_type) for name, r in replicas.items()}
+    return {name: MixedPrecisionReplica(r, device_type, AUTOCAST_DTYPES[precision]) for name, r in replicas.items()}

@@ -77,10 +77,16 @@ def accumulation_schedule(
     return points
 
 
-def batches_per_rank(samples: int, *, batch_size: int, world_size: int, split_batches: bool = False) -> int:
+def batches_per_rank(samples: int, *, batch_size: int, world_size: int, split_batches: bool = False,
+                     drop_last: bool = False) -> int:
     """How many batches each rank's prepared dataloader yields with ``even_batches=True`` (the default):
     the dataset is cut into global batches of ``batch_size * world_size`` samples (``batch_size`` with
-    ``split_batches``), the last one completed from the start, and each rank gets one slice of each."""
+    ``split_batches``), the last one completed from the start, and each rank gets one slice of each.
+    With ``drop_last`` the loader's short last batch is dropped, and so is a last group of batches
+    too small to give every rank one."""
+    if drop_last:
+        loader_batches = samples // batch_size
+        return loader_batches if split_batches else loader_batches // world_size
     global_batch = batch_size if split_batches else batch_size * world_size
     return math.ceil(samples / global_batch)
 

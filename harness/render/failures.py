@@ -87,7 +87,23 @@ def faults_summary(faults: Sequence[RankFault], *, timeout_s: float) -> str:
     """The causes, then the ranks that only waited for them."""
     causes = [f for f in faults if f.what in CAUSES] or list(faults)
     blocked = sorted(f.rank for f in faults if f.what == FaultKind.BLOCKED and f not in causes)
-    summary = "; ".join(fault_text(f, timeout_s=timeout_s) for f in causes)
+    # ranks that raised the same error are said once: "ranks 0, 1 raised ValueError: ..."
+    raised: dict[str, list[int]] = {}
+    texts: list[str] = []
+    for fault in causes:
+        if fault.what != FaultKind.RAISED:
+            texts.append(fault_text(fault, timeout_s=timeout_s))
+            continue
+        error = last_line(fault.detail)
+        if error not in raised:
+            raised[error] = []
+            texts.append(error)
+        raised[error].append(fault.rank)
+    summary = "; ".join(
+        f"rank{'s' if len(raised[t]) > 1 else ''} {', '.join(map(str, sorted(raised[t])))} raised {t}"
+        if t in raised else t
+        for t in texts
+    )
     if blocked:
         summary += f" (rank{'s' if len(blocked) > 1 else ''} {', '.join(map(str, blocked))} blocked waiting for it)"
     return summary
