@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
@@ -258,8 +259,6 @@ def add_selfcheck_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_catalogue(args: argparse.Namespace) -> int:
-    import pytest
-
     from harness.catalogue import CatalogueError, installed_cases_dir
 
     try:
@@ -271,7 +270,13 @@ def run_catalogue(args: argparse.Namespace) -> int:
         pytest_args = pytest_args[1:]
     # the pytest cache goes to the working directory, never into the installed package
     rootdir = [] if any(a == "--rootdir" or a.startswith("--rootdir=") for a in pytest_args) else ["--rootdir", "."]
-    return int(pytest.main([str(cases_dir), *rootdir, *pytest_args]))
+    # pytest replaces this process (its exit status and signals are pytest's own), and starts clean:
+    # in this one the harness is imported already, too early for pytest to load it as its plugin
+    command = [sys.executable, "-m", "pytest", str(cases_dir), *rootdir, *pytest_args]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, command)
+    return EXIT_UNUSABLE  # not reached
 
 
 def add_run_parser(subparsers: argparse._SubParsersAction) -> None:

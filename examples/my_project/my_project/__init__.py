@@ -1,0 +1,1 @@
+"""A small classifier project: the model, its data and its training step."""

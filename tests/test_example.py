@@ -1,0 +1,120 @@
+"""The guide's example project (examples/my_project), run as a user runs it: from its own folder,
+outside this checkout, against the harness installed from a built wheel (not editable) into a fresh
+virtual environment; then a copy with the guide's planted bug; then the installed catalogue and the
+self-check on the example's cases.
+
+The fresh environment gets the harness's dependencies (torch, accelerate, pytest, ...) from this
+test's own environment through a .pth file, so that nothing is downloaded; the harness itself comes
+only from the wheel, which the test proves by where ``harness`` is imported from."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import site
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+EXAMPLE = ROOT / "examples" / "my_project"
+# the guide's planted bug: the user divides the loss by the accumulation steps, which
+# accelerator.backward already does
+CORRECT_LINE = "        loss = loss_fn(model, batch)\n"
+BUGGY_LINE = "        loss = loss_fn(model, batch) / accelerator.gradient_accumulation_steps\n"
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    """A fresh venv with the harness installed from its wheel; its python."""
+    work = tmp_path_factory.mktemp("installed")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--wheel-dir", str(work / "wheels"), str(ROOT)], check=True, capture_output=True, timeout=300)
+    wheel = next((work / "wheels").glob("gradsync_harness-*.whl"))
+    subprocess.run([sys.executable, "-m", "venv", str(work / "venv")], check=True, timeout=300)
+    python = work / "venv" / "bin" / "python"
+    subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", str(wheel)],
+                   check=True, capture_output=True, timeout=300)
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             check=True, capture_output=True, text=True).stdout.strip()
+    ours = {sysconfig.get_paths()["purelib"], *site.getsitepackages()}
+    Path(purelib, "harness_test_dependencies.pth").write_text("\n".join(sorted(ours)) + "\n")
+    where = subprocess.run([str(python), "-c", "import harness; print(harness.__file__)"], cwd=work,
+                           check=True, capture_output=True, text=True).stdout.strip()
+    assert where.startswith(purelib), f"harness imported from {where}, not the wheel's install in {purelib}"
+    return python
+
+
+def run(python: Path, args: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in __import__("os").environ.items()
+           if k not in ("PYTHONPATH", "PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER")}
+    return subprocess.run([str(python), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def cells(report_dir: Path) -> dict[tuple[str, str, int], dict]:
+    matrix = json.loads((report_dir / "matrix.json").read_text())
+    return {(c["case"], c["variant"], c["world_size"]): c for c in matrix["cells"]}
+
+
+def copy_example(tmp_path: Path, name: str, *, buggy: bool = False) -> Path:
+    project = tmp_path / name
+    shutil.copytree(EXAMPLE, project, ignore=shutil.ignore_patterns("__pycache__", "reports"))
+    if buggy:
+        train = project / "my_project" / "train.py"
+        text = train.read_text()
+        assert text.count(CORRECT_LINE) == 1, "the guide's planted bug no longer applies to train.py"
+        train.write_text(text.replace(CORRECT_LINE, BUGGY_LINE))
+    return project
+
+
+def test_the_example_project_passes_from_its_own_folder_against_the_installed_harness(installed, tmp_path):
+    project = copy_example(tmp_path, "my_project")
+    result = run(installed, ["-m", "pytest", "-n", "2", "--world-sizes", "1,2", "-p", "no:cacheprovider"], project)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    got = cells(project / "reports")
+    assert len(got) == 12
+    for (case, variant, ws), cell in got.items():
+        expected = "skip" if variant.endswith("fp16") else "pass"
+        assert (case, cell["status"]) == ("my_train_step", expected), (variant, ws, cell["summary"])
+        if expected == "pass" and ws == 2:
+            assert cell["grad_checks"] > cell["vacuous_checks"]
+
+
+def test_the_guides_planted_bug_fails_with_the_diagnosis_the_guide_shows(installed, tmp_path):
+    project = copy_example(tmp_path, "my_project_buggy", buggy=True)
+    result = run(installed, ["-m", "pytest", "--world-sizes", "2", "-k", "fp32", "-p", "no:cacheprovider"], project)
+    assert result.returncode == 1
+    got = cells(project / "reports")
+    assert got[("my_train_step", "steps=1-fp32", 2)]["status"] == "pass"  # dividing by 1 changes nothing
+    failing = got[("my_train_step", "steps=2-fp32", 2)]
+    assert failing["status"] == "fail"
+    first = failing["failures"][0]
+    assert (first["kind"], first["step"], first["param"]) == ("wrong_scale", 1, "body.0.weight")
+    assert "scaled by 0.5" in first["message"]
+    assert "Gradients are not right on every rank: my_train_step[steps=2-fp32] at world size 2" in result.stdout
+    assert "Rerun this cell: pytest 'gradsync/test_train_step.py::test_my_train_step[steps=2-fp32-ws2]'" in result.stdout
+
+
+def test_the_installed_catalogue_runs_with_python_m_harness_run(installed, tmp_path):
+    result = run(installed, ["-m", "harness", "run", "--world-sizes", "1", "-k", "fused_loss and fp32",
+                             "-p", "no:cacheprovider"], tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert cells(tmp_path / "reports")[("fused_loss", "fp32", 1)]["status"] == "pass"
+
+
+def test_the_selfcheck_measures_the_examples_cases(installed, tmp_path):
+    project = copy_example(tmp_path, "my_project")
+    result = run(installed, ["-m", "harness", "selfcheck", "--cases-dir", "gradsync", "--variants", "steps=2-fp32",
+                             "--faults", "grads_summed,loss_not_scaled,no_sync_still_syncs", "--no-sensitivity",
+                             "--json", "selfcheck.json"], project)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((project / "selfcheck.json").read_text())
+    faults = {f["name"]: f for f in report["faults"]}
+    assert set(faults) == {"grads_summed", "loss_not_scaled", "no_sync_still_syncs"}
+    assert all(f["caught"] for f in faults.values())
+    assert faults["grads_summed"]["caught_by"] == {"my_train_step[steps=2-fp32]": ["wrong_scale"]}
+    assert "kill rate: 3/3 faults caught" in result.stdout
