@@ -162,10 +162,7 @@ class RankContext:
         ``split_batches``/``dispatch_batches`` must be what the Accelerator was given
         (``dataloader_options``); ``loader_kwargs`` go to ``DataLoader`` (``shuffle``, ``collate_fn``,
         ...). A yield of another length is a failure of kind ``schedule`` in ``epochs``."""
-        if split_batches and batch_size % self.world_size:
-            # accelerate rejects this at prepare(): the cell does not apply at this world size
-            self.skip(f"split_batches needs the batch size ({batch_size}) to be a multiple of the world size "
-                      f"({self.world_size})")
+        self._require_split(batch_size, split_batches)
         if dispatch_batches and drop_last:
             raise ValueError("ctx.dataloader: the harness has no contract for dispatch_batches with drop_last")
         samples = len(dataset)  # type: ignore[arg-type]
@@ -193,9 +190,7 @@ class RankContext:
 
         By default it is sized so that each rank gets ``batches`` batches and the last global batch is
         one sample short (the uneven end); ``samples`` sets the size instead."""
-        if split_batches and batch_size % self.world_size:
-            self.skip(f"split_batches needs the batch size ({batch_size}) to be a multiple of the world size "
-                      f"({self.world_size})")
+        self._require_split(batch_size, split_batches)
         global_batch = batch_size if split_batches else batch_size * self.world_size
         if samples is None:
             samples = batches * global_batch - 1
@@ -203,6 +198,12 @@ class RankContext:
         count = dispatched_batches_per_rank if dispatch_batches else batches_per_rank
         expected = count(samples, batch_size=batch_size, world_size=self.world_size, split_batches=split_batches)
         return dataset, expected
+
+    def _require_split(self, batch_size: int, split_batches: bool) -> None:
+        if split_batches and batch_size % self.world_size:
+            # accelerate rejects this at prepare(): the cell does not apply at this world size
+            self.skip(f"split_batches needs the batch size ({batch_size}) to be a multiple of the world size "
+                      f"({self.world_size})")
 
     # randomness in the forward
 
