@@ -53,7 +53,7 @@ def adversarial_setup(ctx, steps, names):
     real samples, and the oracle's replicas of all of them."""
     accelerator = ctx.accelerator(gradient_accumulation_steps=steps)
     kinds = {"enc": "encoder", "gen": "generator", "disc": "discriminator"}
-    models = {name: ctx.model(kinds[name], name) for name in names}
+    models = {name: ctx.model(kinds[name], name=name) for name in names}
     dataset, per_rank = ctx.dataset(batches=BATCHES, batch_size=BATCH_SIZE)
     oracle = ctx.oracle(models, num_steps=steps, optimizer=sgd)
     optimizers = [sgd(m.parameters()) for m in models.values()]

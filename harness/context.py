@@ -136,6 +136,8 @@ class RankContext:
         both need; two models of one class in a case need two names. A string names one of the
         harness's own toy models (``regressor``, ``generator``, ...)."""
         if isinstance(factory, str):
+            if args or kwargs:
+                raise TypeError(f"ctx.model({factory!r}): a toy model takes no arguments (name= names it)")
             model: Any = make_model(factory, derive_seed(self.seed, self.case, name or factory))
         else:
             label = name or getattr(factory, "__qualname__", None) or type(factory).__name__

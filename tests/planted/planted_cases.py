@@ -86,7 +86,7 @@ def test_planted_left_out_of_no_sync(ctx):
     """A user's bug: two models trained together, only ``gen`` put under ``no_sync``. ``disc``
     syncs on every backward, where the pattern promises local gradients."""
     accelerator = ctx.accelerator()
-    gen, disc = ctx.model("generator", "gen"), ctx.model("discriminator", "disc")
+    gen, disc = ctx.model("generator", name="gen"), ctx.model("discriminator", name="disc")
     oracle = ctx.oracle({"gen": gen, "disc": disc}, optimizer=sgd)
     gen, disc = accelerator.prepare(gen, disc)
     models = {"gen": gen, "disc": disc}
