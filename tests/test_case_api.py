@@ -19,8 +19,11 @@ def test_a_users_own_model_dataset_and_optimizers_pass_and_each_mistake_says_wha
     for ws in (1, 2):
         # dropout replayed, two optimizers on one model, the user's dataset with and without drop_last
         # (a different batch count per rank: a wrong count would be a schedule failure)
-        assert cells[("api_own_model", "steps=2-drop_last=false", ws)]["status"] == "pass"
-        assert cells[("api_own_model", "steps=2-drop_last=true", ws)]["status"] == "pass"
+        # (and with split_batches)
+        for drop_last in ("false", "true"):
+            for split in ("false", "true"):
+                own = cells[("api_own_model", f"steps=2-drop_last={drop_last}-split={split}", ws)]
+                assert own["status"] == "pass", own["summary"]
         # the oracle's forward without the case's RNG state draws other dropout masks
         assert cells[("api_dropout_not_replayed", "steps=2", ws)]["status"] == "fail"
         steps_twice = cells[("api_steps_twice", "steps=2", ws)]

@@ -99,11 +99,17 @@ def test_the_guides_planted_bug_fails_with_the_diagnosis_the_guide_shows(install
     assert "Rerun this cell: pytest 'gradsync/test_train_step.py::test_my_train_step[steps=2-fp32-ws2]'" in result.stdout
 
 
-def test_the_installed_catalogue_runs_with_python_m_harness_run(installed, tmp_path):
-    result = run(installed, ["-m", "harness", "run", "--world-sizes", "1", "-k", "fused_loss and fp32",
-                             "-p", "no:cacheprovider"], tmp_path)
+@pytest.mark.parametrize("command", [["-m", "harness", "run"], ["-m", "pytest", "--pyargs", "harness.cases"]],
+                         ids=["python -m harness run", "pytest --pyargs"])
+def test_the_installed_catalogue_runs_from_the_package(installed, tmp_path, command):
+    result = run(installed, [*command, "--world-sizes", "1", "-k", "fused_loss and fp32", "-p", "no:cacheprovider"],
+                 tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert cells(tmp_path / "reports")[("fused_loss", "fp32", 1)]["status"] == "pass"
+    assert "PytestAssertRewriteWarning" not in result.stdout + result.stderr
+    cell = cells(tmp_path / "reports")[("fused_loss", "fp32", 1)]
+    assert cell["status"] == "pass"
+    # the rerun command names the installed case file from here, so that it runs
+    assert cell["rerun"].startswith("pytest ") and "harness/cases/test_fused_loss.py::test_fused_loss[fp32-ws1]" in cell["rerun"]
 
 
 def test_the_selfcheck_measures_the_examples_cases(installed, tmp_path):

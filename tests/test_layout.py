@@ -110,3 +110,17 @@ def test_fault_injection_is_imported_only_for_a_cell_with_a_fault(fault):
     assert seen["controller"] == []
     assert seen["faults_imported"] is bool(fault)
     assert (seen["failures"] > 0) is bool(fault)  # the planted fault did act: the rank found it
+
+
+def test_the_public_api_and_the_plugin_import_no_torch():
+    """The controller (pytest, every xdist worker) never needs torch: the decorator, the public names
+    that need none, and the plugin load without it; RankContext and Oracle import it on first use."""
+    probe = ("import sys, harness, harness.plugin\n"
+             "from harness import case, grid, Diagnosis, MicroStep, PRECISIONS, ALL_PRECISIONS\n"
+             "assert 'torch' not in sys.modules, 'torch imported'\n"
+             "from harness import RankContext, Oracle\n"
+             "assert 'torch' in sys.modules and RankContext.__module__ == 'harness.context'\n"
+             "assert sorted(harness.__all__) == sorted(n for n in harness.__all__ if hasattr(harness, n))\n")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr[-3000:]

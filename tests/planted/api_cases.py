@@ -35,10 +35,12 @@ def dataset(samples: int) -> TensorDataset:
     return TensorDataset(x, torch.randn(samples, 1, generator=generator) + x[:, :1])
 
 
-def train(ctx: RankContext, *, replay: bool, drop_last: bool = False, samples: int = 23) -> None:
-    accelerator = ctx.accelerator(gradient_accumulation_steps=ctx.variant.get("steps", 2))
+def train(ctx: RankContext, *, replay: bool, drop_last: bool = False, split: bool = False, samples: int = 23) -> None:
+    options = ctx.dataloader_options(split_batches=True) if split else {}
+    accelerator = ctx.accelerator(gradient_accumulation_steps=ctx.variant.get("steps", 2), **options)
     model = ctx.model(Noisy, hidden=8)
-    loader, per_rank = ctx.dataloader(dataset(samples), batch_size=3, drop_last=drop_last)
+    loader, per_rank = ctx.dataloader(dataset(samples), batch_size=4 if split else 3, drop_last=drop_last,
+                                      split_batches=split)
     oracle = ctx.oracle({"model": model}, optimizers=make_optimizers)
     optimizers = make_optimizers(model)
     model, loader, *optimizers = accelerator.prepare(model, loader, *optimizers)
@@ -55,10 +57,10 @@ def train(ctx: RankContext, *, replay: bool, drop_last: bool = False, samples: i
         oracle.check_params(point, {"model": model}, {"model": optimizers})
 
 
-@case("api_own_model", variants=grid(steps=[2], drop_last=[False, True]))
+@case("api_own_model", variants=grid(steps=[2], drop_last=[False, True], split=[False, True]))
 def test_api_own_model(ctx: RankContext) -> None:
     """A user's model with dropout, two optimizers, a user's dataset: passes."""
-    train(ctx, replay=True, drop_last=ctx.variant["drop_last"])
+    train(ctx, replay=True, drop_last=ctx.variant["drop_last"], split=ctx.variant["split"])
 
 
 @case("api_dropout_not_replayed", variants=grid(steps=[2]))
