@@ -187,8 +187,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     # Largest world size first: under xdist it is the biggest group of cells, handed out first;
     # in a serial run it keeps each pool's cells together.
     def world_size(item: pytest.Item) -> int:
-        match = _CELL_ID.search(item.nodeid)
-        return int(match.group(1)) if match else 0
+        return _cell_world_size(item)
 
     harness_items = [i for i in items if world_size(i)]
     if not harness_items:
@@ -203,7 +202,17 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 def pytest_collection_finish(session: pytest.Session) -> None:
     # After deselection (-k, -m): the cells this run is expected to finish.
     state = session.config.stash[STATE]
-    state.expected_ids = {i.nodeid for i in session.items if _CELL_ID.search(i.nodeid)}
+    state.expected_ids = {i.nodeid for i in session.items if _cell_world_size(i)}
+
+
+def _cell_world_size(item: pytest.Item) -> int:
+    """The world size of a harness cell; 0 for any other test (the plugin is loaded in every pytest
+    run of an environment where it is installed: a user's own test whose id ends in ``-ws2]`` is
+    not a cell)."""
+    if case_info(getattr(item, "function", None)) is None:
+        return 0
+    match = _CELL_ID.search(item.nodeid)
+    return int(match.group(1)) if match else 0
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -75,12 +75,21 @@ def test_a_pytest_run_without_cells_is_left_alone(tmp_path):
     (tmp_path / "test_plain.py").write_text(textwrap.dedent("""
         import signal
 
+        import pytest
+
         def test_plain():
             assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+        @pytest.mark.parametrize("size", [2, 4], ids=["fp32-ws2", "fp32-ws4"])
+        def test_ids_like_cells(size, request):
+            assert "harness_case" not in request.node.keywords
     """))
-    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q"], cwd=tmp_path,
+    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v"], cwd=tmp_path,
                             env=session_env("api-plain"), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
+    # a user's tests keep their order, whatever their ids look like
+    # (the harness runs its cells largest world size first)
+    assert result.stdout.index("test_ids_like_cells[fp32-ws2]") < result.stdout.index("test_ids_like_cells[fp32-ws4]")
     assert "--world-sizes" in subprocess.run([sys.executable, "-m", "pytest", "--help"], cwd=tmp_path,
                                              env=session_env("api-plain"), capture_output=True, text=True,
                                              timeout=300).stdout  # the plugin is loaded (its entry point)
