@@ -186,14 +186,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     # Largest world size first: under xdist it is the biggest group of cells, handed out first;
     # in a serial run it keeps each pool's cells together.
-    def world_size(item: pytest.Item) -> int:
-        return _cell_world_size(item)
-
-    harness_items = [i for i in items if world_size(i)]
+    harness_items = [i for i in items if _cell_world_size(i)]
     if not harness_items:
         return
     order = {id(item): n for n, item in enumerate(items)}
-    items.sort(key=lambda i: (0 if world_size(i) else 1, -world_size(i), order[id(i)]))
+    items.sort(key=lambda i: (0 if _cell_world_size(i) else 1, -_cell_world_size(i), order[id(i)]))
     for item in harness_items:
         item.add_marker("harness_case")
     _end_on_signals(config.stash[STATE])
@@ -209,10 +206,9 @@ def _cell_world_size(item: pytest.Item) -> int:
     """The world size of a harness cell; 0 for any other test (the plugin is loaded in every pytest
     run of an environment where it is installed: a user's own test whose id ends in ``-ws2]`` is
     not a cell)."""
-    if case_info(getattr(item, "function", None)) is None:
-        return 0
-    match = _CELL_ID.search(item.nodeid)
-    return int(match.group(1)) if match else 0
+    callspec = getattr(item, "callspec", None)
+    cell = callspec.params.get("harness_cell") if callspec is not None else None  # (case, variant, world size)
+    return cell[2] if cell is not None else 0
 
 
 @pytest.hookimpl(optionalhook=True)
