@@ -164,16 +164,9 @@ class RankContext:
         ``split_batches``/``dispatch_batches`` must be what the Accelerator was given
         (``dataloader_options``); ``loader_kwargs`` go to ``DataLoader`` (``shuffle``, ``collate_fn``,
         ...). A yield of another length is a failure of kind ``schedule`` in ``epochs``."""
-        self._require_split(batch_size, split_batches)
-        if dispatch_batches and drop_last:
-            raise ValueError("ctx.dataloader: the harness has no contract for dispatch_batches with drop_last")
-        samples = len(dataset)  # type: ignore[arg-type]
-        if dispatch_batches:
-            expected = dispatched_batches_per_rank(samples, batch_size=batch_size, world_size=self.world_size,
-                                                   split_batches=split_batches)
-        else:
-            expected = batches_per_rank(samples, batch_size=batch_size, world_size=self.world_size,
-                                        split_batches=split_batches, drop_last=drop_last)
+        expected = self._batches_per_rank(len(dataset), batch_size,  # type: ignore[arg-type]
+                                          split_batches=split_batches, dispatch_batches=dispatch_batches,
+                                          drop_last=drop_last)
         return DataLoader(dataset, batch_size=batch_size, drop_last=drop_last, **loader_kwargs), expected
 
     def dataset(
@@ -192,20 +185,28 @@ class RankContext:
 
         By default it is sized so that each rank gets ``batches`` batches and the last global batch is
         one sample short (the uneven end); ``samples`` sets the size instead."""
-        self._require_split(batch_size, split_batches)
         global_batch = batch_size if split_batches else batch_size * self.world_size
         if samples is None:
             samples = batches * global_batch - 1
+        expected = self._batches_per_rank(samples, batch_size, split_batches=split_batches,
+                                          dispatch_batches=dispatch_batches)
         dataset = regression_dataset(derive_seed(self.seed, self.case, label), samples=samples, features=features)
-        count = dispatched_batches_per_rank if dispatch_batches else batches_per_rank
-        expected = count(samples, batch_size=batch_size, world_size=self.world_size, split_batches=split_batches)
         return dataset, expected
 
-    def _require_split(self, batch_size: int, split_batches: bool) -> None:
+    def _batches_per_rank(self, samples: int, batch_size: int, *, split_batches: bool, dispatch_batches: bool,
+                          drop_last: bool = False) -> int:
+        """What each rank's prepared dataloader must yield per epoch (harness/schedule.py)."""
         if split_batches and batch_size % self.world_size:
             # accelerate rejects this at prepare(): the cell does not apply at this world size
             self.skip(f"split_batches needs the batch size ({batch_size}) to be a multiple of the world size "
                       f"({self.world_size})")
+        if dispatch_batches:
+            if drop_last:
+                raise ValueError("ctx.dataloader: the harness has no contract for dispatch_batches with drop_last")
+            return dispatched_batches_per_rank(samples, batch_size=batch_size, world_size=self.world_size,
+                                               split_batches=split_batches)
+        return batches_per_rank(samples, batch_size=batch_size, world_size=self.world_size,
+                                split_batches=split_batches, drop_last=drop_last)
 
     # randomness in the forward
 

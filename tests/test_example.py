@@ -10,6 +10,7 @@ only from the wheel, which the test proves by where ``harness`` is imported from
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import site
 import subprocess
@@ -50,7 +51,7 @@ def installed(tmp_path_factory) -> Path:
 
 
 def run(python: Path, args: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in __import__("os").environ.items()
+    env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER")}
     return subprocess.run([str(python), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 

@@ -88,21 +88,20 @@ def faults_summary(faults: Sequence[RankFault], *, timeout_s: float) -> str:
     causes = [f for f in faults if f.what in CAUSES] or list(faults)
     blocked = sorted(f.rank for f in faults if f.what == FaultKind.BLOCKED and f not in causes)
     # ranks that raised the same error are said once: "ranks 0, 1 raised ValueError: ..."
-    raised: dict[str, list[int]] = {}
-    texts: list[str] = []
+    raised: dict[str, list[int]] = {}  # an error's last line: the ranks that raised it
+    order: list[tuple[bool, str]] = []  # (raised?, the error's last line or the fault's text), in order
     for fault in causes:
         if fault.what != FaultKind.RAISED:
-            texts.append(fault_text(fault, timeout_s=timeout_s))
+            order.append((False, fault_text(fault, timeout_s=timeout_s)))
             continue
         error = last_line(fault.detail)
         if error not in raised:
-            raised[error] = []
-            texts.append(error)
-        raised[error].append(fault.rank)
+            order.append((True, error))
+        raised.setdefault(error, []).append(fault.rank)
     summary = "; ".join(
-        f"rank{'s' if len(raised[t]) > 1 else ''} {', '.join(map(str, sorted(raised[t])))} raised {t}"
-        if t in raised else t
-        for t in texts
+        f"rank{'s' if len(raised[text]) > 1 else ''} {', '.join(map(str, sorted(raised[text])))} raised {text}"
+        if is_raised else text
+        for is_raised, text in order
     )
     if blocked:
         summary += f" (rank{'s' if len(blocked) > 1 else ''} {', '.join(map(str, blocked))} blocked waiting for it)"
