@@ -14,9 +14,10 @@ from harness.comparison import build_comparison
 from harness.diff import diff_matrices, label_matrices
 from harness.matrix import MatrixError
 from harness.matrixfile import load_matrix
+from harness.merge import merge_matrices, summary_line
 from harness.render.comparison import render_comparison_html, render_comparison_markdown
 from harness.render.diff import render_diff_markdown, render_diff_text
-from harness.report import write_atomically
+from harness.report import check_report_dir, write_atomically, write_reports
 from harness.options import DEFAULT_CASE_TIMEOUT_S, DEFAULT_SEED, OptionError, parse_case_timeout, parse_seed
 
 PROG = "harness"
@@ -141,6 +142,53 @@ def add_compare_parser(subparsers: argparse._SubParsersAction) -> None:
         help="write a self-contained HTML page (no scripts, no network) to FILE",
     )
     parser.set_defaults(run=run_compare)
+
+
+def run_merge(args: argparse.Namespace) -> int:
+    inputs = [(path, load_matrix(path)) for path in args.matrices]
+    merged = merge_matrices(inputs)  # before anything is written: a refused merge leaves no trace
+    reason = check_report_dir(args.out)
+    if reason:
+        raise UsageError(f"--out: {reason}")
+    try:
+        paths = write_reports(merged, args.out)
+    except OSError as exc:
+        raise UsageError(f"--out: cannot write to {exc.filename or args.out}: {exc.strerror or exc}") from None
+    print(summary_line(merged, len(inputs), args.out, paths))
+    return EXIT_OK
+
+
+def add_merge_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "merge",
+        help="make one matrix from several runs (e.g. one per GPU count or node count)",
+        description=(
+            "Merge matrix.json files from several runs (one launch per GPU count, per node count, or\n"
+            "a catalogue split with -k) into one matrix: matrix.json, matrix.md and matrix.html in DIR.\n"
+            "It holds every cell of every input, and is complete when every input is. Its environment\n"
+            "keeps the keys equal in every input, world_sizes (the union of those the inputs ran),\n"
+            "merged_from (the input files) and environments: for each world size, the whole\n"
+            "environment of the run that ran it. Two inputs that ran one world size must agree on\n"
+            "python, torch, accelerate, backend, device, seed and fault. The result is a schema-1\n"
+            "matrix that `diff` and `compare` read like any other."
+        ),
+        epilog=(
+            "exit status:\n"
+            "  0  the merged matrix was written; one line on stdout names its files\n"
+            "  2  one line on stderr saying why: an unusable input (the same checks as `diff`), a\n"
+            "     cell (case, variant, world size) in two inputs, or two inputs that ran one world\n"
+            "     size under different environments (then nothing is written); an --out that cannot\n"
+            "     be written; bad arguments\n"
+            "\n"
+            "example:\n"
+            "  python -m harness merge gpus-1-2/matrix.json gpus-4-8/matrix.json --out reports/merged"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("matrices", nargs="+", metavar="MATRIX.json", help="the matrices to merge, one or more")
+    parser.add_argument("--out", type=Path, metavar="DIR", required=True,
+                        help="the folder for the merged matrix.json, matrix.md and matrix.html")
+    parser.set_defaults(run=run_merge)
 
 
 def _comma_list(text: str) -> list[str]:
@@ -309,6 +357,7 @@ SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     add_run_parser,
     add_diff_parser,
     add_compare_parser,
+    add_merge_parser,
     add_selfcheck_parser,
 )
 
@@ -317,8 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
         description=("The harness's commands beside `pytest cases/`: run the installed catalogue with `run`,\n"
-                     "compare the matrices it writes (reports/matrix.json) with `diff` and `compare`, and\n"
-                     "check the harness (or your own cases) with `selfcheck`."),
+                     "compare the matrices it writes (reports/matrix.json) with `diff` and `compare`, join\n"
+                     "several runs' matrices into one with `merge`, and check the harness (or your own cases)\n"
+                     "with `selfcheck`."),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Run `python -m harness COMMAND --help` for a command's options and exit status.",
     )
