@@ -48,6 +48,13 @@ def _import(path: Path) -> ModuleType:
     if spec is None or spec.loader is None:
         raise CatalogueError(f"{path}: cannot import")
     module = importlib.util.module_from_spec(spec)
+    # as pytest's default import mode does: the first folder above the file that is not a package
+    # goes on sys.path, so that a case file imports its neighbours the same way in every process
+    base = path.parent
+    while (base / "__init__.py").is_file() and base.parent != base:
+        base = base.parent
+    if str(base) not in sys.path:
+        sys.path.insert(0, str(base))
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
@@ -68,6 +75,40 @@ def load_case_file(path: str | os.PathLike[str]) -> list[CaseRef]:
         if info is not None:
             refs.append(CaseRef(info=info, path=resolved, attr=attr))
     return refs
+
+
+def portable_location(path: str | os.PathLike[str]) -> tuple[str, str]:
+    """Where a case file is, in terms another host can resolve: ``("catalogue", name)`` in the
+    installed catalogue, ``("cwd", relative path)`` under the working directory, else ``("", "")``
+    (only the absolute path). A launch's ranks on other nodes run from the same directory of the same
+    checkout or installation, not from a shared filesystem."""
+    resolved = Path(path).resolve()
+    try:
+        return "catalogue", str(resolved.relative_to(installed_cases_dir().resolve()))
+    except (ValueError, CatalogueError):
+        pass
+    try:
+        return "cwd", str(resolved.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return "", ""
+
+
+def locate(anchor: str, relpath: str, absolute: str) -> Path:
+    """The case file that ``portable_location`` described, on this host; CatalogueError naming the
+    host when it is not here."""
+    candidates = []
+    if anchor == "catalogue":
+        candidates.append(installed_cases_dir() / relpath)
+    elif anchor == "cwd":
+        candidates.append(Path.cwd() / relpath)
+    candidates.append(Path(absolute))
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    import socket
+
+    raise CatalogueError(f"{relpath or absolute}: no such case file on host {socket.gethostname()} (in {Path.cwd()}); "
+                         "every node of a launch needs the same files, run from the same directory")
 
 
 def find_case(path: str | os.PathLike[str], attr: str) -> CaseInfo:

@@ -14,14 +14,14 @@ import shlex
 import time
 import traceback
 
-from harness.catalogue import CaseRef
+from harness.catalogue import CaseRef, portable_location
 from harness.decorator import Variant
 from harness.matrix import Cell
 from harness.messages import CellSpec
 from harness.options import DEFAULT_CASE_TIMEOUT_S, Settings
-from harness.pool import PoolSet, PoolStartError
+from harness.pool import GroupLost, PoolSet, PoolStartError
 from harness.records import Status
-from harness.render.failures import nccl_skip_summary
+from harness.render.failures import nccl_skip_summary, not_run_summary
 from harness.verdict import judge
 
 # Inside the report dir: where a printed rerun command writes its reports.
@@ -60,8 +60,9 @@ def rerun_command(nodeid: str, *, world_size: int, backend: str, seed: int, repo
 def cell_spec(case: CaseRef, variant: Variant, world_size: int, settings: Settings, *, label: str) -> CellSpec:
     """What the ranks are sent. ``cell_id`` is unique in this process (the label and a sequence
     number), so that a late result of an earlier cell can never be taken for this one's."""
+    anchor, relpath = portable_location(case.path)
     return CellSpec(
-        case=case.name, variant=variant.name, variant_params=dict(variant.params), world_size=world_size,
+        case_anchor=anchor, case_relpath=relpath, case=case.name, variant=variant.name, variant_params=dict(variant.params), world_size=world_size,
         seed=settings.seed, backend=settings.backend, case_file=str(case.path), case_attr=case.attr,
         fault=settings.fault, cell_id=f"{label} #{next(_sequence)}",
     )
@@ -82,12 +83,15 @@ def run_cell(pools: PoolSet, case: CaseRef, variant: Variant, world_size: int, s
                   rerun=rerun_command(runnable, world_size=world_size, backend=settings.backend, seed=settings.seed,
                                       report_dir=settings.report_dir, case_timeout_s=settings.case_timeout_s,
                                       fault=settings.fault))
-    if settings.backend == "nccl" and world_size > settings.gpu_count:
+    if settings.backend == "nccl" and not settings.launched and world_size > settings.gpu_count:
         return Cell(status=Status.SKIP, summary=nccl_skip_summary(world_size, settings.gpu_count), **common)
     spec = cell_spec(case, variant, world_size, settings, label=node)
     common.update(detects=case.info.detects, timeout_s=settings.case_timeout_s)
     try:
         pool = pools.get(world_size)
+    except GroupLost as exc:  # under a launcher, after a rank died or hung
+        return Cell(case=case.name, variant=variant.name, world_size=world_size, nodeid=node,
+                    rerun=str(common["rerun"]), status=Status.ERROR, summary=not_run_summary(str(exc)))
     except PoolStartError as exc:
         return judge(outcome=None, duration_s=0.0, start_error=str(exc), **common)
     started = time.perf_counter()  # the cell's own time; starting the pool is not part of it

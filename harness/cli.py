@@ -351,10 +351,50 @@ def add_run_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run_catalogue)
 
 
+def run_launch(args: argparse.Namespace) -> int:
+    from harness.launch import main as launch_main  # torch is imported only for this command
+
+    return launch_main(args.pytest_args)
+
+
+def add_launch_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "launch",
+        help="run the catalogue with a launcher's processes as the ranks (torchrun, srun, accelerate launch)",
+        description=(
+            "Run under a launcher, on every process it starts: each process is one rank (the world size\n"
+            "is the launcher's, the device LOCAL_RANK's GPU with nccl, the rendezvous the launcher's\n"
+            "env:// store). Global rank 0 runs pytest: it collects the cells, runs each on every rank and\n"
+            "writes the one matrix into --report-dir on its host, recording the launcher, nodes, processes\n"
+            "per node, hosts and devices. Every argument after `launch` goes to pytest, as for `pytest\n"
+            "cases/` (--backend, --report-dir, --case-timeout, --seed, -k, paths; not -n). Without paths:\n"
+            "./cases, else the installed catalogue. A rank that raises makes its cell an error and the\n"
+            "launch goes on; one that dies or hangs makes its cell an error and every later cell `not run`."
+        ),
+        epilog=(
+            "exit status: pytest's own, on every rank; non-zero whenever any cell is fail, error or missed\n"
+            "  2  not under a launcher, or a bad --backend / --case-timeout (one line on stderr)\n"
+            "  3  a rank could not join the launch\n"
+            "\n"
+            "examples:\n"
+            "  torchrun --nproc-per-node 4 -m harness launch cases/\n"
+            "  torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\\n"
+            "           -m harness launch --report-dir reports/2x8\n"
+            "  srun --ntasks-per-node 8 python -m harness launch   (MASTER_ADDR/MASTER_PORT exported)\n"
+            "  accelerate launch --multi_gpu --num_processes 4 -m harness launch"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("pytest_args", nargs=argparse.REMAINDER, metavar="PYTEST_ARGS",
+                        help="options and paths for pytest")
+    parser.set_defaults(run=run_launch)
+
+
 # Each subcommand is an add_*_parser function that registers its parser and sets `run`;
 # a new subcommand is one more function here and one more entry in this tuple.
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     add_run_parser,
+    add_launch_parser,
     add_diff_parser,
     add_compare_parser,
     add_merge_parser,
@@ -365,7 +405,8 @@ SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
-        description=("The harness's commands beside `pytest cases/`: run the installed catalogue with `run`,\n"
+        description=("The harness's commands beside `pytest cases/`: run the installed catalogue with `run`, or\n"
+                     "under torchrun, srun or accelerate launch with `launch`,\n"
                      "compare the matrices it writes (reports/matrix.json) with `diff` and `compare`, join\n"
                      "several runs' matrices into one with `merge`, and check the harness (or your own cases)\n"
                      "with `selfcheck`."),
@@ -381,9 +422,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["run"] and argv[1:] not in (["-h"], ["--help"]):
-        # everything after `run` is pytest's, in its order, its options too
-        args = argparse.Namespace(command="run", run=run_catalogue, pytest_args=argv[1:])
+    if argv[:1] in (["run"], ["launch"]) and argv[1:] not in (["-h"], ["--help"]):
+        # everything after `run` or `launch` is pytest's, in its order, its options too
+        args = argparse.Namespace(command=argv[0], run=run_catalogue if argv[0] == "run" else run_launch,
+                                  pytest_args=argv[1:])
     else:
         args = parser.parse_args(argv)
     try:

@@ -26,6 +26,10 @@ class CellSpec:
     case_attr: str
     fault: str | None = None
     cell_id: str = ""  # names the cell in its results, so a result can never be taken for another cell's
+    # the case file as a rank on another host finds it: relative to the working directory or to the
+    # installed catalogue (harness.catalogue.portable_location); case_file is the sender's own path
+    case_anchor: str = ""
+    case_relpath: str = ""
 
 
 # controller -> rank
@@ -38,7 +42,15 @@ class RunCell:
 
 @dataclass(frozen=True)
 class Shutdown:
-    pass
+    exit_status: int = 0  # under a launcher, every rank exits with the run's status
+
+
+@dataclass(frozen=True)
+class Rejoin:
+    """Under a launcher, after a rank raised: leave the process group (aborted, so that no rank is left
+    blocked in a collective the raising rank skipped) and join generation ``generation`` afresh."""
+
+    generation: int
 
 
 # rank -> controller

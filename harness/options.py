@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from typing import Sequence
 
 BACKENDS = ("auto", "gloo", "nccl")
 DEFAULT_CASE_TIMEOUT_S = 120.0
@@ -29,6 +32,7 @@ class Settings:
     seed: int
     gpu_count: int
     fault: str | None = None  # a planted sync fault (the self-check's); never in a real run
+    launched: bool = False  # the ranks are a launcher's processes (python -m harness launch), not local pools
 
 
 def parse_world_sizes(text: str) -> tuple[int, ...] | None:
@@ -76,17 +80,32 @@ def parse_seed(text: str | int) -> int:
     return value
 
 
-def count_gpus() -> int:
-    """CUDA devices this process can see. Without an NVIDIA driver there are none, and importing
-    torch (seconds, in the controller and every xdist worker) is not needed to know it."""
-    if not os.path.exists("/proc/driver/nvidia") and not os.path.exists("/dev/nvidiactl"):
-        return 0
-    try:
-        import torch
+# The controller and xdist workers never import torch, nor initialise CUDA: the GPU count comes from a
+# short-lived process, once a session (xdist workers inherit it through this variable).
+GPU_COUNT_VARIABLE = "GRADSYNC_HARNESS_GPU_COUNT"
+# Device files of the drivers torch's CUDA and ROCm builds use; with none of them there is no GPU.
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd")
+_PROBE = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
 
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:
+
+def probe_gpus(command: Sequence[str] | None = None, *, timeout_s: float = 120.0) -> int:
+    """GPUs that torch (a CUDA or a ROCm build) sees, counted in a separate process; 0 if it fails."""
+    command = list(command) if command is not None else [sys.executable, "-c", _PROBE]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
+        return int(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else 0
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
         return 0
+
+
+def count_gpus() -> int:
+    """GPUs this session's ranks can use (CUDA_VISIBLE_DEVICES and HIP_VISIBLE_DEVICES apply)."""
+    cached = os.environ.get(GPU_COUNT_VARIABLE, "")
+    if cached.isdigit():
+        return int(cached)
+    gpus = probe_gpus() if any(os.path.exists(path) for path in GPU_DEVICE_FILES) else 0
+    os.environ[GPU_COUNT_VARIABLE] = str(gpus)
+    return gpus
 
 
 def resolve(

@@ -24,6 +24,8 @@ from harness.render.failures import cell_message, skip_reason
 from harness.render.matrix import terminal_summary
 from harness.report import check_report_dir, write_reports
 
+# the plugin object `python -m harness launch` gives rank 0's pytest (harness/launch.py)
+LAUNCH_PLUGIN = "harness-launch"
 SETTINGS = pytest.StashKey[Settings]()
 STATE = pytest.StashKey["HarnessState"]()
 CELL_PROPERTY = "harness_cell"
@@ -57,10 +59,11 @@ def _is_worker(config: pytest.Config) -> bool:
 class HarnessState:
     """Per pytest process: its pools (workers and serial runs) and the cells it has seen."""
 
-    def __init__(self, config: pytest.Config, settings: Settings) -> None:
+    def __init__(self, config: pytest.Config, settings: Settings, launch: Any = None) -> None:
         self.config = config
         self.settings = settings
-        self.pools = PoolSet(backend=settings.backend)
+        self.launch = launch  # under a launcher (harness/launch.py): its ranks stand in for local pools
+        self.pools: Any = launch.pools if launch is not None else PoolSet(backend=settings.backend)
         self.cells: list[Cell] = []
         self.expected_ids: set[str] = set()
         self.interrupted = False
@@ -111,6 +114,8 @@ class HarnessState:
         }
         if self.settings.fault is not None:  # a matrix made under an injected fault must say so
             environment["fault"] = self.settings.fault
+        if self.launch is not None:  # the launcher, nodes, processes per node, hosts and devices
+            environment.update(self.launch.environment())
         self._environment = environment
         return environment
 
@@ -125,6 +130,7 @@ def _installed_version(distribution: str) -> str:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
+    launch = config.pluginmanager.get_plugin(LAUNCH_PLUGIN)
     try:
         settings = resolve(
             world_sizes=config.getoption("world_sizes"),
@@ -133,7 +139,10 @@ def pytest_configure(config: pytest.Config) -> None:
             case_timeout=config.getoption("case_timeout"),
             seed=config.getoption("seed"),
             fault=config.getoption("harness_fault"),
+            gpu_count=0 if launch is not None else None,
         )
+        if launch is not None:
+            settings = launch.adapt(config, settings)
         fault = settings.fault
         if fault is not None:  # fault injection is imported only when one is asked for
             from harness.faults import resolve as resolve_fault
@@ -149,7 +158,7 @@ def pytest_configure(config: pytest.Config) -> None:
         if problem is not None:
             raise pytest.UsageError(f"--report-dir: {problem}")
     config.stash[SETTINGS] = settings
-    state = HarnessState(config, settings)
+    state = HarnessState(config, settings, launch)
     config.stash[STATE] = state
     config.pluginmanager.register(state, "harness-state")
     config.addinivalue_line("markers", "harness_case: a gradient-sync cell (added by the harness plugin)")
@@ -161,15 +170,19 @@ def _end_on_signals(state: HarnessState) -> None:
     if state.signals_installed:
         return
     state.signals_installed = True
+
+    def terminate(signum: int, frame: Any) -> None:
+        # Ctrl-C, SIGTERM and SIGHUP (a closed terminal or SSH session) end the run the same way:
+        # pytest's interrupt path, which still writes the reports of the finished cells and tears the
+        # pools down. Under a launcher, a cell that is running first ends naming whoever failed (the
+        # launcher stops a node's ranks when one of them dies), and no later cell runs.
+        on_signal = getattr(state.pools, "on_signal", None)
+        if on_signal is not None and on_signal(signum):
+            return
+        raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
+
     for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, _terminate)
-
-
-def _terminate(signum: int, frame: Any) -> None:
-    # Ctrl-C, SIGTERM and SIGHUP (a closed terminal or SSH session) end the run the same way:
-    # pytest's interrupt path, which still writes the reports of the finished cells and tears the
-    # pools down.
-    raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
+        signal.signal(signum, terminate)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -218,9 +231,15 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         return None
     from xdist.scheduler import LoadScopeScheduling
 
+    # With nccl a local pool's rank r uses GPU r, so pools must not overlap: every cell goes to one
+    # worker, which runs one world size's pool at a time (harness/pool.py).
+    one_scope = config.stash[SETTINGS].backend == "nccl"
+
     class WorldSizeScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             match = _CELL_ID.search(nodeid)
+            if match and one_scope:
+                return "gpus"
             return f"world-size-{match.group(1)}" if match else nodeid
 
     return WorldSizeScheduling(config, log)

@@ -13,6 +13,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from harness import rank as rank_side
+from harness.blame import mark_victims, stuck_kinds
 from harness.messages import (
     CellSpec,
     ProtocolError,
@@ -29,11 +30,17 @@ from harness.records import CellOutcome, FaultKind, RankFault, RankOutcome
 START_TIMEOUT_S = 180.0
 # After the first rank fails, how long the others get to report before they are judged stuck.
 GRACE_S = 3.0
+# How long a stuck rank's progress thread gets to answer (it does not, while C code holds the GIL).
+PROGRESS_ANSWER_S = 1.0
 _TAIL_CHARS = 4000
 
 
 class PoolStartError(RuntimeError):
     """The ranks could not be started; the message says which rank and why."""
+
+
+class GroupLost(RuntimeError):
+    """Under a launcher: a rank died or hung, so no further cell can run; the message says which and where."""
 
 
 def _signal_name(code: int) -> str:
@@ -61,19 +68,6 @@ def _size(path: str) -> int:
         return 0
 
 
-def _in_collective(stack: str) -> bool:
-    return "distributed_c10d" in stack or "torch/nn/parallel/distributed" in stack
-
-
-# How a collective fails on the ranks that survive a peer's death: they are its victims, not its cause.
-_COLLECTIVE_ERRORS = ("DistBackendError", "Connection closed by peer", "Connection reset by peer",
-                      "ProcessGroupGloo", "ProcessGroupNCCL", "NCCL communicator was aborted")
-
-
-def _collective_error(detail: str) -> bool:
-    return any(marker in detail for marker in _COLLECTIVE_ERRORS)
-
-
 class RankPool:
     """N live rank processes of one world size, joined in one process group through a FileStore."""
 
@@ -83,6 +77,7 @@ class RankPool:
         self.pg_timeout_s = pg_timeout_s
         self.processes: list[Any] = []
         self.conns: list[Connection] = []
+        self.watch_conns: list[Connection] = []
         self.workdir: str | None = None
         self.generation = 0
         self.log_offsets: list[int] = []
@@ -104,17 +99,20 @@ class RankPool:
         store_path = os.path.join(self.workdir, f"gen{self.generation}.store")
         for rank in range(self.world_size):
             parent_conn, child_conn = ctx.Pipe(duplex=True)
+            watch_conn, child_watch_conn = ctx.Pipe(duplex=True)
             process = ctx.Process(
                 target=rank_side.main,
                 name=f"harness-ws{self.world_size}-rank{rank}",
                 args=(rank, self.world_size, self.backend, store_path, self._path("log", rank),
-                      self._path("stack", rank), child_conn, os.getpid(), self.pg_timeout_s),
+                      self._path("stack", rank), child_conn, child_watch_conn, os.getpid(), self.pg_timeout_s),
                 daemon=True,
             )
             process.start()
             child_conn.close()
+            child_watch_conn.close()
             self.processes.append(process)
             self.conns.append(parent_conn)
+            self.watch_conns.append(watch_conn)
         deadline = time.monotonic() + START_TIMEOUT_S
         waiting = set(range(self.world_size))
         while waiting:
@@ -198,21 +196,13 @@ class RankPool:
                     pending.discard(rank)
                     first_fault_at = first_fault_at or time.monotonic()
         if pending:
+            progress = self._progress(pending)
             stacks = self._dump_stacks(pending)
+            kinds = stuck_kinds(sorted(pending), after_fault=first_fault_at is not None, progress=progress,
+                                stacks=stacks)
             for rank in sorted(pending):
-                stack = stacks.get(rank, "")
-                if first_fault_at is not None:
-                    what = FaultKind.BLOCKED
-                elif _in_collective(stack) and any(not _in_collective(stacks.get(r, "")) for r in pending):
-                    what = FaultKind.BLOCKED
-                else:
-                    what = FaultKind.HUNG
-                outcome.faults.append(RankFault(rank, what, stack))
-        # A rank whose collective failed because a peer died or raised is that peer's victim.
-        victims = [f for f in outcome.faults if f.what == FaultKind.RAISED and _collective_error(f.detail)]
-        if any(f.what != FaultKind.BLOCKED and f not in victims for f in outcome.faults):
-            for fault in victims:
-                fault.what = FaultKind.BLOCKED
+                outcome.faults.append(RankFault(rank, kinds[rank], stacks.get(rank, "")))
+        mark_victims(outcome.faults)
         if outcome.faults:
             self.kill()
         return outcome
@@ -223,6 +213,30 @@ class RankPool:
         if code is not None and code < 0:
             return RankFault(rank, FaultKind.KILLED, f"killed by {_signal_name(-code)}\n{log}".rstrip())
         return RankFault(rank, FaultKind.EXITED, f"exited with code {code}\n{log}".rstrip())
+
+    def _progress(self, ranks: set[int]) -> dict[int, int | None]:
+        """Each stuck rank's count of issued collectives, from its progress thread (None: no answer)."""
+        asked = {}
+        for rank in ranks:
+            conn = self.watch_conns[rank]
+            try:
+                while conn.poll():  # an answer that came too late for an earlier cell
+                    conn.recv()
+                conn.send("progress?")
+                asked[rank] = conn
+            except (OSError, EOFError):
+                pass
+        answers: dict[int, int | None] = {rank: None for rank in ranks}
+        deadline = time.monotonic() + PROGRESS_ANSWER_S
+        while asked and time.monotonic() < deadline:
+            for conn in wait(list(asked.values()), deadline - time.monotonic()):
+                rank = next(r for r, c in asked.items() if c is conn)
+                try:
+                    answers[rank] = conn.recv()
+                except (OSError, EOFError):
+                    pass
+                del asked[rank]
+        return answers
 
     def _dump_stacks(self, ranks: set[int]) -> dict[int, str]:
         """Ask faulthandler in each stuck rank for every thread's stack."""
@@ -246,10 +260,11 @@ class RankPool:
                     pass
         for process in self.processes:
             process.join(timeout=5)
-        for conn in self.conns:
+        for conn in self.conns + self.watch_conns:
             conn.close()
         self.processes = []
         self.conns = []
+        self.watch_conns = []
 
     def close(self) -> None:
         """Ask the ranks to leave the group and exit; kill whoever does not within a few seconds."""
@@ -286,6 +301,14 @@ class PoolSet:
         same failure."""
         if world_size in self.start_errors:
             raise PoolStartError(f"{self.start_errors[world_size].splitlines()[0]} (failed earlier in this session)")
+        if self.backend == "nccl":
+            # A local pool's rank r uses GPU r: two pools at once would share GPUs (and fail outright
+            # under EXCLUSIVE_PROCESS compute mode). One world size's pool at a time, then; the plugin
+            # sends every nccl cell to one xdist worker, largest world size first.
+            for other in [ws for ws in self.pools if ws != world_size]:
+                previous = self.pools.pop(other)
+                previous.close()
+                previous.remove_workdir()
         pool = self.pools.get(world_size)
         if pool is None:
             pool = self.pools[world_size] = RankPool(world_size, backend=self.backend)

@@ -51,10 +51,33 @@ def _die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="harness-parent-watch", daemon=True).start()
 
 
+# accelerate reads its launcher's settings from ACCELERATE_* variables (`accelerate launch` sets
+# mixed precision, accumulation steps, FSDP, DeepSpeed, dynamo, debug mode): a cell's setup is its
+# variant's alone, so ranks drop them all but these.
+KEPT_ACCELERATE_VARIABLES = ("ACCELERATE_DISABLE_RICH", "ACCELERATE_LOG_LEVEL")
+
+
+def drop_launcher_settings() -> list[str]:
+    """Remove the ACCELERATE_* settings a launcher or the user's shell left; return their names."""
+    dropped = sorted(n for n in os.environ if n.startswith("ACCELERATE_") and n not in KEPT_ACCELERATE_VARIABLES)
+    for name in dropped:
+        del os.environ[name]
+    os.environ.setdefault("ACCELERATE_DISABLE_RICH", "1")
+    return dropped
+
+
+def limit_threads() -> None:
+    """One thread a rank on CPU: ranks share the machine's cores with each other and with other pools
+    (and the same thread count everywhere keeps the arithmetic, and so the differences, alike)."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["MKL_NUM_THREADS"] = "1"
+
+
 def _set_environment(rank: int, world_size: int, backend: str) -> None:
     # accelerate reads these to learn that it runs distributed; the process group itself is
     # created here, through a FileStore, so no port is ever opened. World size 1 is a plain
     # single process (``python train.py``): accelerate sees no launcher and wraps nothing in DDP.
+    # A local pool runs on one host: its local rank is its rank (and its GPU is that one).
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(name, None)
     if world_size > 1:
@@ -63,18 +86,53 @@ def _set_environment(rank: int, world_size: int, backend: str) -> None:
         os.environ["LOCAL_RANK"] = str(rank)
         os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-    # one thread a rank: ranks share the machine's cores with each other and with other pools
-    os.environ["OMP_NUM_THREADS"] = "1"
-    os.environ["MKL_NUM_THREADS"] = "1"
-    os.environ.setdefault("ACCELERATE_DISABLE_RICH", "1")
+    limit_threads()
+    drop_launcher_settings()
     if backend == "nccl":
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+
+
+def rank_device(backend: str) -> Any:
+    """The device of this rank: with nccl, the GPU of its LOCAL_RANK (never its global rank: on the
+    second node of a launch, global rank 8 is local rank 0), made current; else the CPU."""
+    import torch
+
+    if backend != "nccl":
+        return torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def collectives_issued() -> int | None:
+    """How many collectives this rank's default process group has issued (torch's per-group sequence
+    number; DDP's own all-reduces count): the progress that says who the others wait for
+    (harness/blame.py). None when there is no group or the backend cannot say."""
+    try:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return None
+        return int(dist.distributed_c10d._get_default_group()._get_sequence_number_for_group())
+    except Exception:
+        return None
+
+
+def _answer_progress(conn: Any) -> None:
+    """A thread that tells the pool's controller this rank's progress whenever asked: it answers
+    while the main thread is stuck in a case or a collective."""
+    while True:
+        try:
+            conn.recv()
+            conn.send(collectives_issued())
+        except (EOFError, OSError):
+            return
 
 
 def run_cell(spec: CellSpec, rank: int, device: Any) -> RankResult:
     import torch
 
-    from harness.catalogue import find_case
+    from harness.catalogue import find_case, locate
     from harness.context import RankContext
     from harness.decorator import SkipCell, Unsupported
     from harness.probe import reset_accelerate
@@ -83,7 +141,7 @@ def run_cell(spec: CellSpec, rank: int, device: Any) -> RankResult:
     ctx = None
     try:
         reset_accelerate()
-        body = find_case(spec.case_file, spec.case_attr).body
+        body = find_case(locate(spec.case_anchor, spec.case_relpath, spec.case_file), spec.case_attr).body
         ctx = RankContext(
             case=spec.case, variant=spec.variant, params=spec.variant_params, rank=rank,
             world_size=spec.world_size, seed=spec.seed, device=device,
@@ -144,7 +202,7 @@ def _warm_up(device: Any) -> None:
 
 
 def main(rank: int, world_size: int, backend: str, store_path: str, log_path: str, stack_path: str,
-         conn: Any, parent_pid: int, pg_timeout_s: float) -> None:
+         conn: Any, watch_conn: Any, parent_pid: int, pg_timeout_s: float) -> None:
     """Entry point of a rank process (the target of a spawned process)."""
     _die_with_parent(parent_pid)
     log = open(log_path, "a", buffering=1, encoding="utf-8")
@@ -160,11 +218,7 @@ def main(rank: int, world_size: int, backend: str, store_path: str, log_path: st
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-            device = torch.device("cuda", rank)
-        else:
-            device = torch.device("cpu")
+        device = rank_device(backend)
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
@@ -173,6 +227,7 @@ def main(rank: int, world_size: int, backend: str, store_path: str, log_path: st
     except BaseException:
         conn.send(StartupFailed(rank=rank, traceback=traceback.format_exc()))
         raise SystemExit(3)
+    threading.Thread(target=_answer_progress, args=(watch_conn,), name="harness-progress", daemon=True).start()
     conn.send(Ready(rank=rank, pid=os.getpid()))
     while True:
         try:

@@ -79,10 +79,11 @@ class FaultKind(_Name):
     KILLED = "killed"
     HUNG = "hung"
     BLOCKED = "blocked"  # waiting in a collective for a rank that raised, died or hung
+    LOST = "lost"  # a launched rank that stopped answering: its process or its host died
 
 
 # The faults that are a cause; a blocked rank is the victim of one of them.
-CAUSES = frozenset({FaultKind.RAISED, FaultKind.EXITED, FaultKind.KILLED, FaultKind.HUNG})
+CAUSES = frozenset({FaultKind.RAISED, FaultKind.EXITED, FaultKind.KILLED, FaultKind.HUNG, FaultKind.LOST})
 
 
 @dataclass
@@ -123,6 +124,7 @@ class RankFault:
     rank: int
     what: FaultKind
     detail: str = ""
+    host: str = ""  # under a launcher, the rank's host (the local pool's ranks share the controller's)
 
 
 @dataclass

@@ -73,22 +73,36 @@ def last_line(text: str) -> str:
     return lines[-1] if lines else ""
 
 
+def _who(fault: RankFault) -> str:
+    return f"rank {fault.rank} on {fault.host}" if fault.host else f"rank {fault.rank}"
+
+
 def fault_text(fault: RankFault, *, timeout_s: float) -> str:
+    who = _who(fault)
     if fault.what == FaultKind.RAISED:
-        return f"rank {fault.rank} raised {last_line(fault.detail)}"
+        return f"{who} raised {last_line(fault.detail)}"
     if fault.what in (FaultKind.EXITED, FaultKind.KILLED):
-        return f"rank {fault.rank} {fault.detail.splitlines()[0] if fault.detail else fault.what}"
+        return f"{who} {fault.detail.splitlines()[0] if fault.detail else fault.what}"
     if fault.what == FaultKind.HUNG:
-        return f"rank {fault.rank} hung (no result within {timeout_s:g} s)"
-    return f"rank {fault.rank} was blocked waiting for the others"
+        return f"{who} hung (no result within {timeout_s:g} s)"
+    if fault.what == FaultKind.LOST:
+        return f"{who} died ({fault.detail.split(':', 1)[0]})"
+    return f"{who} was blocked waiting for the others"
+
+
+def _ranks(faults: Sequence[RankFault]) -> str:
+    """``rank 1``, ``ranks 0, 2``, or with hosts ``ranks 0 on a, 2 on b``."""
+    ordered = sorted(faults, key=lambda f: f.rank)
+    names = ", ".join(_who(f)[len("rank "):] for f in ordered)
+    return f"rank{'s' if len(ordered) > 1 else ''} {names}"
 
 
 def faults_summary(faults: Sequence[RankFault], *, timeout_s: float) -> str:
     """The causes, then the ranks that only waited for them."""
     causes = [f for f in faults if f.what in CAUSES] or list(faults)
-    blocked = sorted(f.rank for f in faults if f.what == FaultKind.BLOCKED and f not in causes)
+    blocked = [f for f in faults if f.what == FaultKind.BLOCKED and f not in causes]
     # ranks that raised the same error are said once: "ranks 0, 1 raised ValueError: ..."
-    raised: dict[str, list[int]] = {}  # an error's last line: the ranks that raised it
+    raised: dict[str, list[RankFault]] = {}  # an error's last line: the ranks that raised it
     order: list[tuple[bool, str]] = []  # (raised?, the error's last line or the fault's text), in order
     for fault in causes:
         if fault.what != FaultKind.RAISED:
@@ -97,14 +111,10 @@ def faults_summary(faults: Sequence[RankFault], *, timeout_s: float) -> str:
         error = last_line(fault.detail)
         if error not in raised:
             order.append((True, error))
-        raised.setdefault(error, []).append(fault.rank)
-    summary = "; ".join(
-        f"rank{'s' if len(raised[text]) > 1 else ''} {', '.join(map(str, sorted(raised[text])))} raised {text}"
-        if is_raised else text
-        for is_raised, text in order
-    )
+        raised.setdefault(error, []).append(fault)
+    summary = "; ".join(f"{_ranks(raised[text])} raised {text}" if is_raised else text for is_raised, text in order)
     if blocked:
-        summary += f" (rank{'s' if len(blocked) > 1 else ''} {', '.join(map(str, blocked))} blocked waiting for it)"
+        summary += f" ({_ranks(blocked)} blocked waiting for it)"
     return summary
 
 
@@ -170,6 +180,10 @@ def disagreement_summary(results: Sequence[RankResult]) -> str:
 
 def start_error_summary(world_size: int, start_error: str) -> str:
     return f"the pool of {world_size} ranks did not start: {last_line(start_error)}"
+
+
+def not_run_summary(reason: str) -> str:
+    return f"not run: {reason}"
 
 
 def controller_error_summary(controller_error: str) -> str:
