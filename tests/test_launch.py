@@ -244,3 +244,19 @@ def test_srun_variables_are_a_launch(tmp_path):
     assert run.matrix["environment"]["launcher"] == "srun"
     assert [c["status"] for c in run.matrix["cells"]] == ["pass"]
     assert wait_for_no_processes(run.token) == []
+
+
+def test_accelerate_launch_is_a_launch_whose_settings_do_not_change_the_cells(tmp_path):
+    """accelerate launch with mixed precision bf16 in its settings: the fp32 cell stays fp32 (the
+    launcher's ACCELERATE_* settings are dropped on every rank, and named in the matrix)."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "bf16", "--dynamo_backend", "no",
+               "--main_process_port", str(free_port()), "-m", "harness", "launch", "cases/test_fused_loss.py",
+               "-k", "fp32", "--report-dir", str(tmp_path), "-p", "no:cacheprovider"]
+    run = start([command], tmp_path)
+    assert run.returncodes == [0], run.log()
+    environment = run.matrix["environment"]
+    assert environment["launcher"] == "accelerate launch" and environment["world_sizes"] == [2]
+    assert "ACCELERATE_MIXED_PRECISION" in environment["ignored_launcher_settings"]
+    assert [(c["variant"], c["status"]) for c in run.matrix["cells"]] == [("fp32", "pass")]
+    assert wait_for_no_processes(run.token) == []
