@@ -95,6 +95,17 @@ def test_merge_is_the_union_with_each_world_size_keeping_its_environment():
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", merged.created)
 
 
+def test_the_reports_show_what_differs_per_world_size_readably():
+    from harness.render.matrix import render_html, render_markdown
+
+    merged = merge_matrices([("cpu", run_matrix((1, 2))), ("gpu", run_matrix((4,), backend="nccl", device="cuda"))])
+    line = render_markdown(merged).splitlines()[2]
+    assert "backend `(per world size)`" in line and "?" not in line
+    html = render_html(merged)
+    assert "ws=4: {python=3.11.7, torch=2.13.0, accelerate=1.15.0, backend=nccl, device=cuda" in html
+    assert "{&#x27;" not in html and "{'" not in html  # no Python dict repr
+
+
 def test_a_world_size_split_across_runs_keeps_the_first_runs_environment():
     cells = run_matrix((2,)).cells
     first = Matrix(environment=environment((2,), hostname="node-a"), cells=cells[:1])

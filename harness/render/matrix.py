@@ -11,6 +11,8 @@ from harness.render.text import html_block, html_text, md_code, md_text
 QUIET_STATUSES = frozenset({Status.PASS, Status.DETECTED, Status.SKIP})
 MAX_FAILURES_SHOWN = 5
 ENVIRONMENT_KEYS = ("python", "torch", "accelerate", "backend", "device", "world_sizes", "seed")
+# a launch's place, in the Markdown environment line too when the matrix has it (harness launch)
+LAUNCH_KEYS = ("launcher", "nodes", "processes_per_node", "hosts", "devices")
 
 STATUS_MEANINGS = {
     Status.PASS: "every rank matched the oracle",
@@ -176,20 +178,35 @@ def _counts_line(matrix: Matrix) -> str:
     return f"{len(matrix.cells)} {noun}: " + (", ".join(shown) if shown else "none")
 
 
+def _plain(value: object) -> str:
+    """An environment value as one line: lists joined by commas, records as ``key=value``, nested ones in braces."""
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={_plain(v) if not isinstance(v, (dict, list)) else '{' + _plain(v) + '}'}"
+                         for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        nested = any(isinstance(v, (dict, list, tuple)) for v in value)
+        return ("; " if nested else ",").join(_plain(v) for v in value)
+    return str(value)
+
+
 def _environment_items(matrix: Matrix) -> list[tuple[str, str]]:
     env = matrix.environment
     keys = list(ENVIRONMENT_KEYS) + [k for k in env if k not in ENVIRONMENT_KEYS]
+    # a merged matrix keeps what its runs differ in per world size (`environments`)
+    absent = "(per world size)" if "environments" in env else "?"
     items = []
     for key in keys:
-        value = env.get(key, "?")
-        if isinstance(value, (list, tuple)):
-            value = ",".join(str(v) for v in value)
-        items.append((key, str(value)))
+        value = env.get(key, absent)
+        if key == "environments" and isinstance(value, dict):
+            items.append((key, "; ".join(f"ws={ws}: {{{_plain(v)}}}" for ws, v in value.items())))
+            continue
+        items.append((key, _plain(value)))
     return items
 
 
 def _environment_line(matrix: Matrix) -> str:
-    shown = [(k, v) for k, v in _environment_items(matrix) if k in ENVIRONMENT_KEYS]
+    shown = [(k, v) for k, v in _environment_items(matrix)
+             if k in ENVIRONMENT_KEYS or (k in LAUNCH_KEYS and k in matrix.environment)]
     return " · ".join(f"{md_text(key.replace('_', ' '))} {md_code(value)}" for key, value in shown)
 
 
