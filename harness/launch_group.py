@@ -236,15 +236,14 @@ class LaunchedGroup:
 
     def _after_faults(self, faults: list[RankFault], spec: CellSpec) -> None:
         where = f"{spec.case}[{spec.variant}]"
-        if self.stopping:
-            self.lost = f"the launcher stopped the run ({self.stopping}) during {where}"
-            return
         fatal = [f for f in faults if f.what not in (FaultKind.RAISED, FaultKind.BLOCKED)]
         if fatal:
             words = {FaultKind.HUNG: "hung", FaultKind.LOST: "died"}
             self.lost = "; ".join(f"rank {f.rank} on {f.host} {words.get(f.what, f.what)} in {where}" for f in fatal)
-            return
-        self._rejoin(where)
+        elif self.stopping:
+            self.lost = f"the launcher stopped the run ({self.stopping}) during {where}"
+        else:
+            self._rejoin(where)
 
     def _rejoin(self, where: str) -> None:
         """After a raise: abort the process group everywhere and join a new one, or give up naming who did not."""

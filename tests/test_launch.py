@@ -260,3 +260,19 @@ def test_accelerate_launch_is_a_launch_whose_settings_do_not_change_the_cells(tm
     assert "ACCELERATE_MIXED_PRECISION" in environment["ignored_launcher_settings"]
     assert [(c["variant"], c["status"]) for c in run.matrix["cells"]] == [("fp32", "pass")]
     assert wait_for_no_processes(run.token) == []
+
+
+def test_when_the_launcher_stops_a_nodes_ranks_the_running_cell_still_names_who_died(tmp_path):
+    """torchrun stops every rank of a node (SIGTERM) when one of them dies: rank 0, on that node,
+    still ends the cell naming the dead rank, and records the rest as not run because of it."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "harness", "launch",
+               PLANTED, "-k", "kill", "--case-timeout", "30", "--report-dir", str(tmp_path), "-p", "no:cacheprovider"]
+    run = start([command], tmp_path)
+    cells = run.cells()
+    host = socket.gethostname()
+    assert cells[("planted_rank_fault", "kill")]["summary"].startswith(f"rank 1 on {host} died (")
+    assert cells[("planted_rank_fault", "after_kill")]["summary"] == \
+        f"not run: rank 1 on {host} died in planted_rank_fault[kill]"
+    assert run.returncodes == [1] and run.matrix["complete"] is True
+    assert wait_for_no_processes(run.token) == []
