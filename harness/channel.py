@@ -49,6 +49,10 @@ class Channel:
     def take(self, key: str) -> Any:
         return pickle.loads(self.store.get(key))
 
+    def drop(self, key: str) -> None:
+        """Forget a key that no rank reads again: a long launch leaves no pile of results in the store."""
+        self.store.delete_key(key)
+
     def has(self, key: str) -> bool:
         return bool(self.store.check([key]))
 

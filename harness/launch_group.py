@@ -128,8 +128,12 @@ class LaunchedGroup:
         return True
 
     def _send(self, message: Any) -> int:
+        """Post the next message. Every rank has read the one before (rank 0 sends a message only
+        once each rank answered the last, or was given up on), so that one goes."""
         self.sent += 1
         self.channel.put(message_key(self.sent), message)
+        if self.sent > 1:
+            self.channel.drop(message_key(self.sent - 1))
         return self.sent
 
     def run(self, spec: CellSpec, *, timeout_s: float) -> CellOutcome:
@@ -167,6 +171,7 @@ class LaunchedGroup:
                 for rank in followers:
                     if self.channel.has(result_key(n, rank)):
                         self._take(outcome, pending, rank, self.channel.take(result_key(n, rank)), spec)
+                        self.channel.drop(result_key(n, rank))
                 got = True
             if followers and now >= next_beat_check:
                 next_beat_check = now + 1.0

@@ -231,15 +231,27 @@ def test_a_rank_that_dies_is_an_error_and_every_later_cell_is_not_run(tmp_path):
     assert wait_for_no_processes(run.token) == []
 
 
-def test_srun_variables_are_a_launch(tmp_path):
+def srun_like(args: list[str], report_dir: Path) -> Launch:
     """srun cannot run on this machine: two processes get the variables it sets, as on one node."""
-    port = str(free_port())
     base = {"SLURM_NTASKS": "2", "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_JOB_ID": "77",
-            "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_JOB_NODELIST": "localhost", "MASTER_PORT": port}
-    command = [sys.executable, "-m", "harness", "launch", "cases/test_fused_loss.py", "-k", "fp32",
-               "--report-dir", str(tmp_path), "-p", "no:cacheprovider"]
-    run = start([command, command], tmp_path, extra_env=[{**base, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)}
-                                                        for r in range(2)])
+            "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_JOB_NODELIST": "localhost", "MASTER_PORT": str(free_port())}
+    command = [sys.executable, "-m", "harness", "launch", *args, "--report-dir", str(report_dir), "-p",
+               "no:cacheprovider"]
+    return start([command, command], report_dir,
+                 extra_env=[{**base, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)} for r in range(2)])
+
+
+def test_a_world_size_other_than_the_launchers_stops_every_rank_with_one_line(tmp_path):
+    run = srun_like(["cases/test_fused_loss.py", "--world-sizes", "1,2"], tmp_path)
+    assert run.returncodes == [4, 4], run.log()
+    assert "ERROR: --world-sizes: the launcher started 2 ranks; under a launcher the world size is the " \
+           "launcher's (leave it out, or give 2)" in run.outputs[0][1]
+    assert not (tmp_path / "matrix.json").exists()
+    assert wait_for_no_processes(run.token) == []
+
+
+def test_srun_variables_are_a_launch(tmp_path):
+    run = srun_like(["cases/test_fused_loss.py", "-k", "fp32"], tmp_path)
     assert run.returncodes == [0, 0], run.log()
     assert run.matrix["environment"]["launcher"] == "srun"
     assert [c["status"] for c in run.matrix["cells"]] == ["pass"]
