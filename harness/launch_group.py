@@ -22,7 +22,7 @@ from typing import Any
 from harness import rank as rank_side
 from harness.blame import collective_error, mark_victims, stuck_kinds
 from harness.channel import Channel, message_key, result_key
-from harness.launch_rank import RankRuntime, run_guarded
+from harness.launch_rank import COLLECTIVE_MARGIN_S, RankRuntime, run_guarded
 from harness.messages import CellSpec, ProtocolError, RankResult, Rejoin, RunCell, Shutdown, expect
 from harness.pool import GRACE_S, GroupLost
 from harness.records import CellOutcome, FaultKind, RankFault, RankOutcome
@@ -98,16 +98,22 @@ class LaunchedGroup:
         self.stopping = ""  # the signal with which the launcher is stopping this run
         self.stopping_at = 0.0
         self.running = False
+        self.rejoin_after = ""  # a rank raised in this cell: rebuild the group before the next one
 
     # the PoolSet interface
 
     def get(self, world_size: int) -> "LaunchedGroup":
+        """The group, ready for a cell: rebuilt first if a rank raised in the last one (as a local pool
+        is restarted before the next cell, outside any cell's time)."""
+        if world_size != self.world_size:
+            raise GroupLost(f"the launcher started {self.world_size} ranks, not {world_size}")
+        if self.rejoin_after and not self.lost and not self.stopping:
+            where, self.rejoin_after = self.rejoin_after, ""
+            self._rejoin(where)
         if self.lost:
             raise GroupLost(self.lost)
         if self.stopping:
             raise GroupLost(f"the launcher stopped the run ({self.stopping})")
-        if world_size != self.world_size:
-            raise GroupLost(f"the launcher started {self.world_size} ranks, not {world_size}")
         return self
 
     def close(self, *, graceful: bool = True) -> None:
@@ -248,15 +254,15 @@ class LaunchedGroup:
         elif self.stopping:
             self.lost = f"the launcher stopped the run ({self.stopping}) during {where}"
         else:
-            self._rejoin(where)
+            self.rejoin_after = where
 
     def _rejoin(self, where: str) -> None:
         """After a raise: abort the process group everywhere and join a new one, or give up naming who did not."""
         old = self.runtime.generation
         self.channel.put(f"abort/{old}", True)
         self.runtime.abort(old)
-        # a gloo collective returns within the cell's timeout; nccl's at the abort
-        if not self.executor.wait_idle(self.runtime.cell_timeout_s + REJOIN_S):
+        # a blocked gloo collective returns at its timeout (the cell's and a margin); nccl's at the abort
+        if not self.executor.wait_idle(self.runtime.cell_timeout_s + COLLECTIVE_MARGIN_S + REJOIN_S):
             self.lost = f"rank 0 on {self.hosts[0]} did not return from {where} after its process group was aborted"
             return
         generation = old + 1
@@ -273,10 +279,10 @@ class LaunchedGroup:
         self.runtime.rejoin(generation, self.channel)
 
     def finish(self, status: int) -> int:
-        """End the launch with the run's status on every rank. Ranks that cannot be reached through
-        the process group any more (one died or hung) are told through the store, and this process
-        leaves at once: a thread of it may be stuck in a collective."""
-        if not self.lost and not self.stopping:
+        """End the launch with the run's status on every rank. Ranks that may not be listening (one
+        died or hung, or the last cell's fault left ranks blocked) are told through the store, and
+        this process leaves at once: a thread of it may be stuck in a collective."""
+        if not self.lost and not self.stopping and not self.rejoin_after:
             self._send(Shutdown(status))
             self._wait_for_byes()
             self.runtime.close()

@@ -4,9 +4,11 @@ watch thread that keeps it answering while its cell is stuck, and the loop of a 
 The first process group comes from the launcher's own rendezvous (``env://``: its store, its address).
 After a rank raised, the others may be blocked in a collective it skipped. They must come back, and
 the group is then unusable (the ranks disagree on how many collectives it has run), so:
-- with gloo, no collective may outlast a cell: the group's collective timeout is the cell's timeout
-  (``--case-timeout``), after which a blocked collective raises (aborting a gloo group from another
-  thread does not reliably wake a rank waiting in DDP's own collectives: tried, and it did not);
+- with gloo, no collective may much outlast a cell: the group's collective timeout is the cell's
+  timeout (``--case-timeout``) and a margin, after which a blocked collective raises (aborting a gloo
+  group from another thread does not reliably wake a rank waiting in DDP's own collectives: tried,
+  and it did not). The margin lets rank 0 judge a stuck cell first, at its deadline, as a local pool
+  does: which rank hung and which were blocked, never a timeout raised on the blocked ones;
 - with nccl, every rank aborts the group, which ends its pending collectives (torch's documented
   use of ``_abort_process_group``, with TORCH_NCCL_ASYNC_ERROR_HANDLING off so that the watchdog
   does not end the process first);
@@ -33,7 +35,9 @@ from harness.records import RankOutcome
 
 WATCH_S = 0.25  # how often a rank's watch thread beats and looks for requests
 DRIVER_LOST_S = 30.0  # a rank whose driver's heartbeat stands still this long exits
-PG_TIMEOUT_S = 1800.0  # collectives; cells have their own, shorter, deadline (--case-timeout)
+PG_TIMEOUT_S = 1800.0  # joining a group; cells have their own, shorter, deadline (--case-timeout)
+# after a cell's deadline: rank 0's grace for the others, its question to the stuck ones, and a second
+COLLECTIVE_MARGIN_S = 10.0
 
 
 def say(info: LaunchInfo, text: str) -> None:
@@ -90,7 +94,8 @@ class RankRuntime:
         import torch.distributed as dist
 
         group = dist.distributed_c10d._get_default_group()
-        group._get_backend(torch.device("cpu"))._set_default_timeout(timedelta(seconds=self.cell_timeout_s))
+        timeout = timedelta(seconds=self.cell_timeout_s + COLLECTIVE_MARGIN_S)
+        group._get_backend(torch.device("cpu"))._set_default_timeout(timeout)
 
     def abort(self, generation: int, *, wait: bool = True) -> bool:
         """Abort generation ``generation`` if it is the live one: its blocked collectives return."""
