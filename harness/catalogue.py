@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,8 +106,6 @@ def locate(anchor: str, relpath: str, absolute: str) -> Path:
     for candidate in candidates:
         if candidate.is_file():
             return candidate
-    import socket
-
     raise CatalogueError(f"{relpath or absolute}: no such case file on host {socket.gethostname()} (in {Path.cwd()}); "
                          "every node of a launch needs the same files, run from the same directory")
 

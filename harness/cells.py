@@ -62,9 +62,9 @@ def cell_spec(case: CaseRef, variant: Variant, world_size: int, settings: Settin
     number), so that a late result of an earlier cell can never be taken for this one's."""
     anchor, relpath = portable_location(case.path)
     return CellSpec(
-        case_anchor=anchor, case_relpath=relpath, case=case.name, variant=variant.name, variant_params=dict(variant.params), world_size=world_size,
+        case=case.name, variant=variant.name, variant_params=dict(variant.params), world_size=world_size,
         seed=settings.seed, backend=settings.backend, case_file=str(case.path), case_attr=case.attr,
-        fault=settings.fault, cell_id=f"{label} #{next(_sequence)}",
+        fault=settings.fault, cell_id=f"{label} #{next(_sequence)}", case_anchor=anchor, case_relpath=relpath,
     )
 
 

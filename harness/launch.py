@@ -102,8 +102,6 @@ class LaunchPlugin:
             "devices": list(dict.fromkeys(p["device"] for p in self.peers)),
             "ranks": self.peers,
         }
-        if self.dropped:
-            environment["ignored_launcher_settings"] = self.dropped
         return environment
 
     @pytest.hookimpl(trylast=True)

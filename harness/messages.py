@@ -47,8 +47,8 @@ class Shutdown:
 
 @dataclass(frozen=True)
 class Rejoin:
-    """Under a launcher, after a rank raised: leave the process group (aborted, so that no rank is left
-    blocked in a collective the raising rank skipped) and join generation ``generation`` afresh."""
+    """Under a launcher, after a rank raised: leave the process group, which the ranks no longer agree
+    on (the raising rank skipped collectives the others issued), and join generation ``generation``."""
 
     generation: int
 

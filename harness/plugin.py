@@ -19,6 +19,7 @@ from harness.decorator import case_info
 from harness.matrix import Cell, Matrix, merge_cells
 from harness.options import DEFAULT_CASE_TIMEOUT_S, DEFAULT_SEED, OptionError, Settings, resolve
 from harness.pool import PoolSet
+from harness.rank import launcher_settings
 from harness.records import BAD_STATUSES, GOOD_STATUSES
 from harness.render.failures import cell_message, skip_reason
 from harness.render.matrix import terminal_summary
@@ -116,6 +117,10 @@ class HarnessState:
             environment["fault"] = self.settings.fault
         if self.launch is not None:  # the launcher, nodes, processes per node, hosts and devices
             environment.update(self.launch.environment())
+        # the ranks drop these (harness/rank.py): the matrix says that they were there
+        ignored = self.launch.dropped if self.launch is not None else launcher_settings()
+        if ignored:
+            environment["ignored_launcher_settings"] = ignored
         self._environment = environment
         return environment
 

@@ -57,9 +57,14 @@ def _die_with_parent(parent_pid: int) -> None:
 KEPT_ACCELERATE_VARIABLES = ("ACCELERATE_DISABLE_RICH", "ACCELERATE_LOG_LEVEL")
 
 
+def launcher_settings() -> list[str]:
+    """The names of the ACCELERATE_* settings a launcher or the user's shell left, which ranks drop."""
+    return sorted(n for n in os.environ if n.startswith("ACCELERATE_") and n not in KEPT_ACCELERATE_VARIABLES)
+
+
 def drop_launcher_settings() -> list[str]:
     """Remove the ACCELERATE_* settings a launcher or the user's shell left; return their names."""
-    dropped = sorted(n for n in os.environ if n.startswith("ACCELERATE_") and n not in KEPT_ACCELERATE_VARIABLES)
+    dropped = launcher_settings()
     for name in dropped:
         del os.environ[name]
     os.environ.setdefault("ACCELERATE_DISABLE_RICH", "1")

@@ -261,3 +261,16 @@ def test_a_run_that_finishes_no_cell_leaves_the_previous_reports_alone(run_pytes
     session = run_pytest("cases/", "-k", "no such = expression", report_dir=report_dir, timeout=120)
     assert session.returncode == pytest.ExitCode.USAGE_ERROR
     assert (report_dir / "matrix.json").read_text() == "previous"
+
+
+def test_accelerate_settings_in_the_environment_do_not_change_the_cells(tmp_path):
+    """A shell or launcher that exported ACCELERATE_MIXED_PRECISION=bf16 (as `accelerate launch`
+    does) would make every fp32 cell bf16: the ranks drop such settings, and the matrix names them."""
+    process, _ = start_pytest(["cases/test_fused_loss.py", "-k", "fp32", "--world-sizes", "2"], tmp_path,
+                              ACCELERATE_MIXED_PRECISION="bf16", ACCELERATE_GRADIENT_ACCUMULATION_STEPS="3")
+    stdout, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, stdout[-2000:]
+    matrix = json.loads((tmp_path / "matrix.json").read_text())
+    assert matrix["environment"]["ignored_launcher_settings"] == ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
+                                                                  "ACCELERATE_MIXED_PRECISION"]
+    assert [(c["variant"], c["status"], c["max_abs_diff"]) for c in matrix["cells"]] == [("fp32", "pass", 0.0)]

@@ -73,8 +73,13 @@ def last_line(text: str) -> str:
     return lines[-1] if lines else ""
 
 
+def _name(fault: RankFault) -> str:
+    """``1``, or under a launcher ``1 on node-b``."""
+    return f"{fault.rank} on {fault.host}" if fault.host else str(fault.rank)
+
+
 def _who(fault: RankFault) -> str:
-    return f"rank {fault.rank} on {fault.host}" if fault.host else f"rank {fault.rank}"
+    return f"rank {_name(fault)}"
 
 
 def fault_text(fault: RankFault, *, timeout_s: float) -> str:
@@ -93,7 +98,7 @@ def fault_text(fault: RankFault, *, timeout_s: float) -> str:
 def _ranks(faults: Sequence[RankFault]) -> str:
     """``rank 1``, ``ranks 0, 2``, or with hosts ``ranks 0 on a, 2 on b``."""
     ordered = sorted(faults, key=lambda f: f.rank)
-    names = ", ".join(_who(f)[len("rank "):] for f in ordered)
+    names = ", ".join(_name(f) for f in ordered)
     return f"rank{'s' if len(ordered) > 1 else ''} {names}"
 
 
