@@ -45,11 +45,16 @@ def nodeid(case: CaseRef, variant: str, world_size: int) -> str:
 
 
 def rerun_command(nodeid: str, *, world_size: int, backend: str, seed: int, report_dir: str = "reports",
-                  case_timeout_s: float = DEFAULT_CASE_TIMEOUT_S, fault: str | None = None) -> str:
-    """The command that runs one cell again. Its reports go to a folder of their own inside the
-    report dir, so that running it never replaces a whole run's matrix with one cell."""
-    parts = ["pytest", nodeid, "--world-sizes", str(world_size), "--backend", backend, "--seed", str(seed),
-             "--report-dir", os.path.join(report_dir, RERUN_DIR)]
+                  case_timeout_s: float = DEFAULT_CASE_TIMEOUT_S, fault: str | None = None,
+                  relaunch: tuple[str, ...] = ()) -> str:
+    """The command that runs one cell again: on local pools, or under the launcher that ran it
+    (``relaunch``: its command up to ``-m harness launch``). Its reports go to a folder of their own
+    inside the report dir, so that running it never replaces a whole run's matrix with one cell."""
+    if relaunch:
+        parts = [*relaunch, "-m", "harness", "launch", nodeid]
+    else:
+        parts = ["pytest", nodeid, "--world-sizes", str(world_size)]
+    parts += ["--backend", backend, "--seed", str(seed), "--report-dir", os.path.join(report_dir, RERUN_DIR)]
     if case_timeout_s != DEFAULT_CASE_TIMEOUT_S:
         parts += ["--case-timeout", f"{case_timeout_s:g}"]
     if fault:
@@ -82,7 +87,7 @@ def run_cell(pools: PoolSet, case: CaseRef, variant: Variant, world_size: int, s
     common = dict(case=case.name, variant=variant.name, world_size=world_size, nodeid=node,
                   rerun=rerun_command(runnable, world_size=world_size, backend=settings.backend, seed=settings.seed,
                                       report_dir=settings.report_dir, case_timeout_s=settings.case_timeout_s,
-                                      fault=settings.fault))
+                                      fault=settings.fault, relaunch=settings.relaunch))
     if settings.backend == "nccl" and not settings.launched and world_size > settings.gpu_count:
         return Cell(status=Status.SKIP, summary=nccl_skip_summary(world_size, settings.gpu_count), **common)
     spec = cell_spec(case, variant, world_size, settings, label=node)

@@ -58,6 +58,19 @@ def choose_backend(requested: str, info: launcher.LaunchInfo) -> str:
     return requested
 
 
+def relaunch_prefix(info: launcher.LaunchInfo) -> tuple[str, ...]:
+    """The same launcher and shape, up to ``-m harness launch``: what a cell's rerun command starts with."""
+    if info.launcher == "srun":
+        return ("srun", "--nodes", str(info.nodes), "--ntasks-per-node", str(info.local_world_size), "python")
+    if info.launcher == "accelerate launch":
+        return ("accelerate", "launch", "--multi_gpu", "--num_machines", str(info.nodes),
+                "--num_processes", str(info.world_size))
+    if info.nodes == 1:
+        return ("torchrun", "--standalone", "--nproc-per-node", str(info.local_world_size))
+    return ("torchrun", "--nnodes", str(info.nodes), "--nproc-per-node", str(info.local_world_size),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{info.master_addr}:29500")
+
+
 def _device_name(backend: str, device: Any) -> str:
     if backend != "nccl":
         return "cpu"
@@ -89,7 +102,8 @@ class LaunchPlugin:
             raise OptionError(f"--world-sizes: the launcher started {ws} rank{'s' if ws > 1 else ''}; under a "
                               f"launcher the world size is the launcher's (leave it out, or give {ws})")
         return dataclasses.replace(settings, world_sizes=(ws,), backend=self.backend,
-                                   device="cuda" if self.backend == "nccl" else "cpu", gpu_count=ws, launched=True)
+                                   device="cuda" if self.backend == "nccl" else "cpu", gpu_count=ws, launched=True,
+                                   relaunch=relaunch_prefix(self.info))
 
     def environment(self) -> dict[str, Any]:
         hosts = list(dict.fromkeys(p["host"] for p in self.peers))

@@ -33,6 +33,8 @@ class Settings:
     gpu_count: int
     fault: str | None = None  # a planted sync fault (the self-check's); never in a real run
     launched: bool = False  # the ranks are a launcher's processes (python -m harness launch), not local pools
+    # under a launcher: how to start the same launch again, before `-m harness launch` (the rerun command)
+    relaunch: tuple[str, ...] = ()
 
 
 def parse_world_sizes(text: str) -> tuple[int, ...] | None:

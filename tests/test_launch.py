@@ -178,6 +178,11 @@ def test_the_matrix_records_the_launch(agents_run):
     assert environment["hosts"] == [socket.gethostname()] and environment["devices"] == ["cpu"]
     assert [r["rank"] for r in environment["ranks"]] == [0, 1]
     assert agents_run.matrix["complete"] is True
+    # a cell's rerun command starts the same launch again, for that cell alone
+    rerun = agents_run.cells()[("fused_loss", "fp32")]["rerun"]
+    assert rerun.startswith("torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint ")
+    assert " -m harness launch 'cases/test_fused_loss.py::test_fused_loss[fp32-ws2]' --backend gloo " in rerun
+    assert "--world-sizes" not in rerun
     assert wait_for_no_processes(agents_run.token) == []
 
 
@@ -255,6 +260,7 @@ def test_srun_variables_are_a_launch(tmp_path):
     run = srun_like(["cases/test_fused_loss.py", "-k", "fp32"], tmp_path)
     assert run.returncodes == [0, 0], run.log()
     assert run.matrix["environment"]["launcher"] == "srun"
+    assert run.matrix["cells"][0]["rerun"].startswith("srun --nodes 1 --ntasks-per-node 2 python -m harness launch ")
     assert [c["status"] for c in run.matrix["cells"]] == ["pass"]
     assert wait_for_no_processes(run.token) == []
 
