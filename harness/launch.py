@@ -140,10 +140,14 @@ def main(argv: Sequence[str]) -> int:
         args = args[1:]
     try:
         info = launcher.detect()
+    except launcher.LaunchError as exc:
+        _say(None, str(exc))
+        return EXIT_USAGE
+    try:  # what every rank must know before pytest parses the rest, on rank 0
         requested = parse_backend(option_value(args, "--backend") or "auto")
         cell_timeout_s = parse_case_timeout(option_value(args, "--case-timeout") or DEFAULT_CASE_TIMEOUT_S)
-    except (launcher.LaunchError, OptionError) as exc:
-        _say(None, str(exc))
+    except OptionError as exc:
+        _say(info, str(exc))  # the same on every rank: said once
         return EXIT_USAGE
     launcher.export(info)
     from harness import rank as rank_side

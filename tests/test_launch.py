@@ -139,6 +139,19 @@ def test_launch_outside_a_launcher_exits_2_with_one_line(tmp_path):
     assert "Traceback" not in done.stderr
 
 
+def test_a_bad_option_under_a_launcher_is_said_once_by_rank_0():
+    said = []
+    for rank in (0, 1):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+        done = subprocess.run([sys.executable, "-m", "harness", "launch", "--backend", "mpi"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2
+        said.append(done.stderr)
+    assert said[0] == "harness launch (rank 0 on %s): error: --backend: 'mpi' is not one of auto, gloo, nccl\n" \
+        % socket.gethostname()
+    assert said[1] == ""
+
+
 # --- launched runs ----------------------------------------------------------------------------------
 
 SUBSET = ["cases/test_fused_loss.py", "cases/test_no_sync.py", "-k", "fp32"]
