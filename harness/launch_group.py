@@ -28,7 +28,7 @@ from harness.pool import GRACE_S, GroupLost
 from harness.records import CellOutcome, FaultKind, RankFault, RankOutcome
 
 LOST_AFTER_S = 5.0  # a rank whose heartbeat stands still this long during a cell has died
-ASK_WAIT_S = 2.0  # how long stuck ranks get to say how far they got
+ASK_WAIT_S = 5.0  # how long stuck ranks get to say how far they got (a live one answers within a second)
 REJOIN_S = 60.0  # how long every rank gets to join the new process group after a fault
 BYE_WAIT_S = 3.0  # at the end, how long the others get to leave before rank 0 (maybe the store's host) exits
 
