@@ -6,6 +6,7 @@ benchmarks) loads them here, each file once per process.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import socket
@@ -83,13 +84,18 @@ def portable_location(path: str | os.PathLike[str]) -> tuple[str, str]:
     installed catalogue, ``("cwd", relative path)`` under the working directory, else ``("", "")``
     (only the absolute path). A launch's ranks on other nodes run from the same directory of the same
     checkout or installation, not from a shared filesystem."""
+    return _portable_location(str(path), os.getcwd())
+
+
+@functools.lru_cache(maxsize=None)
+def _portable_location(path: str, cwd: str) -> tuple[str, str]:  # once per file, not once per cell
     resolved = Path(path).resolve()
     try:
         return "catalogue", str(resolved.relative_to(installed_cases_dir().resolve()))
     except (ValueError, CatalogueError):
         pass
     try:
-        return "cwd", str(resolved.relative_to(Path.cwd().resolve()))
+        return "cwd", str(resolved.relative_to(Path(cwd).resolve()))
     except ValueError:
         return "", ""
 
