@@ -13,8 +13,9 @@ while another is not, is blocked.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
+from harness.messages import ProtocolError, RankResult, expect
 from harness.records import FaultKind, RankFault
 
 
@@ -30,6 +31,19 @@ _COLLECTIVE_ERRORS = ("DistBackendError", "Connection closed by peer", "Connecti
 
 def collective_error(detail: str) -> bool:
     return any(marker in detail for marker in _COLLECTIVE_ERRORS)
+
+
+def protocol_fault(rank: int, message: Any, cell_id: str) -> RankFault | None:
+    """None when ``message`` is a result for the cell ``cell_id``; else the fault it is (anything else,
+    or a late result of an earlier cell, is never taken for this cell's)."""
+    try:
+        result = expect(message, RankResult)
+    except ProtocolError as exc:
+        return RankFault(rank, FaultKind.RAISED, f"protocol error: {exc}")
+    if result.cell_id != cell_id:
+        return RankFault(rank, FaultKind.RAISED,
+                         f"protocol error: a result for cell {result.cell_id!r} arrived for {cell_id!r}")
+    return None
 
 
 def stuck_kinds(pending: Sequence[int], *, after_fault: bool, progress: Mapping[int, int | None],

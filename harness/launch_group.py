@@ -20,10 +20,10 @@ import traceback
 from typing import Any
 
 from harness import rank as rank_side
-from harness.blame import collective_error, mark_victims, stuck_kinds
+from harness.blame import collective_error, mark_victims, protocol_fault, stuck_kinds
 from harness.channel import Channel, message_key, result_key
 from harness.launch_rank import COLLECTIVE_MARGIN_S, RankRuntime, run_guarded
-from harness.messages import CellSpec, ProtocolError, RankResult, Rejoin, RunCell, Shutdown, expect
+from harness.messages import CellSpec, RankResult, Rejoin, RunCell, Shutdown
 from harness.pool import GRACE_S, GroupLost
 from harness.records import CellOutcome, FaultKind, RankFault, RankOutcome
 
@@ -206,15 +206,11 @@ class LaunchedGroup:
 
     def _take(self, outcome: CellOutcome, pending: set[int], rank: int, message: Any, spec: CellSpec) -> None:
         pending.discard(rank)
-        try:
-            result = expect(message, RankResult)
-        except ProtocolError as exc:
-            outcome.faults.append(RankFault(rank, FaultKind.RAISED, f"protocol error: {exc}"))
+        wrong = protocol_fault(rank, message, spec.cell_id)
+        if wrong is not None:
+            outcome.faults.append(wrong)
             return
-        if result.cell_id != spec.cell_id:
-            outcome.faults.append(RankFault(rank, FaultKind.RAISED, f"protocol error: a result for cell "
-                                            f"{result.cell_id!r} arrived for {spec.cell_id!r}"))
-            return
+        result: RankResult = message
         outcome.results[rank] = result
         if result.outcome == RankOutcome.RAISED:
             outcome.faults.append(RankFault(rank, FaultKind.RAISED, result.detail))

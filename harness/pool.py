@@ -13,10 +13,9 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from harness import rank as rank_side
-from harness.blame import mark_victims, stuck_kinds
+from harness.blame import mark_victims, protocol_fault, stuck_kinds
 from harness.messages import (
     CellSpec,
-    ProtocolError,
     RankResult,
     Ready,
     RunCell,
@@ -169,17 +168,12 @@ class RankPool:
                 message: Any = None
                 if conn in ready or (process.sentinel in ready and conn.poll()):
                     try:
-                        message = expect(conn.recv(), RankResult)
+                        message = conn.recv()
                     except (EOFError, OSError):
                         message = None
-                    except ProtocolError as exc:
-                        outcome.faults.append(RankFault(rank, FaultKind.RAISED, f"protocol error: {exc}"))
-                        pending.discard(rank)
-                        first_fault_at = first_fault_at or time.monotonic()
-                        continue
-                if isinstance(message, RankResult) and message.cell_id != spec.cell_id:
-                    outcome.faults.append(RankFault(rank, FaultKind.RAISED, f"protocol error: a result for cell "
-                                                    f"{message.cell_id!r} arrived for {spec.cell_id!r}"))
+                wrong = protocol_fault(rank, message, spec.cell_id) if message is not None else None
+                if wrong is not None:
+                    outcome.faults.append(wrong)
                     pending.discard(rank)
                     first_fault_at = first_fault_at or time.monotonic()
                     continue
