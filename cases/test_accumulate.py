@@ -5,7 +5,7 @@ import inspect
 import torch
 from torch.utils.data import DataLoader
 
-from harness import PRECISIONS, Diagnosis, Unsupported, case, grid
+from harness import PRECISIONS, Diagnosis, Unsupported, case, compiled, grid
 from harness.models import adversarial_loss, regression_loss
 
 EPOCHS = 2
@@ -18,7 +18,9 @@ def sgd(params):
 
 
 # fp16 (a gradient scaler) where accelerate runs it: an accelerator device; on CPU the cell is skip
-@case("accumulate", variants=grid(steps=[1, 2, 3], precision=PRECISIONS) + grid(steps=[2], precision=["fp16"]))
+# steps=2 first: the lead variant, which every wrapper runs by default (--wrappers auto)
+@case("accumulate", variants=grid(steps=[2, 1, 3], precision=PRECISIONS) + grid(steps=[2], precision=["fp16"])
+      + compiled(*grid(steps=[2], precision=["fp32"])))
 def test_accumulate(ctx):
     """One model through a prepared dataloader and optimizer for two epochs: forward,
     ``backward``, ``optimizer.step()``, ``optimizer.zero_grad()`` inside ``accumulate(model)``."""
@@ -57,7 +59,14 @@ def adversarial_setup(ctx, steps, names):
     dataset, per_rank = ctx.dataset(batches=BATCHES, batch_size=BATCH_SIZE)
     oracle = ctx.oracle(models, num_steps=steps, optimizer=sgd)
     optimizers = [sgd(m.parameters()) for m in models.values()]
-    prepared = accelerator.prepare(*models.values(), *optimizers, DataLoader(dataset, batch_size=BATCH_SIZE))
+    try:
+        prepared = accelerator.prepare(*models.values(), *optimizers, DataLoader(dataset, batch_size=BATCH_SIZE))
+    except ValueError as exc:
+        # accelerate (through 1.15.0) refuses several models under FSDP2 at prepare: a capability
+        # the installed release lacks, asked for by trying it
+        if ctx.wrapper == "fsdp2" and "one model" in str(exc):
+            raise Unsupported("several models in one Accelerator under FSDP2", str(exc)) from None
+        raise
     models = dict(zip(names, prepared[: len(names)]))
     optimizers = prepared[len(names) : 2 * len(names)]
     loader = prepared[-1]
@@ -96,7 +105,11 @@ def test_accumulate_multi_model(ctx):
 NESTED_BREAKAGE = (Diagnosis("not_synced", model="gen"), Diagnosis("stepped_early", model="disc"))
 
 
-@case("accumulate_nested", variants=grid(steps=[2], precision=PRECISIONS), canary=NESTED_BREAKAGE)
+# DDP only: the silent breakage is DDP's. Under FSDP1 the pattern fails loudly (the optimizer steps
+# mid-window with unsharded gradients on sharded parameters, and torch raises a shape error in
+# optimizer.step), and accelerate refuses two models under FSDP2.
+@case("accumulate_nested", variants=grid(steps=[2], precision=PRECISIONS), canary=NESTED_BREAKAGE,
+      wrappers=["ddp"])
 def test_accumulate_nested(ctx):
     """Canary: ``with accumulate(gen), accumulate(disc):`` advances the step counter twice a
     batch, so one model never syncs while both optimizers step every batch. Must be detected

@@ -2,7 +2,7 @@
 
 import torch
 
-from harness import ALL_PRECISIONS, case, grid
+from harness import ALL_PRECISIONS, case, compiled, grid
 from harness.models import regression_loss
 
 STEPS = 3
@@ -16,7 +16,7 @@ def fused(models, a, b):
     return regression_loss(models["model"], a) + regression_loss(models["model"], b)
 
 
-@case("fused_loss", variants=grid(precision=ALL_PRECISIONS))
+@case("fused_loss", variants=grid(precision=ALL_PRECISIONS) + compiled(*grid(precision=["fp32"])))
 def test_fused_loss(ctx):
     """``backward(loss_a + loss_b)``: one synced backward per step, the average over ranks of both
     losses' gradients."""

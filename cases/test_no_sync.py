@@ -2,7 +2,7 @@
 
 import torch
 
-from harness import case
+from harness import PRECISIONS, Diagnosis, case, compiled, grid
 from harness.models import regression_loss
 
 WINDOWS = 2
@@ -31,7 +31,10 @@ def step_both(optimizer, oracle, step, models):
     oracle.check_params(step, models, {"model": optimizer})
 
 
-@case("no_sync")
+# DDP and FSDP (accelerate's no_sync calls FSDP2's set_requires_gradient_sync, FSDP1's no_sync);
+# under DeepSpeed ZeRO >= 2 accelerate skips no_sync (PR #3656): accumulate's cases cover it.
+@case("no_sync", variants=grid(precision=PRECISIONS) + compiled(*grid(precision=["fp32"])),
+      wrappers=["ddp", "fsdp2", "fsdp1"])
 def test_no_sync(ctx):
     """Backwards under ``accelerator.no_sync(model)`` keep each rank's own gradient; the next
     backward outside it averages the whole accumulated sum."""
@@ -54,10 +57,30 @@ def test_no_sync(ctx):
         step_both(optimizer, oracle, step, models)
 
 
-@case("no_sync_trigger_sync")
+# trigger_sync_in_backward acts on a DistributedDataParallel model only
+@case("no_sync_trigger_sync", wrappers=["ddp"])
 def test_no_sync_trigger_sync(ctx):
     """``backward(loss_a)`` under ``no_sync``, then ``backward(loss_b)`` under
     ``trigger_sync_in_backward``: the result equals the fused, synced ``backward(loss_a + loss_b)``."""
+    trigger_sync_windows(ctx)
+
+
+# A known accelerate defect, kept as a canary so that the run stays green while it lasts and turns
+# ``missed`` (red) the day a release fixes it: trigger_sync_in_backward acts only when
+# ``isinstance(model, DistributedDataParallel)`` (accelerate/accelerator.py, through 1.15.0), but with
+# a ``dynamo_backend`` ``prepare`` returns torch.compile's wrapper around the DDP model, so the
+# trigger does nothing and the last backward does not sync. The collective accounting sees the
+# all-reduce missing; the gradients show it unsynced.
+@case("no_sync_trigger_sync_compiled", variants=compiled(*grid(precision=["fp32"])), wrappers=["ddp"],
+      canary=[Diagnosis("not_synced", model="model"), Diagnosis("comm_missing")])
+def test_no_sync_trigger_sync_compiled(ctx):
+    """``no_sync_trigger_sync`` on the model ``prepare`` returns with ``dynamo_backend="aot_eager"``:
+    ``trigger_sync_in_backward`` is given the compiled model, not the DDP model inside it."""
+    trigger_sync_windows(ctx)
+
+
+def trigger_sync_windows(ctx):
+    """Per window: ``backward(loss_a)`` under ``no_sync``, ``backward(loss_b)`` under the trigger."""
     accelerator, model, optimizer, oracle = prepared_regressor(ctx)
     trigger = ctx.require(accelerator, "trigger_sync_in_backward", "Accelerator.trigger_sync_in_backward")
     models = {"model": model}
@@ -79,7 +102,7 @@ def test_no_sync_trigger_sync(ctx):
         step_both(optimizer, oracle, step, models)
 
 
-@case("multi_forward_trigger_sync")
+@case("multi_forward_trigger_sync", wrappers=["ddp"])
 def test_multi_forward_trigger_sync(ctx):
     """Several forwards under ``no_sync``, then their backwards after it: all local but the last,
     which runs under ``trigger_sync_in_backward`` and averages the sum of all of them."""

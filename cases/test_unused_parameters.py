@@ -38,7 +38,9 @@ def uses_extra(pattern, point, window, rank):
     return False
 
 
-@case("unused_parameters", variants=grid(steps=[2, 3], pattern=["same", "per_rank"], precision=PRECISIONS))
+# find_unused_parameters is DistributedDataParallel's option
+@case("unused_parameters", variants=grid(steps=[2, 3], pattern=["same", "per_rank"], precision=PRECISIONS),
+      wrappers=["ddp"])
 def test_unused_parameters(ctx):
     """``Branchy`` under ``accumulate`` with ``DistributedDataParallelKwargs(find_unused_parameters=True)``.
 

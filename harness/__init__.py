@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from harness.decorator import ALL_PRECISIONS, PRECISIONS, Diagnosis, SkipCell, Unsupported, Variant, case, grid
+from harness.decorator import ALL_PRECISIONS, PRECISIONS, Diagnosis, SkipCell, Unsupported, Variant, case, compiled, grid
 from harness.schedule import MicroStep
 
 if TYPE_CHECKING:
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = ["ALL_PRECISIONS", "PRECISIONS", "Diagnosis", "MicroStep", "Oracle", "RankContext", "SkipCell",
-           "Unsupported", "Variant", "case", "grid", "__version__"]
+           "Unsupported", "Variant", "case", "compiled", "grid", "__version__"]
 
 _LAZY = {"RankContext": "harness.context", "Oracle": "harness.oracle"}
 

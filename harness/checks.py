@@ -16,11 +16,13 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
+from harness.accounting import Accounting, judge
 from harness.closeness import Difference, Expectation, difference, distinguishable, rounding_allowance
 from harness.diagnosis import Hypotheses, diagnose
 from harness.records import Failure, FailureKind
 from harness.render import failures as text
-from harness.replica import unwrap
+from harness.sharding import Observed, observe
+from harness.wrappers import REDUCES_EVERY_MICRO_BATCH, verify
 from harness.schedule import MicroStep
 
 if TYPE_CHECKING:
@@ -40,6 +42,7 @@ class Recorder:
     checks: int = 0  # every comparison: gradients, parameters, flags, learning rates
     grad_checks: int = 0
     vacuous_checks: int = 0  # gradient checks where synced and local could not be told apart
+    comm_checks: int = 0  # backwards whose collectives were judged (harness/accounting.py)
     max_abs_diff: float = 0.0
 
     def add(self, failure: Failure) -> None:
@@ -120,26 +123,37 @@ def _param_kind(actual: torch.Tensor, rank0: torch.Tensor, *, moved: bool, due: 
 class Checks:
     """The checks of one rank's state against one oracle, recorded in ``recorder``."""
 
-    def __init__(self, oracle: Oracle, recorder: Recorder) -> None:
+    def __init__(self, oracle: Oracle, recorder: Recorder, accounting: Accounting | None = None) -> None:
         self.oracle = oracle
         self.recorder = recorder
+        self.accounting = accounting
         self.rank = oracle.rank
         self.diverged: set[tuple[str, str]] = set()
+        self.verified: set[str] = set()
 
-    def _actual_params(self, name: str, model: nn.Module) -> dict[str, torch.Tensor]:
-        actual = dict(unwrap(model).named_parameters())
-        missing = [p for p in self.oracle.params[name] if p not in actual]
+    def _observe(self, name: str, model: nn.Module, *, sync: bool) -> Observed:
+        """The model as its wrapper keeps it, after making sure it is the wrapper the cell names."""
+        if name not in self.verified:
+            verify(self.oracle.wrapper, model, name=name, world_size=self.oracle.world_size)
+            self.verified.add(name)
+        observed = observe(model, list(self.oracle.params[name]), sync=sync)
+        missing = [p for p in self.oracle.params[name] if p not in observed.params]
         if missing:
             raise KeyError(f"model {name!r} has no parameter {missing[0]!r} on rank {self.rank}")
-        return actual
+        return observed
 
     def grads(self, step: MicroStep | int, models: Mapping[str, nn.Module]) -> None:
         """Compare every parameter's gradient on this rank with the oracle's (after a backward),
-        then carry on from the rank's gradients."""
+        then carry on from the rank's gradients; and the collectives of the backwards since the
+        last check with the contract (harness/accounting.py)."""
         oracle = self.oracle
         index, at = where(step)
+        self._collectives(index, at, models)
         for name, model in models.items():
-            actual_params = self._actual_params(name, model)
+            observed = self._observe(name, model, sync=oracle.last_sync)
+            if observed.sharded and not oracle.last_sync or observed.shards_shown:
+                self._hidden(index, at, name, observed)
+                continue
             local = oracle.local_grads(name)
             synced = oracle.synced_grads(name)  # what a sync now would give: the other hypothesis
             self.recorder.checks += 1
@@ -147,24 +161,66 @@ class Checks:
             if not distinguishable(_joined(local), _joined(synced)):
                 self.recorder.vacuous_checks += 1
             failed = False
-            for pname, expected in oracle.expected_grads(name).items():
-                actual_param = actual_params[pname]
-                actual = actual_param.grad if actual_param.grad is not None else torch.zeros_like(actual_param)
+            for pname, full in oracle.expected_grads(name).items():
+                expected = observed.piece_of(pname, full)
+                grad = observed.grads[pname]
+                actual = grad if grad is not None else torch.zeros_like(observed.params[pname])
                 diff = difference(actual, expected)
                 self.recorder.observe(diff.max_abs)
                 if diff.close:
                     continue
+                previous = oracle.previous_grad(name, pname)
                 kind, factor = diagnose(
                     actual,
-                    Hypotheses(expected=expected, local=local[pname], synced=synced[pname],
-                               previous=oracle.previous_grad(name, pname), expected_sync=oracle.last_sync),
+                    Hypotheses(expected=expected, local=observed.piece_of(pname, local[pname]),
+                               synced=observed.piece_of(pname, synced[pname]),
+                               previous=None if previous is None else observed.piece_of(pname, previous),
+                               expected_sync=oracle.last_sync),
                 )
                 failed = True
                 self.recorder.add(make_failure(rank=self.rank, step=index, where=at, model=name, param=pname,
                                                checked="grad", kind=kind, factor=factor, diff=diff))
-            oracle.adopt_grads(name, actual_params)
+            grads = observed.full_grads()
+            oracle.adopt_grads(name, grads)
             if failed:
-                oracle.restart_window(name, actual_params)
+                oracle.restart_window(name, grads)
+
+    def _hidden(self, index: int, at: str, name: str, observed: Observed) -> None:
+        """FSDP2 between sync points: the unsharded gradients accumulate inside FSDP and no shard is
+        shown (``p.grad`` stays None), so there is nothing to compare (the collectives say whether
+        it kept from syncing). A shard that is shown (by FSDP2, or by FSDP1 where its full local
+        gradient was due) was reduce-scattered: synced early. No collective here: whether a rank
+        shows one is its own."""
+        self.recorder.checks += 1
+        self.recorder.grad_checks += 1
+        shown = observed.shards_shown or [p for p, g in observed.grads.items() if g is not None]
+        if not shown:
+            return
+        self.recorder.add(Failure(
+            rank=self.rank, step=index, model=name, param=shown[0], kind=FailureKind.SYNCED_EARLY,
+            max_abs_diff=0.0, checked="grad",
+            message=text.hidden_grad_text(rank=self.rank, where=at, what=f"{name}.{shown[0]}", shown=len(shown)),
+        ))
+
+    def _collectives(self, index: int, at: str, models: Mapping[str, nn.Module]) -> None:
+        """The gradient reductions of the backwards since the last check, against the contract."""
+        oracle = self.oracle
+        syncs, oracle.backward_syncs = oracle.backward_syncs, []
+        if self.accounting is None:
+            return
+        backwards = self.accounting.take()
+        if oracle.world_size < 2:
+            return
+        for verdict in judge(backwards, syncs, reduces_every_micro_batch=oracle.wrapper in REDUCES_EVERY_MICRO_BATCH):
+            self.recorder.comm_checks += 1
+            if verdict.kind is None:
+                continue
+            self.recorder.add(Failure(
+                rank=self.rank, step=index, model="+".join(models), param="collectives", kind=verdict.kind,
+                max_abs_diff=float(len(verdict.backward.reductions)), checked="comm",
+                message=text.comm_text(rank=self.rank, where=at, issued=verdict.backward.describe(),
+                                       syncs=verdict.syncs, needed=verdict.needed),
+            ))
 
     def params(self, step: MicroStep | int, models: Mapping[str, nn.Module],
                optimizers: Mapping[str, Any] | None = None) -> None:
@@ -179,32 +235,37 @@ class Checks:
         index, at = where(step)
         stepped = oracle.stepped and oracle.before_step is not None
         for name, model in models.items():
-            actual_params = self._actual_params(name, model)
-            rank0 = oracle.rank0_copy(name, actual_params)
+            observed = self._observe(name, model, sync=oracle.last_sync)
+            # sharded: each rank holds another part, there is no copy to compare with rank 0's
+            rank0 = None if observed.sharded else oracle.rank0_copy(name, observed.params)
             self.recorder.checks += 1
             failed = False
             for pname, replica_param in oracle.params[name].items():
-                after = replica_param.detach()
-                before = oracle.before_step[name][pname] if oracle.before_step is not None else after
-                actual = actual_params[pname].detach()
+                after = observed.piece(pname, replica_param.detach())
+                before = observed.piece(pname, oracle.before_step[name][pname]) if oracle.before_step is not None \
+                    else after
+                actual = observed.params[pname]
                 allowed = rounding_allowance(after, before)
                 expected = Expectation(after.double() - before.double(), allowed)
                 update = actual.double() - before.double()
                 diff = difference(update, expected)
                 self.recorder.observe(diff.max_abs)
                 if diff.close:
-                    self._equal_to_rank0(index, at, name, pname, actual, rank0[pname])
+                    if rank0 is not None:
+                        self._equal_to_rank0(index, at, name, pname, actual, rank0[pname])
                     continue
                 failed = True
                 moved = bool((update.abs() > allowed).any())
                 due = stepped and bool((expected.value.abs() > allowed).any())
-                kind = _param_kind(actual, rank0[pname], moved=moved, due=due)
+                kind = _param_kind(actual, rank0[pname] if rank0 is not None else actual, moved=moved, due=due)
                 self.recorder.add(make_failure(rank=self.rank, step=index, where=at, model=name, param=pname,
                                                checked="param", kind=kind, factor=None, diff=diff))
-            oracle.adopt_params(name, actual_params)
+            oracle.adopt_params(name, observed.full_params())
+            # a sharded model's full gradients are a collective: every rank reads them, or none
+            grads = observed.full_grads() if failed or observed.sharded else {}
             if failed:
-                oracle.restart_window(name, actual_params)
-                oracle.adopt_grads(name, actual_params)  # a rank that stepped wrongly: its gradients too
+                oracle.restart_window(name, grads)
+                oracle.adopt_grads(name, grads)  # a rank that stepped wrongly: its gradients too
                 if optimizers is not None and name in optimizers:
                     oracle.adopt_optimizer_state(name, optimizers[name])
         oracle.end_step()

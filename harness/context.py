@@ -11,12 +11,14 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from harness import probe
+from harness import probe, wrappers
+from harness.accounting import Accounting
 from harness.checks import Recorder, count_batches
 from harness.decorator import SkipCell
 from harness.models import derive_seed, make_model, rank_batch, regression_dataset, seeded
 from harness.oracle import ModelOptimizers, OptimizerFactory, Oracle, SchedulerFactory
 from harness.schedule import MicroStep, accumulation_schedule, batches_per_rank, dispatched_batches_per_rank
+from harness.wrappers import DDP, WRAPPERS
 
 ModelT = TypeVar("ModelT", bound=nn.Module)
 
@@ -37,8 +39,10 @@ class RankContext:
     """Handed to a case body on every rank of a cell.
 
     Attributes: ``case`` (the case name), ``variant_name`` (e.g. ``steps=2-bf16``), ``variant`` (its
-    parameters, a dict), ``precision`` (``fp32``, ``bf16`` or ``fp16``), ``rank``, ``world_size``,
-    ``seed`` (the run's base seed) and ``device`` (this rank's ``torch.device``).
+    parameters, a dict), ``precision`` (``fp32``, ``bf16`` or ``fp16``), ``wrapper`` (``ddp``,
+    ``fsdp2``, ...: harness/wrappers.py), ``compile`` (a ``torch.compile`` backend, or None),
+    ``rank``, ``world_size``, ``seed`` (the run's base seed) and ``device`` (this rank's
+    ``torch.device``).
     """
 
     def __init__(
@@ -60,10 +64,15 @@ class RankContext:
         self.seed = seed
         self.device = device
         self.precision = str(self.variant.get("precision", "fp32"))
+        self.wrapper = str(self.variant.get("wrapper", DDP))
+        if self.wrapper not in WRAPPERS:
+            raise ValueError(f"variant {variant!r}: unknown wrapper {self.wrapper!r}; known: {', '.join(WRAPPERS)}")
+        self.compile = self.variant.get("compile")  # a torch.compile backend, e.g. aot_eager
         if self.precision not in MIXED_PRECISION:
             raise ValueError(f"variant {variant!r}: unknown precision {self.precision!r}; "
                              f"known: {', '.join(MIXED_PRECISION)}")
         self.recorder = Recorder(rank=rank)
+        self.accounting = Accounting()
         self.accumulation: Accumulation | None = None
         self._scaler_kwargs: dict[str, Any] = {}
 
@@ -91,13 +100,23 @@ class RankContext:
         Its accumulation settings (``gradient_accumulation_steps=``, or the plugin made by
         ``gradient_accumulation``) are remembered: ``oracle`` and ``schedule`` take them from here,
         so they are given once. Under fp16 a cell where accelerate makes no gradient scaler (it runs
-        fp16 only on an accelerator device, not on CPU) is ``skip``, saying so."""
+        fp16 only on an accelerator device, not on CPU) is ``skip``, saying so.
+
+        The cell's wrapper (``wrapper=`` in the variant) and compile backend (``compile=``) are
+        asked of accelerate here: its FSDP or DeepSpeed plugin, its ``dynamo_backend``. Each
+        ``accelerator.backward`` is watched for the collectives it issues (harness/accounting.py)."""
         from accelerate import Accelerator
 
         kwargs.setdefault("mixed_precision", MIXED_PRECISION[self.precision])
         kwargs.setdefault("cpu", self.device.type == "cpu")
         self.accumulation = _accumulation_of(kwargs)
         self._scaler_kwargs = _scaler_kwargs_of(kwargs)
+        kwargs.update(wrappers.accelerator_kwargs(self.wrapper, kwargs, device_type=self.device.type,
+                                                  num_steps=self.accumulation.num_steps,
+                                                  world_size=self.world_size))
+        if self.compile is not None:
+            self.require_parameter(Accelerator, "dynamo_backend", "Accelerator(dynamo_backend=...)")
+            kwargs.setdefault("dynamo_backend", self.compile)
         try:
             accelerator = Accelerator(**kwargs)
         except ValueError as exc:
@@ -107,6 +126,8 @@ class RankContext:
         if kwargs["mixed_precision"] == "fp16" and getattr(accelerator, "scaler", None) is None:
             self.skip(f"accelerate makes no fp16 gradient scaler on {self.device.type} "
                       "(it runs fp16 mixed precision on an accelerator device only)")
+        wrappers.after_construction(self.wrapper, accelerator, kwargs)
+        self.accounting.watch(accelerator)
         return accelerator
 
     def gradient_accumulation(self, num_steps: int, **options: Any) -> dict[str, Any]:
@@ -255,6 +276,8 @@ class RankContext:
             scheduler_steps=scheduler_steps,
             replay_rng=self.replay_rng,
             scaler_kwargs=scaler,
+            wrapper=self.wrapper,
+            accounting=self.accounting,
         )
 
     def schedule(

@@ -61,6 +61,7 @@ class CaseInfo:
     body: Callable[..., None]
     detects: tuple[Diagnosis, ...]
     description: str
+    wrappers: tuple[str, ...] = ()  # the wrappers the case applies to (harness/wrappers.py)
 
     @property
     def canary(self) -> bool:
@@ -69,6 +70,13 @@ class CaseInfo:
 
 def _format_value(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def compiled(*variants: Variant, backend: str = "aot_eager") -> tuple[Variant, ...]:
+    """The variants again, each under ``torch.compile`` with ``backend`` (``Accelerator(dynamo_backend=...)``),
+    named ``<variant>-compile=<backend>``. ``aot_eager`` traces forward and backward through
+    dynamo and AOTAutograd and needs no C compiler."""
+    return tuple(Variant(f"{v.name}-compile={backend}", {**v.params, "compile": backend}) for v in variants)
 
 
 def grid(**axes: Iterable[Any]) -> tuple[Variant, ...]:
@@ -119,6 +127,7 @@ def case(
     *,
     variants: Iterable[Variant] = grid(precision=PRECISIONS),
     canary: Diagnosis | Iterable[Diagnosis] = (),
+    wrappers: Iterable[str] | None = None,
 ) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """Declare a case. The decorated function runs on every rank with a ``RankContext``.
 
@@ -129,7 +138,18 @@ def case(
     produce for it (``Diagnosis("not_synced", model="gen")``). Its cell is ``detected`` when every one
     of them that the world size can show was found, ``missed`` otherwise: finding some other failure
     does not prove that the checks which should catch it work.
+
+    ``wrappers``: the wrappers the case applies to (``ddp``, ``fsdp2``, ``fsdp1``, ``deepspeed-z1``,
+    ...; default: every one). A case that uses an API of one wrapper only (DDP's
+    ``trigger_sync_in_backward``, ``DistributedDataParallelKwargs``) names it: ``wrappers=["ddp"]``.
     """
+    from harness.wrappers import WRAPPERS
+
+    applies = tuple(WRAPPERS if wrappers is None else wrappers)
+    unknown = [w for w in applies if w not in WRAPPERS]
+    if unknown or not applies:
+        raise ValueError(f"case {name!r}: wrappers= takes names among {', '.join(WRAPPERS)}; "
+                         f"got {unknown[0] if unknown else 'none'}")
     if canary is True:
         raise TypeError(f"case {name!r}: a canary names the diagnoses it must produce, "
                         "e.g. canary=Diagnosis('not_synced', model='gen'), not canary=True")
@@ -164,6 +184,7 @@ def case(
             body=body,
             detects=detects,
             description=inspect.getdoc(body) or "",
+            wrappers=applies,
         )
         return test
 

@@ -77,6 +77,7 @@ class RankRuntime:
         else:
             os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
         self.device = rank_side.rank_device(self.backend)
+        rank_side.record_collectives()
         dist.init_process_group(self.backend, init_method="env://", rank=self.info.rank,
                                 world_size=self.info.world_size, timeout=timedelta(seconds=PG_TIMEOUT_S))
         self._limit_collectives()

@@ -30,6 +30,7 @@ class Cell:
     checks: int = 0  # every comparison with the oracle: gradients, parameters, flags, learning rates
     grad_checks: int = 0  # the gradient comparisons among them (the ones that can test sync)
     vacuous_checks: int = 0  # gradient comparisons where synced and local could not be told apart
+    comm_checks: int = 0  # backwards whose gradient collectives were judged against the contract
     nodeid: str = ""
     rerun: str = ""
     detail: str = ""  # an error cell's tracebacks or stack dumps, rank by rank

@@ -173,6 +173,7 @@ _CELL_CHECKS: dict[str, Check] = {
     "checks": COUNT,
     "grad_checks": COUNT,
     "vacuous_checks": COUNT,
+    "comm_checks": COUNT,
     "nodeid": TEXT,
     "rerun": TEXT,
     "detail": TEXT,

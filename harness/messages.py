@@ -79,6 +79,7 @@ class RankResult:
     checks: int = 0
     grad_checks: int = 0
     vacuous_checks: int = 0
+    comm_checks: int = 0
     max_abs_diff: float = 0.0
     duration_s: float = 0.0
 

@@ -9,6 +9,8 @@ import sys
 from dataclasses import dataclass
 from typing import Sequence
 
+from harness.wrappers import parse as parse_wrappers
+
 BACKENDS = ("auto", "gloo", "nccl")
 DEFAULT_CASE_TIMEOUT_S = 120.0
 DEFAULT_SEED = 1234
@@ -35,6 +37,8 @@ class Settings:
     launched: bool = False  # the ranks are a launcher's processes (python -m harness launch), not local pools
     # under a launcher: how to start the same launch again, before `-m harness launch` (the rerun command)
     relaunch: tuple[str, ...] = ()
+    # the wrappers cells run under (--wrappers): "auto" or names (harness/wrappers.py)
+    wrappers: tuple[str, ...] | str = "auto"
 
 
 def parse_world_sizes(text: str) -> tuple[int, ...] | None:
@@ -112,13 +116,17 @@ def count_gpus() -> int:
 
 def resolve(
     *, world_sizes: str, backend: str, report_dir: str, case_timeout: str | float, seed: str | int,
-    gpu_count: int | None = None, fault: str | None = None,
+    gpu_count: int | None = None, fault: str | None = None, wrappers: str = "auto",
 ) -> Settings:
     """Validate every option and resolve ``auto``: nccl when every rank can have its own GPU."""
     sizes = parse_world_sizes(world_sizes)
     backend = parse_backend(backend)
     timeout = parse_case_timeout(case_timeout)
     seed_value = parse_seed(seed)
+    try:
+        wrapper_selection = parse_wrappers(wrappers)
+    except ValueError as exc:
+        raise OptionError(f"--wrappers: {exc}") from None
     gpus = count_gpus() if gpu_count is None else gpu_count
     if backend == "auto":
         wanted = max(sizes) if sizes else 1
@@ -137,4 +145,5 @@ def resolve(
         seed=seed_value,
         gpu_count=gpus,
         fault=fault,
+        wrappers=wrapper_selection,
     )

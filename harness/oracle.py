@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from harness.accounting import Accounting
 from harness.checks import Checks, Recorder, as_optimizers
 from harness.closeness import Expectation, reduction_allowance, rounding_allowance
 from harness.decorator import ALL_PRECISIONS
@@ -66,6 +67,8 @@ class Oracle:
         scheduler_steps: int = 1,
         replay_rng: RngReplay | None = None,
         scaler_kwargs: Mapping[str, Any] | None = None,
+        wrapper: str = "ddp",
+        accounting: Accounting | None = None,
     ) -> None:
         if not models:
             raise ValueError("the oracle needs at least one model")
@@ -110,7 +113,11 @@ class Oracle:
         # gradients unscaled before a clip and by the prepared optimizer's step, which skips on inf
         self.scaler = self._grad_scaler(scaler_kwargs or {}) if precision == "fp16" else None
         self._unscaled = False  # this window's gradients were unscaled (by a clip)
-        self.checks = Checks(self, recorder)
+        self.wrapper = wrapper
+        # each backward since the last gradient check: whether it syncs, and how many gradient
+        # elements it produced (what a sync must reduce; harness/accounting.py)
+        self.backward_syncs: list[tuple[bool, int]] = []
+        self.checks = Checks(self, recorder, accounting)
 
     def _grad_scaler(self, kwargs: Mapping[str, Any]) -> Any:
         device_type = next(next(iter(self.replicas.values())).parameters()).device.type
@@ -161,6 +168,7 @@ class Oracle:
             loss = self.scaler.scale(loss)
         flat = [(name, pname, p) for name, ps in self.params.items() for pname, p in ps.items() if p.requires_grad]
         grads = torch.autograd.grad(loss, [p for _, _, p in flat], allow_unused=True)
+        self.backward_syncs.append((sync, sum(g.numel() for g in grads if g is not None)))
         for (name, pname, p), g in zip(flat, grads):
             if g is None:
                 continue
@@ -281,7 +289,7 @@ class Oracle:
 
     def rank0_copy(self, name: str, actual_params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Rank 0's copy of the model's parameters (DDP keeps every rank's equal to it)."""
-        reference = _flat(actual_params[p].detach() for p in self.params[name])
+        reference = _flat(actual_params[p].detach().clone() for p in self.params[name])
         if self.world_size > 1:
             dist.broadcast(reference, src=0)
         return _pieces(reference, self.params[name])
@@ -306,22 +314,23 @@ class Oracle:
 
     # carrying on from the rank's real state (when: harness/checks.py)
 
-    def adopt_params(self, name: str, actual_params: Mapping[str, torch.Tensor]) -> None:
+    def adopt_params(self, name: str, values: Mapping[str, torch.Tensor]) -> None:
+        """The rank's parameters (whole), by name."""
         with torch.no_grad():
             for pname, replica_param in self.params[name].items():
-                replica_param.copy_(actual_params[pname].detach())
+                replica_param.copy_(values[pname].detach())
 
-    def adopt_grads(self, name: str, actual_params: Mapping[str, torch.Tensor]) -> None:
-        """The rank's gradients, with nothing left to allow for."""
+    def adopt_grads(self, name: str, grads: Mapping[str, torch.Tensor | None]) -> None:
+        """The rank's gradients (whole), by name, with nothing left to allow for."""
         for pname, replica_param in self.params[name].items():
-            grad = actual_params[pname].grad
+            grad = grads.get(pname)
             replica_param.grad = None if grad is None else grad.detach().clone()
         self.allowed[name] = self._no_allowance(name)
 
-    def restart_window(self, name: str, actual_params: Mapping[str, torch.Tensor]) -> None:
+    def restart_window(self, name: str, grads: Mapping[str, torch.Tensor | None]) -> None:
         """After a mismatch: a rank that cleared its gradients starts its next window here."""
-        for pname, actual in actual_params.items():
-            if actual.grad is None or not bool(actual.grad.any()):
+        for pname, grad in grads.items():
+            if pname in self.local[name] and (grad is None or not bool(grad.any())):
                 self.local[name][pname].zero_()
 
     def adopt_optimizer_state(self, name: str, optimizers: Any) -> None:

@@ -24,6 +24,7 @@ from harness.records import BAD_STATUSES, GOOD_STATUSES
 from harness.render.failures import cell_message, skip_reason
 from harness.render.matrix import terminal_summary
 from harness.report import check_report_dir, write_reports
+from harness.wrappers import cell_variants
 
 # the plugin object `python -m harness launch` gives rank 0's pytest (harness/launch.py)
 LAUNCH_PLUGIN = "harness-launch"
@@ -48,6 +49,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          f"is an error. Default: {DEFAULT_CASE_TIMEOUT_S:g}.")
     group.addoption("--seed", default=str(DEFAULT_SEED), metavar="N",
                     help=f"base seed for models and data; each rank derives its own. Default: {DEFAULT_SEED}.")
+    group.addoption("--wrappers", default="auto", metavar="LIST",
+                    help="the wrappers cells train under: a comma list of ddp, fsdp2, fsdp1, deepspeed-z1, "
+                         "deepspeed-z2, deepspeed-z3 (each at every variant it applies to), or auto: ddp at "
+                         "every variant and every other wrapper at each case's lead variants. Default: auto.")
     group.addoption("--harness-fault", default=None, metavar="NAME",
                     help="inject a named sync fault into accelerate inside the ranks (used by "
                          "'python -m harness selfcheck'; never for a real run).")
@@ -111,6 +116,8 @@ class HarnessState:
             "backend": self.settings.backend,
             "device": self.settings.device,
             "world_sizes": list(self.settings.world_sizes),
+            "wrappers": self.settings.wrappers if isinstance(self.settings.wrappers, str)
+            else ",".join(self.settings.wrappers),
             "seed": self.settings.seed,
         }
         if self.settings.fault is not None:  # a matrix made under an injected fault must say so
@@ -144,6 +151,7 @@ def pytest_configure(config: pytest.Config) -> None:
             case_timeout=config.getoption("case_timeout"),
             seed=config.getoption("seed"),
             fault=config.getoption("harness_fault"),
+            wrappers=config.getoption("wrappers"),
             gpu_count=0 if launch is not None else None,
         )
         if launch is not None:
@@ -195,13 +203,20 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if info is None:
         return
     settings = metafunc.config.stash[SETTINGS]
-    params = [(info, variant, ws) for variant in info.variants for ws in settings.world_sizes]
+    variants = cell_variants(info.variants, info.wrappers, settings.wrappers)
+    params = [(info, variant, ws) for variant in variants for ws in settings.world_sizes]
     metafunc.parametrize(
         "harness_cell", params, ids=[cell_id(v.name, ws) for _, v, ws in params], indirect=True
     )
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    # A case with no cell under this run's --wrappers (a DDP-only case under --wrappers fsdp2) is
+    # not a test of this run: deselected, not reported as an empty parameter set.
+    empty = [i for i in items if case_info(getattr(i, "function", None)) is not None and not _cell_world_size(i)]
+    if empty:
+        config.hook.pytest_deselected(items=empty)
+        items[:] = [i for i in items if i not in empty]
     # Largest world size first: under xdist it is the biggest group of cells, handed out first;
     # in a serial run it keeps each pool's cells together.
     harness_items = [i for i in items if _cell_world_size(i)]
@@ -226,7 +241,7 @@ def _cell_world_size(item: pytest.Item) -> int:
     not a cell)."""
     callspec = getattr(item, "callspec", None)
     cell = callspec.params.get("harness_cell") if callspec is not None else None  # (case, variant, world size)
-    return cell[2] if cell is not None else 0
+    return cell[2] if isinstance(cell, tuple) else 0
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -78,6 +78,14 @@ def limit_threads() -> None:
     os.environ["MKL_NUM_THREADS"] = "1"
 
 
+def record_collectives() -> None:
+    """Have torch's flight recorder keep each collective this rank issues (before its process group
+    is made), for the collective accounting (harness/accounting.py)."""
+    from harness.accounting import enable
+
+    enable()
+
+
 def _set_environment(rank: int, world_size: int, backend: str) -> None:
     # accelerate reads these to learn that it runs distributed; the process group itself is
     # created here, through a FileStore, so no port is ever opened. World size 1 is a plain
@@ -93,6 +101,7 @@ def _set_environment(rank: int, world_size: int, backend: str) -> None:
         os.environ["MASTER_ADDR"] = "127.0.0.1"
     limit_threads()
     drop_launcher_settings()
+    record_collectives()
     if backend == "nccl":
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
 
@@ -164,6 +173,8 @@ def run_cell(spec: CellSpec, rank: int, device: Any) -> RankResult:
     finally:
         try:
             reset_accelerate()
+            if ctx is not None and ctx.compile is not None:
+                torch._dynamo.reset()  # the next cell compiles its own models afresh
         except Exception:
             pass
     recorder = ctx.recorder if ctx is not None else None
@@ -177,6 +188,7 @@ def run_cell(spec: CellSpec, rank: int, device: Any) -> RankResult:
         checks=recorder.checks if recorder else 0,
         grad_checks=recorder.grad_checks if recorder else 0,
         vacuous_checks=recorder.vacuous_checks if recorder else 0,
+        comm_checks=recorder.comm_checks if recorder else 0,
         max_abs_diff=recorder.max_abs_diff if recorder else 0.0,
         duration_s=time.perf_counter() - started,
     )

@@ -56,10 +56,13 @@ class FailureKind(_Name):
     SYNC_FLAG = "sync_flag"
     SCHEDULE = "schedule"
     MISMATCH = "mismatch"
+    COMM_UNEXPECTED = "comm_unexpected"  # gradient reductions in a backward the contract has none in
+    COMM_MISSING = "comm_missing"  # too few (or no) gradient reductions in a backward that syncs
 
 
 # Diagnoses that compare a synced gradient with a local one: a single rank cannot produce them.
-SYNC_KINDS = frozenset({FailureKind.NOT_SYNCED, FailureKind.SYNCED_EARLY})
+SYNC_KINDS = frozenset({FailureKind.NOT_SYNCED, FailureKind.SYNCED_EARLY, FailureKind.COMM_UNEXPECTED,
+                        FailureKind.COMM_MISSING})
 
 
 class RankOutcome(_Name):

@@ -9,10 +9,16 @@ from torch import nn
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module inside a DistributedDataParallel (or similar) wrapper."""
-    while hasattr(model, "module") and isinstance(model.module, nn.Module):
-        model = model.module
-    return model
+    """The user's module inside a DistributedDataParallel (or similar) wrapper and torch.compile's.
+    FSDP2 wraps nothing: the prepared module is the user's, its parameters made DTensors."""
+    while True:
+        compiled = vars(model).get("_modules", {}).get("_orig_mod")
+        if isinstance(compiled, nn.Module):
+            model = compiled
+        elif hasattr(model, "module") and isinstance(model.module, nn.Module):
+            model = model.module
+        else:
+            return model
 
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -78,6 +78,7 @@ def judge(
     cell.checks = sum(r.checks for r in results)
     cell.grad_checks = sum(r.grad_checks for r in results)
     cell.vacuous_checks = sum(r.vacuous_checks for r in results)
+    cell.comm_checks = sum(r.comm_checks for r in results)
     cell.max_abs_diff = max((r.max_abs_diff for r in results), default=0.0)
     cell.failures = failures
     if cell.grad_checks == 0:

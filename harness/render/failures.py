@@ -56,6 +56,21 @@ def sync_flag_text(*, rank: int, where: str, flag: bool, due: bool) -> str:
     return f"accelerator.sync_gradients on rank {rank} at {where}: is {flag}, the schedule says {due}"
 
 
+def comm_text(*, rank: int, where: str, issued: str, syncs: bool, needed: int) -> str:
+    """A backward that issued gradient reductions the contract has none of, or too few."""
+    if syncs:
+        return (f"collectives of the backward on rank {rank} at {where}: {issued}, where the contract syncs "
+                f"the gradients of {needed} elements (each reduced at least once)")
+    return (f"collectives of the backward on rank {rank} at {where}: {issued}, where the contract has no "
+            "gradient reduction (no_sync, or a micro-batch that does not sync)")
+
+
+def hidden_grad_text(*, rank: int, where: str, what: str, shown: int) -> str:
+    return (f"gradient of '{what}' on rank {rank} at {where}: synced when it should be local (a sharded "
+            f"gradient is shown on {shown} parameter(s) between sync points, where no_sync keeps it unsharded "
+            "inside the wrapper (FSDP2: p.grad None; FSDP1: the full local gradient): it was reduce-scattered)")
+
+
 def lr_text(*, rank: int, where: str, optimizer: str, group: int, actual: float, expected: float) -> str:
     return (f"learning rate of optimizer '{optimizer}' (param group {group}) on rank {rank} at "
             f"{where}: is {actual:.6g}, the contract says {expected:.6g}")
@@ -161,6 +176,8 @@ def evidence_summary(cell: Cell) -> str:
         text += f", all vacuous for sync ({why})"
     elif cell.vacuous_checks:
         text += f", {cell.vacuous_checks} vacuous for sync"
+    if cell.comm_checks:
+        text += f"; collectives of {cell.comm_checks} backwards checked"
     return f"{text}; max |diff| {cell.max_abs_diff:.3g}"
 
 

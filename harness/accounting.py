@@ -1,0 +1,168 @@
+"""Collective accounting: the gradient reductions each rank issues in each backward, against the
+contract (CONTRACT.md, failure kinds ``comm_unexpected`` and ``comm_missing``).
+
+Final gradients cannot show every sync fault: a ``no_sync`` that is a no-op still ends the window
+with the right average (FSDP2 before accelerate PR #3762 reduce-scattered every micro-batch). So the
+rank counts what it sent. torch's flight recorder (``TORCH_FR_BUFFER_SIZE``, set for every rank
+before its process group starts) records each collective as it is issued, on every process group
+and for every backend, including the ones DDP's reducer and FSDP issue from C++. The harness reads
+the records made inside each ``accelerator.backward`` of the case's Accelerator; the oracle's own
+collectives run outside it and are never counted.
+
+A gradient reduction is an all-reduce, a reduce-scatter or a reduce (FSDP2 on gloo reduce-scatters
+with an all-reduce); all-gathers and broadcasts move parameters and are not counted. The contract:
+a backward that does not sync issues none (except under ZeRO >= 2, which reduces every
+micro-batch by design), and one that syncs reduces at least every element that got a gradient.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+# Entries the flight recorder keeps (a ring). Reading it costs about 10 us an entry, twice a backward;
+# a backward of the harness's models issues a few. One that issues more than this is not judged.
+BUFFER_ENTRIES = 64
+ENV = "TORCH_FR_BUFFER_SIZE"
+
+
+def enable() -> None:
+    """Ask torch to record collectives; call before the process group is made."""
+    os.environ.setdefault(ENV, str(BUFFER_ENTRIES))
+
+
+def _is_reduction(profiling_name: str) -> bool:
+    # "gloo:all_reduce", "nccl:reduce_scatter_tensor_coalesced", "nccl:allreduce_coalesced", ...
+    return "reduce" in profiling_name.split(":", 1)[-1]
+
+
+def _records() -> list[dict[str, Any]] | None:
+    """The flight recorder's entries, or None where this torch has none or it is off."""
+    try:
+        import torch._C._distributed_c10d as c10d
+
+        dump = c10d._dump_fr_trace
+    except (ImportError, AttributeError):
+        return None
+    if int(os.environ.get(ENV, "0") or 0) <= 0:
+        return None
+    try:
+        return list(pickle.loads(dump(includeCollectives=True, includeStackTraces=False, onlyActive=False))
+                    .get("entries", []))
+    except Exception:
+        return None
+
+
+@dataclass
+class Backward:
+    """What one ``accelerator.backward`` issued on this rank."""
+
+    reductions: list[tuple[str, int]] = field(default_factory=list)  # (collective, elements)
+    complete: bool = True  # False when the ring lost entries: no claim is made
+
+    @property
+    def reduced(self) -> int:
+        return sum(n for _, n in self.reductions)
+
+    def describe(self) -> str:
+        if not self.reductions:
+            return "no gradient reduction"
+        names: dict[str, list[int]] = {}
+        for op, n in self.reductions:
+            names.setdefault(op, []).append(n)
+        parts = [f"{len(ns)} {op} of {'+'.join(map(str, ns))} elements" for op, ns in names.items()]
+        return ", ".join(parts)
+
+
+def _numel(sizes: Any) -> int:
+    total = 0
+    for shape in sizes or ():
+        n = 1
+        for d in shape:
+            n *= int(d)
+        total += n
+    return total
+
+
+class Accounting:
+    """The backwards of one rank in one cell, as the flight recorder saw them."""
+
+    def __init__(self) -> None:
+        self.available = _records() is not None
+        self.backwards: list[Backward] = []
+
+    def watch(self, accelerator: Any) -> None:
+        """Record what each ``accelerator.backward`` of this Accelerator issues (an instance
+        attribute: the class, and every other Accelerator, are untouched)."""
+        if not self.available:
+            return
+        original = accelerator.backward
+
+        @functools.wraps(original)
+        def backward(*args: Any, **kwargs: Any) -> Any:
+            before = _last_id(_records())
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.backwards.append(_since(_records(), before))
+
+        accelerator.backward = backward
+
+    def take(self) -> list[Backward]:
+        taken, self.backwards = self.backwards, []
+        return taken
+
+
+def _last_id(entries: list[dict[str, Any]] | None) -> int:
+    return int(entries[-1]["record_id"]) if entries else -1
+
+
+def _since(entries: list[dict[str, Any]] | None, last: int) -> Backward:
+    if entries is None:
+        return Backward(complete=False)
+    new = [e for e in entries if int(e["record_id"]) > last]
+    complete = not new or int(new[0]["record_id"]) == last + 1
+    reductions = [(str(e["profiling_name"]), _numel(e.get("input_sizes"))) for e in new
+                  if _is_reduction(str(e.get("profiling_name", "")))]
+    return Backward(reductions=reductions, complete=complete)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One backward judged against the contract: ``kind`` is None when it kept it."""
+
+    kind: str | None
+    backward: Backward
+    syncs: bool
+    needed: int
+
+
+def judge(backwards: list[Backward], syncs: list[tuple[bool, int]], *, reduces_every_micro_batch: bool
+          ) -> list[Verdict]:
+    """The backwards since the last check against what the oracle's backwards say of them:
+    ``syncs`` holds, per oracle backward, whether it syncs and how many elements got a gradient.
+
+    Paired one to one when the counts agree (a case runs one oracle backward per backward); else
+    judged together: any reduction where none syncs is unexpected, too few where one syncs missing.
+    A backward whose records the ring lost is not judged."""
+    if not backwards or not syncs:
+        return []
+    if len(backwards) == len(syncs):
+        pairs = list(zip(backwards, syncs))
+    else:
+        joined = Backward([r for b in backwards for r in b.reductions], all(b.complete for b in backwards))
+        pairs = [(joined, (any(s for s, _ in syncs), sum(n for s, n in syncs if s)))]
+    verdicts = []
+    for backward, (sync, needed) in pairs:
+        if not backward.complete:
+            continue
+        kind = None
+        if sync and backward.reduced < needed:
+            kind = "comm_missing"
+        elif not sync and backward.reductions and not reduces_every_micro_batch:
+            kind = "comm_unexpected"
+        verdicts.append(Verdict(kind, backward, sync, needed))
+    return verdicts

@@ -1,0 +1,225 @@
+"""The wrapper a cell trains under: DDP (every cell's until now), FSDP2, FSDP1 or DeepSpeed ZeRO.
+
+A cell under a wrapper other than DDP carries ``wrapper=<name>`` in its variant (CONTRACT.md,
+"Wrappers"). Here: which cells each wrapper gets (``--wrappers``), how accelerate is asked for it,
+how a cell makes sure that the prepared model really is it, and what the wrapper may communicate
+between sync points (harness/accounting.py judges that).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, Iterable, Mapping
+
+from harness.decorator import SkipCell, Variant
+
+DDP = "ddp"
+# The public names, in report order (CONTRACT.md).
+WRAPPERS = (DDP, "fsdp2", "fsdp1", "deepspeed-z1", "deepspeed-z2", "deepspeed-z3")
+FSDP = ("fsdp2", "fsdp1")
+DEEPSPEED = {"deepspeed-z1": 1, "deepspeed-z2": 2, "deepspeed-z3": 3}
+AUTO = "auto"
+# ZeRO >= 2 partitions gradients: it reduces them after every micro-batch by design, and accelerate
+# skips ``no_sync`` for it (accelerate PR #3656). Every other wrapper issues no gradient reduction
+# between sync points.
+REDUCES_EVERY_MICRO_BATCH = frozenset({"deepspeed-z2", "deepspeed-z3"})
+# The precisions the oracle models under each wrapper. FSDP's and DeepSpeed's bf16 is not autocast:
+# accelerate gives FSDP ``param_dtype=reduce_dtype=bf16`` and DeepSpeed bf16 weights, arithmetic
+# the oracle's autocast replicas do not do; those cells are not made rather than judged wrongly.
+PRECISIONS = {DDP: ("fp32", "bf16", "fp16")}
+DEFAULT_PRECISIONS = ("fp32",)
+
+
+class WrongWrapper(Exception):
+    """The prepared model is not the wrapper the cell names: the cell is an ``error``, never a
+    silent DDP cell under another name."""
+
+
+def parse(value: str) -> tuple[str, ...] | str:
+    """``--wrappers``: ``auto`` or a comma list of wrapper names; ValueError names what is wrong."""
+    value = value.strip()
+    if value == AUTO:
+        return AUTO
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    if not names:
+        raise ValueError(f"expected {AUTO!r} or a comma list of {', '.join(WRAPPERS)}; got {value!r}")
+    unknown = [n for n in names if n not in WRAPPERS]
+    if unknown:
+        raise ValueError(f"unknown wrapper {unknown[0]!r}; known: {', '.join(WRAPPERS)} (or {AUTO!r})")
+    return tuple(n for n in WRAPPERS if n in names)
+
+
+def cell_variants(variants: Iterable[Variant], applies: Iterable[str], selection: tuple[str, ...] | str
+                  ) -> list[Variant]:
+    """A case's variants crossed with the wrappers selected that apply to it.
+
+    DDP keeps the variant ids it always had. Another wrapper adds ``-wrapper=<name>`` and runs the
+    precisions the oracle models for it. ``auto``: DDP at every variant, and every other wrapper at
+    the case's lead variants (its first variant, and its first compiled one), so that the default
+    run covers every wrapper once per case (compiled and not) at a fraction of the cost."""
+    variants = list(variants)
+    applies = set(applies)
+    chosen = WRAPPERS if selection == AUTO else selection
+    out: list[Variant] = []
+    for wrapper in chosen:
+        if wrapper not in applies:
+            continue
+        if wrapper == DDP:
+            out.extend(variants)
+            continue
+        precisions = PRECISIONS.get(wrapper, DEFAULT_PRECISIONS)
+        eligible = [v for v in variants if str(v.params.get("precision", "fp32")) in precisions]
+        if selection == AUTO:
+            eligible = _lead(eligible)
+        out.extend(Variant(f"{v.name}-wrapper={wrapper}", {**v.params, "wrapper": wrapper}) for v in eligible)
+    return out
+
+
+def _lead(variants: list[Variant]) -> list[Variant]:
+    """The first variant of each compile setting (not compiled, then each backend)."""
+    seen: dict[Any, Variant] = {}
+    for v in variants:
+        seen.setdefault(v.params.get("compile"), v)
+    return list(seen.values())
+
+
+# accelerate
+
+
+def accelerator_kwargs(wrapper: str, kwargs: Mapping[str, Any], *, device_type: str, num_steps: int,
+                       world_size: int) -> dict[str, Any]:
+    """The ``Accelerator`` keyword arguments that ask for ``wrapper``; SkipCell when it cannot run here."""
+    if wrapper == DDP:
+        return {}
+    if wrapper in FSDP and world_size < 2:
+        # a local pool of one rank is a plain process (no launcher): accelerate wraps nothing there,
+        # as it wraps nothing in DDP, and one rank has nothing to shard or reduce
+        raise SkipCell(f"wrapper={wrapper} runs at world size 2 and more: at world size 1 accelerate "
+                       "applies no wrapper (a single process without a launcher)")
+    given = [k for k in ("fsdp_plugin", "deepspeed_plugin", "deepspeed_plugins") if kwargs.get(k) is not None]
+    if given:
+        raise ValueError(f"wrapper={wrapper}: the harness makes the {wrapper} plugin; the case gave {given[0]}=")
+    if wrapper in FSDP:
+        from harness import probe
+        import accelerate.utils
+
+        plugin = probe.require(accelerate.utils, "FullyShardedDataParallelPlugin", "FullyShardedDataParallelPlugin")
+        version = 2 if wrapper == "fsdp2" else 1
+        options: dict[str, Any] = {"use_orig_params": True} if version == 1 else {}
+        if version == 2:
+            probe.require_parameter(plugin, "fsdp_version", "FullyShardedDataParallelPlugin(fsdp_version=2)")
+        return {"fsdp_plugin": plugin(fsdp_version=version, **options) if version == 2 else _fsdp1_plugin(plugin, options)}
+    return {"deepspeed_plugin": _deepspeed_plugin(wrapper, device_type=device_type, num_steps=num_steps)}
+
+
+def _fsdp1_plugin(plugin: Any, options: dict[str, Any]) -> Any:
+    from harness import probe
+
+    if "fsdp_version" in probe.parameters(plugin):
+        options["fsdp_version"] = 1
+    return plugin(**options)
+
+
+def _deepspeed_plugin(wrapper: str, *, device_type: str, num_steps: int) -> Any:
+    if importlib.util.find_spec("deepspeed") is None:
+        raise SkipCell(f"wrapper={wrapper} needs deepspeed, which is not installed")
+    if device_type == "cpu":
+        raise SkipCell(f"wrapper={wrapper}: accelerate drives DeepSpeed on an accelerator device only "
+                       "(on a CPU-only host it never selects DistributedType.DEEPSPEED); bench/gpu_smoke.sh runs it")
+    from harness import probe
+    import accelerate.utils
+
+    plugin = probe.require(accelerate.utils, "DeepSpeedPlugin", "DeepSpeedPlugin")
+    return plugin(zero_stage=DEEPSPEED[wrapper], gradient_accumulation_steps=num_steps)
+
+
+def after_construction(wrapper: str, accelerator: Any, kwargs: Mapping[str, Any]) -> None:
+    """What the Accelerator needs once built for ``wrapper`` to be what ``prepare`` applies."""
+    if wrapper in FSDP:
+        fsdp_on_cpu(accelerator, kwargs["fsdp_plugin"])
+
+
+def fsdp_on_cpu(accelerator: Any, plugin: Any) -> None:
+    """Make accelerate apply FSDP on a CPU host, where it would silently use DDP instead.
+
+    Why: accelerate's ``AcceleratorState`` selects ``DistributedType.FSDP`` only in the branch for
+    accelerator device types (MULTI_GPU, MULTI_XPU, ...; accelerate/state.py, 1.15.0); on
+    MULTI_CPU an ``fsdp_plugin`` is ignored and ``prepare`` wraps the model in DDP. torch's FSDP2
+    and FSDP1 themselves run on CPU with gloo. So, after construction, this does what that branch
+    does (the distributed type on AcceleratorState and PartialState, the plugin, its mixed
+    precision) and, for FSDP1, gives the state the index-less ``cpu`` device: accelerate passes
+    ``device_id=accelerator.device`` (``cpu:0`` on MULTI_CPU) and torch's FSDP1 takes a CPU
+    module's compute device to be ``cpu``, refusing the pair ("Inconsistent compute device").
+
+    The one place the harness steps around accelerate. When a release selects FSDP on CPU by
+    itself, the distributed type is already FSDP and this does nothing."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return
+    if accelerator.device.type != "cpu":
+        raise WrongWrapper(f"accelerate chose {accelerator.distributed_type} on {accelerator.device}, not FSDP, "
+                           "and the harness forces FSDP only on a CPU host")
+    state, partial = AcceleratorState(), PartialState()
+    state.distributed_type = DistributedType.FSDP
+    partial.distributed_type = DistributedType.FSDP
+    mixed = str(getattr(state, "mixed_precision", "no"))
+    if mixed != "no":
+        plugin.set_mixed_precision(mixed)
+    state.fsdp_plugin = plugin
+    if getattr(plugin, "fsdp_version", 1) == 1:
+        import torch
+
+        state.device = partial.device = torch.device("cpu")
+
+
+# what the prepared model is
+
+
+def _peel_compiled(model: Any) -> Any:
+    """The module inside ``torch.compile``'s wrapper."""
+    return getattr(model, "_orig_mod", model)
+
+
+def prepared_as(model: Any) -> str:
+    """The wrapper a prepared model is, by its type: ``ddp``, ``fsdp2``, ``fsdp1``,
+    ``deepspeed-z<stage>``, or ``none`` (a plain module: accelerate wraps nothing at world size 1)."""
+    import torch
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    # accelerate compiles a DDP or FSDP1 model after wrapping it, and fully_shard()s a compiled one
+    # (FSDP2 swaps the class of the module it is given, torch.compile's wrapper included)
+    fsdp2 = _fsdp2_class()
+    if fsdp2 is not None and isinstance(model, fsdp2):
+        return "fsdp2"
+    inner = _peel_compiled(model)
+    if fsdp2 is not None and isinstance(inner, fsdp2):
+        return "fsdp2"
+
+    if isinstance(inner, FullyShardedDataParallel):
+        return "fsdp1"
+    if isinstance(inner, torch.nn.parallel.DistributedDataParallel):
+        return DDP
+    if type(inner).__name__ == "DeepSpeedEngine":
+        stage = getattr(inner, "zero_optimization_stage", lambda: 0)()
+        return f"deepspeed-z{stage}"
+    return "none"
+
+
+def _fsdp2_class() -> Any:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return None
+    return FSDPModule
+
+
+def verify(wrapper: str, model: Any, *, name: str, world_size: int) -> None:
+    """WrongWrapper unless the prepared ``model`` is the wrapper the cell names (DDP at world size 1
+    is no wrapper: accelerate wraps nothing there)."""
+    actual = prepared_as(model)
+    if actual == wrapper or (wrapper == DDP and actual == "none" and world_size == 1):
+        return
+    raise WrongWrapper(f"model {name!r} was prepared as {actual} ({type(model).__name__}), "
+                       f"but the cell is wrapper={wrapper}")
