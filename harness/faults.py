@@ -23,6 +23,9 @@ class Fault:
     name: str
     description: str
     patch: Callable[[int], ContextManager[None]]
+    # the wrappers whose cells the self-check runs it on (a fault of accelerate's own logic is
+    # caught on DDP cells; one of FSDP2's needs FSDP2 cells)
+    wrappers: tuple[str, ...] = ("ddp",)
 
 
 @contextlib.contextmanager
@@ -396,6 +399,9 @@ def perturbation(relative: float, *, target_rank: int = 1, only: int | None = No
                  f"rank {target_rank}'s gradients scaled by {1 + relative:g} after its backward {only} only",
                  _perturb_rank(target_rank, relative, only=only))
 
+
+# the faults of the sharded paths register themselves into FAULTS
+from harness import faults_fsdp  # noqa: E402,F401
 
 PERTURBATION_FORMS = "perturb:<relative> or perturb_once:<relative>[@<backward>]"
 

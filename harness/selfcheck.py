@@ -15,6 +15,7 @@ from harness.matrix import Cell
 from harness.options import DEFAULT_CASE_TIMEOUT_S, DEFAULT_SEED, Settings
 from harness.pool import PoolSet, PoolStartError
 from harness.records import BAD_STATUSES, Status
+from harness.wrappers import DDP, WRAPPERS, cell_variants
 
 # Relative perturbations tried by the sensitivity search: four a decade, 1e-9 to 1.
 SENSITIVITY_GRID = tuple(10.0 ** (e / 4) for e in range(-36, 1))
@@ -40,6 +41,10 @@ class Target:
     def precision(self) -> str:
         return str(self.variant.params.get("precision", "fp32"))
 
+    @property
+    def wrapper(self) -> str:
+        return str(self.variant.params.get("wrapper", DDP))
+
 
 def _matches(variant: Variant, pattern: str) -> bool:
     """A pattern is a ``-``-joined set of name parts (``fp32``, ``steps=2-bf16``), all present."""
@@ -54,8 +59,9 @@ def select_targets(
     variants: Sequence[str] | None = None,
     all_variants: bool = False,
 ) -> list[Target]:
-    """The (case, variant) pairs to run. By default one variant a case: its first fp32 one.
-    ``variants`` keeps those matching any pattern; ``all_variants`` keeps every variant."""
+    """The (case, variant) pairs to run. By default one variant a case and wrapper: its first fp32 one
+    (not compiled). ``variants`` keeps those matching any pattern; ``all_variants`` keeps every variant
+    (every wrapper's: ``wrapper=<name>`` is a part of the variant's name)."""
     by_name = {c.name: c for c in catalogue}
     if cases:
         unknown = [name for name in cases if name not in by_name]
@@ -66,14 +72,17 @@ def select_targets(
         chosen = list(catalogue)
     targets = []
     for case in chosen:
-        options = case.info.variants
+        options = cell_variants(case.info.variants, case.info.wrappers, WRAPPERS)
         if all_variants:
             picked = list(options)
         elif variants:
             picked = [v for v in options if any(_matches(v, p) for p in variants)]
         else:
-            fp32 = [v for v in options if v.params.get("precision", "fp32") == "fp32"]
-            picked = [(fp32 or list(options))[0]]
+            picked = []
+            for wrapper in WRAPPERS:
+                mine = [v for v in options if v.params.get("wrapper", DDP) == wrapper]
+                fp32 = [v for v in mine if v.params.get("precision", "fp32") == "fp32" and "compile" not in v.params]
+                picked += [(fp32 or mine)[0]] if mine else []
         targets.extend(Target(case, v) for v in picked)
     if not targets:
         raise SelfcheckError(f"no variant matches {','.join(variants or [])} in the chosen cases")
@@ -237,8 +246,9 @@ def _quiet(event: Any) -> None:
 
 def run_faults(runner: Runner, targets: Sequence[Target], faults: Iterable[Fault], *,
                clean: Sequence[Cell] | None = None, progress: Progress = _quiet) -> list[FaultResult]:
-    """Each fault on every non-canary target (a canary is broken on purpose: it proves nothing here).
-    A target whose clean cell did not pass is not run: its failing under a fault would prove nothing."""
+    """Each fault on every non-canary target of the wrappers it is planted in (a canary is broken on
+    purpose: it proves nothing here). A target whose clean cell did not pass is not run: its failing
+    under a fault would prove nothing."""
     counted = [t for t in targets if not t.case.info.canary]
     baseline = {(c.case, c.variant): c.status for c in clean or ()}
     faults = list(faults)
@@ -253,7 +263,7 @@ def run_faults(runner: Runner, targets: Sequence[Target], faults: Iterable[Fault
 
     for n, fault in enumerate(faults, 1):
         started = time.perf_counter()
-        cells = [run(t, fault) for t in counted]
+        cells = [run(t, fault) for t in counted if t.wrapper in fault.wrappers]
         result = FaultResult(fault, cells, time.perf_counter() - started)
         results.append(result)
         progress(FaultDone(n, len(faults), result))

@@ -17,6 +17,7 @@ from harness.matrix import Cell
 from harness.records import Status
 from harness.render.selfcheck import sensitivity_text
 from harness.selfcheck import Runner, Target, first_kinds, measure_sensitivity
+from harness.wrappers import WRAPPERS, cell_variants
 
 ROOT = Path(__file__).resolve().parent.parent
 SEEDS = range(1000, 1010)
@@ -33,7 +34,7 @@ def catalogue():
 EXPECTED_DIAGNOSES = {
     "perturb_rank1": ("fused_loss", "fp32", {"wrong_scale"}),
     "rank_grad_perturbed": ("fused_loss", "fp32", {"wrong_scale"}),
-    "no_sync_still_syncs": ("no_sync", "fp32", {"synced_early"}),
+    "no_sync_still_syncs": ("no_sync", "fp32", {"synced_early", "comm_unexpected"}),
     "trigger_noop": ("no_sync_trigger_sync", "fp32", {"not_synced"}),
     "loss_not_scaled": ("accumulate", "steps=2-fp32", {"wrong_scale"}),
     "optimizer_every_batch": ("accumulate", "steps=2-fp32", {"stepped_early"}),
@@ -51,6 +52,11 @@ EXPECTED_DIAGNOSES = {
     "dispatcher_end_missed": ("accumulate_dispatch_batches", "steps=2-split_batches=false-fp32",
                               {"sync_flag", "not_synced", "step_skipped"}),
     "clip_grad_norm_noop": ("accumulate_clip_grad", "steps=2-fp32", {"wrong_scale"}),
+    # the sharded paths: a no_sync that is a no-op leaves the final gradients right; the collectives
+    # (and the shards the wrapper then shows between sync points) give it away
+    "fsdp2_no_sync_noop": ("no_sync", "fp32-wrapper=fsdp2", {"comm_unexpected", "synced_early"}),
+    "fsdp2_reduce_sums": ("fused_loss", "fp32-wrapper=fsdp2", {"wrong_scale"}),
+    "fsdp1_no_sync_noop": ("no_sync", "fp32-wrapper=fsdp1", {"comm_unexpected", "synced_early"}),
 }
 
 
@@ -66,7 +72,8 @@ def fault_cells(catalogue):
     with Runner(world_size=2) as runner:
         for fault, (case_name, variant_name, _) in EXPECTED_DIAGNOSES.items():
             case = by_name[case_name]
-            target = Target(case, next(v for v in case.info.variants if v.name == variant_name))
+            variants = cell_variants(case.info.variants, case.info.wrappers, WRAPPERS)
+            target = Target(case, next(v for v in variants if v.name == variant_name))
             cells[fault] = (runner.run(target), runner.run(target, fault=fault))
     return cells
 
@@ -108,7 +115,8 @@ def test_selfcheck_command_exits_1_on_an_uncaught_fault_and_writes_its_table_and
     data = json.loads(report.read_text())
     caught = [(f["name"], f["caught"]) for f in data["faults"]]
     assert caught == [("no_sync_still_syncs", True), ("trigger_noop", False)]
-    assert data["faults"][0]["caught_by"] == {"no_sync[fp32]": ["synced_early"]}
+    # the gradients between sync points, and DDP's all-reduce in backwards the contract keeps local
+    assert data["faults"][0]["caught_by"] == {"no_sync[fp32]": ["comm_unexpected", "synced_early"]}
 
 
 @pytest.mark.parametrize("argv, reason", [
@@ -125,10 +133,15 @@ def test_selfcheck_command_rejects_bad_arguments_in_one_line(argv, reason):
     assert "Traceback" not in process.stderr
 
 
-def test_default_variants_are_the_first_fp32_one_of_each_case(catalogue):
+def test_default_variants_are_the_first_fp32_one_of_each_case_and_wrapper(catalogue):
     targets = selfcheck.select_targets(catalogue)
-    assert len(targets) == len(catalogue)
+    assert len(targets) == sum(len(c.info.wrappers) for c in catalogue)
     assert all(t.precision == "fp32" for t in targets)
+    # not compiled, unless the case has compiled variants only (the compiled-trigger canary)
+    assert all("compile" not in t.variant.params for t in targets if t.case.name != "no_sync_trigger_sync_compiled")
+    assert len({(t.case.name, t.wrapper) for t in targets}) == len(targets)
+    accumulate = {t.wrapper: t.variant.name for t in targets if t.case.name == "accumulate"}
+    assert accumulate["ddp"] == "steps=2-fp32" and accumulate["fsdp2"] == "steps=2-fp32-wrapper=fsdp2"
     bf16 = selfcheck.select_targets(catalogue, cases=["fused_loss"], variants=["bf16"])
     assert [t.variant.name for t in bf16] == ["bf16"]
 
