@@ -15,6 +15,8 @@
 # A failing step does not stop the next ones; the script exits 1 if any failed, naming them.
 #
 # Environment: CASE_TIMEOUT  seconds one cell may take (--case-timeout; the harness's default if unset)
+#              WRAPPERS      --wrappers for every step (default: every wrapper at every variant it
+#                            applies to; on GPUs accelerate chooses FSDP and DeepSpeed by itself)
 #              PYTHON        the interpreter with CUDA torch and the harness installed (default: python)
 # Exit status: 0 every step passed, 1 some step failed, 2 nothing ran (no torch, or no GPU).
 # The catalogue takes about ten seconds a world size on a CPU; a 1-GPU box finishes in a few minutes.
@@ -24,6 +26,7 @@ cd "$(dirname "$0")/.."
 OUT="${1:-reports/gpu-smoke}"
 PYTHON="${PYTHON:-python}"
 timeout_args=()
+WRAPPERS="${WRAPPERS:-ddp,fsdp2,fsdp1,deepspeed-z1,deepspeed-z2,deepspeed-z3}"
 if [ -n "${CASE_TIMEOUT:-}" ]; then
     timeout_args=(--case-timeout "$CASE_TIMEOUT")
 fi
@@ -70,7 +73,7 @@ while [ "$world_size" -le "$gpus" ]; do
     echo "== torchrun: $world_size process(es), nccl -> $dir"
     rc=0
     "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$world_size" \
-        -m harness launch --backend nccl --report-dir "$dir" \
+        -m harness launch --backend nccl --report-dir "$dir" --wrappers "$WRAPPERS" \
         ${timeout_args[@]+"${timeout_args[@]}"} || rc=$?
     if [ "$rc" -ne 0 ]; then
         failed+=("torchrun launch at world size $world_size (exit $rc)")
@@ -84,7 +87,7 @@ done
 echo "== rank pools: pytest cases/ --backend nccl -> $OUT/pools"
 rm -rf "$OUT/pools"
 rc=0
-"$PYTHON" -m pytest cases/ -p no:cacheprovider --backend nccl --report-dir "$OUT/pools" \
+"$PYTHON" -m pytest cases/ -p no:cacheprovider --backend nccl --report-dir "$OUT/pools" --wrappers "$WRAPPERS" \
     ${timeout_args[@]+"${timeout_args[@]}"} || rc=$?
 if [ "$rc" -ne 0 ]; then
     failed+=("pytest on the rank pools (exit $rc)")

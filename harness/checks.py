@@ -21,9 +21,9 @@ from harness.closeness import Difference, Expectation, difference, distinguishab
 from harness.diagnosis import Hypotheses, diagnose
 from harness.records import Failure, FailureKind
 from harness.render import failures as text
+from harness.schedule import MicroStep
 from harness.sharding import Observed, observe
 from harness.wrappers import REDUCES_EVERY_MICRO_BATCH, verify
-from harness.schedule import MicroStep
 
 if TYPE_CHECKING:
     from harness.oracle import Oracle

@@ -216,10 +216,10 @@ def _fsdp2_class() -> Any:
 
 
 def verify(wrapper: str, model: Any, *, name: str, world_size: int) -> None:
-    """WrongWrapper unless the prepared ``model`` is the wrapper the cell names (DDP at world size 1
-    is no wrapper: accelerate wraps nothing there)."""
+    """WrongWrapper unless the prepared ``model`` is the wrapper the cell names. A DDP cell also takes
+    a plain module: accelerate wraps nothing at world size 1, and a loop may average by hand."""
     actual = prepared_as(model)
-    if actual == wrapper or (wrapper == DDP and actual == "none" and world_size == 1):
+    if actual == wrapper or (wrapper == DDP and actual == "none"):
         return
     raise WrongWrapper(f"model {name!r} was prepared as {actual} ({type(model).__name__}), "
                        f"but the cell is wrapper={wrapper}")

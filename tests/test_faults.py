@@ -11,15 +11,17 @@ from harness.faults import FAULTS, apply_fault, perturbation, resolve
 
 
 def _classes():
-    """Every class a fault may patch, with a snapshot of its own attributes."""
+    """Every class (or module) a fault may patch, with a snapshot of its own attributes."""
     from accelerate import Accelerator
     from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard
     from accelerate.optimizer import AcceleratedOptimizer
     from accelerate.scheduler import AcceleratedScheduler
     from accelerate.state import GradientState
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
     return [Accelerator, AcceleratedOptimizer, AcceleratedScheduler, GradientState, DataLoaderDispatcher,
-            DataLoaderShard]
+            DataLoaderShard, FSDPModule, FullyShardedDataParallel, _fsdp_collectives]
 
 
 def _snapshot():

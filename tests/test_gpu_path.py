@@ -91,7 +91,7 @@ def test_blame_follows_progress_where_stacks_mislead():
 @needs_gpu
 def test_a_local_nccl_pool_runs_a_cell(tmp_path):
     done = subprocess.run([sys.executable, "-m", "pytest", "cases/test_fused_loss.py", "--backend", "nccl",
-                           "--world-sizes", "1", "-k", "fp32", "--report-dir", str(tmp_path), "-p", "no:cacheprovider"],
+                           "--world-sizes", "1", "-k", "fp32-ws", "--report-dir", str(tmp_path), "-p", "no:cacheprovider"],
                           cwd=ROOT, env=session_env("nccl-pool"), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:]
 
@@ -99,7 +99,7 @@ def test_a_local_nccl_pool_runs_a_cell(tmp_path):
 @needs_gpu
 def test_a_torchrun_launch_runs_on_the_gpu(tmp_path):
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-                           "-m", "harness", "launch", "cases/test_fused_loss.py", "-k", "fp32", "--backend", "nccl",
+                           "-m", "harness", "launch", "cases/test_fused_loss.py", "-k", "fp32-ws", "--backend", "nccl",
                            "--report-dir", str(tmp_path), "-p", "no:cacheprovider"],
                           cwd=ROOT, env=session_env("nccl-launch"), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]

@@ -154,7 +154,7 @@ def test_a_bad_option_under_a_launcher_is_said_once_by_rank_0():
 
 # --- launched runs ----------------------------------------------------------------------------------
 
-SUBSET = ["cases/test_fused_loss.py", "cases/test_no_sync.py", "-k", "fp32"]
+SUBSET = ["cases/test_fused_loss.py", "cases/test_no_sync.py", "-k", "fp32-ws"]
 
 
 @pytest.fixture(scope="module")
@@ -270,7 +270,7 @@ def test_a_world_size_other_than_the_launchers_stops_every_rank_with_one_line(tm
 
 
 def test_srun_variables_are_a_launch(tmp_path):
-    run = srun_like(["cases/test_fused_loss.py", "-k", "fp32"], tmp_path)
+    run = srun_like(["cases/test_fused_loss.py", "-k", "fp32-ws"], tmp_path)
     assert run.returncodes == [0, 0], run.log()
     assert run.matrix["environment"]["launcher"] == "srun"
     assert run.matrix["cells"][0]["rerun"].startswith("srun --nodes 1 --ntasks-per-node 2 python -m harness launch ")
@@ -284,7 +284,7 @@ def test_accelerate_launch_is_a_launch_whose_settings_do_not_change_the_cells(tm
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "bf16", "--dynamo_backend", "no",
                "--main_process_port", str(free_port()), "-m", "harness", "launch", "cases/test_fused_loss.py",
-               "-k", "fp32", "--report-dir", str(tmp_path), "-p", "no:cacheprovider"]
+               "-k", "fp32-ws", "--report-dir", str(tmp_path), "-p", "no:cacheprovider"]
     run = start([command], tmp_path)
     assert run.returncodes == [0], run.log()
     environment = run.matrix["environment"]

@@ -19,7 +19,8 @@ RANK_SIDE = {
     "harness.rank", "harness.messages", "harness.records", "harness.catalogue", "harness.decorator",
     "harness.context", "harness.probe", "harness.oracle", "harness.checks", "harness.closeness",
     "harness.diagnosis", "harness.replica", "harness.schedule", "harness.models", "harness.render",
-    "harness.render.failures", "harness.render.text", "harness.faults",
+    "harness.render.failures", "harness.render.text", "harness.faults", "harness.faults_fsdp",
+    "harness.wrappers", "harness.sharding", "harness.accounting",
 }
 
 

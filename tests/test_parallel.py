@@ -10,7 +10,7 @@ from conftest import PLANTED, start_pytest, wait_for_no_processes
 # Passing cells and one that must fail (a model left out of no_sync, planted): a harness that said
 # pass to everything, or lost a failure on its way from a worker, would not give the same matrix.
 SELECTION = ["cases/test_fused_loss.py", "cases/test_no_sync.py", PLANTED,
-             "-k", "fp32 and (fused_loss or no_sync or left_out)", "--world-sizes", "1,2"]
+             "-k", "fp32-ws and (fused_loss or no_sync or left_out)", "--world-sizes", "1,2"]
 FAILING = ("planted_left_out_of_no_sync", "fp32", 2)
 
 
@@ -37,7 +37,8 @@ def test_xdist_and_concurrent_sessions_give_the_serial_matrix(tmp_path):
     finish(*start_pytest(SELECTION, serial))
     expected = statuses(serial)
     assert len(expected) == 10
-    assert expected[FAILING][0] == "fail" and {kind for kind, *_ in expected[FAILING][1]} == {"synced_early"}
+    # the gradients say it, and so does DDP's all-reduce in backwards the contract keeps local
+    assert expected[FAILING][0] == "fail" and {kind for kind, *_ in expected[FAILING][1]} == {"synced_early", "comm_unexpected"}
     assert {status for key, (status, _) in expected.items() if key != FAILING} == {"pass"}
 
     xdist = tmp_path / "xdist"

@@ -17,7 +17,7 @@ from conftest import PLANTED, ROOT, session_env, start_pytest, wait_for_no_proce
 
 
 def test_a_perturbed_rank_fails_the_cell_naming_rank_step_model_and_kind(run_pytest):
-    session = run_pytest("cases/test_fused_loss.py", "-k", "fp32", "--world-sizes", "2",
+    session = run_pytest("cases/test_fused_loss.py", "-k", "fp32-ws", "--world-sizes", "2",
                          "--harness-fault", "perturb_rank1")
     assert session.returncode == 1
     cell = session.cells()[("fused_loss", "fp32", 2)]
@@ -41,7 +41,7 @@ def test_a_perturbed_rank_fails_the_cell_naming_rank_step_model_and_kind(run_pyt
 
 def test_the_printed_rerun_command_runs_the_cell_without_replacing_the_runs_matrix(run_pytest, tmp_path):
     report_dir = tmp_path / "full"
-    session = run_pytest("cases/test_fused_loss.py", "-k", "fp32", "--world-sizes", "1,2",
+    session = run_pytest("cases/test_fused_loss.py", "-k", "fp32-ws", "--world-sizes", "1,2",
                          "--harness-fault", "perturb_rank1", report_dir=report_dir)
     cell = session.cells()[("fused_loss", "fp32", 2)]
     rerun = shlex.split(cell["rerun"])
@@ -170,7 +170,7 @@ def test_bad_input_stops_the_run_at_start_with_one_line_naming_the_option(run_py
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: nccl can run here")
 def test_nccl_without_gpus_gives_skip_cells_with_the_reason(run_pytest):
-    session = run_pytest("cases/test_fused_loss.py", "-k", "fp32", "--backend", "nccl", "--world-sizes", "1,2")
+    session = run_pytest("cases/test_fused_loss.py", "-k", "fp32-ws", "--backend", "nccl", "--world-sizes", "1,2")
     assert session.returncode == 0
     cells = session.cells()
     assert {c["status"] for c in cells.values()} == {"skip"}
@@ -244,7 +244,7 @@ def test_a_run_killed_outright_keeps_every_finished_cell_in_its_reports(tmp_path
 def test_a_finished_run_marks_its_matrix_complete_and_removes_the_pools_folders(tmp_path):
     temp = tmp_path / "tmp"
     temp.mkdir()
-    process, token = start_pytest(["cases/test_fused_loss.py", "-k", "fp32", "--world-sizes", "1,2"],
+    process, token = start_pytest(["cases/test_fused_loss.py", "-k", "fp32-ws", "--world-sizes", "1,2"],
                                   tmp_path / "reports", TMPDIR=str(temp))
     stdout, _ = process.communicate(timeout=600)
     assert process.returncode == 0, stdout[-3000:]
@@ -266,7 +266,7 @@ def test_a_run_that_finishes_no_cell_leaves_the_previous_reports_alone(run_pytes
 def test_accelerate_settings_in_the_environment_do_not_change_the_cells(tmp_path):
     """A shell or launcher that exported ACCELERATE_MIXED_PRECISION=bf16 (as `accelerate launch`
     does) would make every fp32 cell bf16: the ranks drop such settings, and the matrix names them."""
-    process, _ = start_pytest(["cases/test_fused_loss.py", "-k", "fp32", "--world-sizes", "2"], tmp_path,
+    process, _ = start_pytest(["cases/test_fused_loss.py", "-k", "fp32-ws", "--world-sizes", "2"], tmp_path,
                               ACCELERATE_MIXED_PRECISION="bf16", ACCELERATE_GRADIENT_ACCUMULATION_STEPS="3")
     stdout, _ = process.communicate(timeout=300)
     assert process.returncode == 0, stdout[-2000:]

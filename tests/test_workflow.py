@@ -316,9 +316,11 @@ def test_gpu_smoke_runs_every_power_of_two_then_pools_merge_and_diff(tmp_path):
     result, calls = run_smoke(tmp_path, 6, FAIL_WS="2", CASE_TIMEOUT="45")
     out = tmp_path / "out"
     launches = [c for c in calls if "-m torch.distributed.run" in c]
+    every = "--wrappers ddp,fsdp2,fsdp1,deepspeed-z1,deepspeed-z2,deepspeed-z3"  # every wrapper, every variant
     assert launches == [f"-m torch.distributed.run --standalone --nproc-per-node {n} -m harness launch "
-                        f"--backend nccl --report-dir {out}/launch-ws{n} --case-timeout 45" for n in (1, 2, 4)]
-    assert f"-m pytest cases/ -p no:cacheprovider --backend nccl --report-dir {out}/pools --case-timeout 45" in calls
+                        f"--backend nccl --report-dir {out}/launch-ws{n} {every} --case-timeout 45" for n in (1, 2, 4)]
+    assert (f"-m pytest cases/ -p no:cacheprovider --backend nccl --report-dir {out}/pools {every} "
+            "--case-timeout 45") in calls
     merged = [f"{out}/launch-ws{n}/matrix.json" for n in (1, 2, 4)]
     assert f"-m harness merge {' '.join(merged)} --out {out}/launches" in calls
     assert (f"-m harness diff {out}/launches/matrix.json {out}/pools/matrix.json "

@@ -10,6 +10,8 @@ import torch.distributed as dist
 from harness import Diagnosis, Variant, case
 from harness.models import derive_seed, rank_batch, regression_loss
 
+# the planted situations are about ranks and the protocol, not about wrappers
+DDP_ONLY = ["ddp"]
 RANK_FAULTS = ("raise", "exit", "kill", "hang_in_collective", "hang_outside")
 
 
@@ -63,7 +65,7 @@ def _variants():
     return out
 
 
-@case("planted_rank_fault", variants=_variants())
+@case("planted_rank_fault", wrappers=DDP_ONLY, variants=_variants())
 def test_planted_rank_fault(ctx):
     """One correct step, then rank 1 fails in the variant's way; each faulty variant is followed
     by a healthy one, which must pass on the rebuilt pool."""
@@ -81,7 +83,7 @@ def test_planted_rank_fault(ctx):
     synced_steps(ctx, accelerator, model, optimizer, oracle, [2])
 
 
-@case("planted_left_out_of_no_sync", variants=[Variant("fp32", {"precision": "fp32"})])
+@case("planted_left_out_of_no_sync", wrappers=DDP_ONLY, variants=[Variant("fp32", {"precision": "fp32"})])
 def test_planted_left_out_of_no_sync(ctx):
     """A user's bug: two models trained together, only ``gen`` put under ``no_sync``. ``disc``
     syncs on every backward, where the pattern promises local gradients."""
@@ -102,7 +104,7 @@ def test_planted_left_out_of_no_sync(ctx):
         oracle.check_grads(step, models)
 
 
-@case("planted_slow", variants=[Variant(f"n{i}", {}) for i in range(6)])
+@case("planted_slow", wrappers=DDP_ONLY, variants=[Variant(f"n{i}", {}) for i in range(6)])
 def test_planted_slow(ctx):
     """A correct cell that takes a while: lets a test interrupt a run half-way. Rank 0 leaves a
     file in $PLANTED_PROGRESS_DIR as each cell starts, so the test knows when to interrupt."""
@@ -117,7 +119,7 @@ def test_planted_slow(ctx):
 FP32 = [Variant("fp32", {"precision": "fp32"})]
 
 
-@case("planted_canary_misdeclared", variants=FP32, canary=Diagnosis("not_synced", model="model"))
+@case("planted_canary_misdeclared", wrappers=DDP_ONLY, variants=FP32, canary=Diagnosis("not_synced", model="model"))
 def test_planted_canary_misdeclared(ctx):
     """A canary whose pattern breaks the optimizer steps (it steps where its contract has none),
     declared as breaking sync: the harness finds stepped_early, not the declared not_synced, so the
@@ -126,7 +128,7 @@ def test_planted_canary_misdeclared(ctx):
     synced_steps(ctx, accelerator, model, optimizer, oracle, [1, 2], contract_steps=False)
 
 
-@case("planted_alike", variants=FP32)
+@case("planted_alike", wrappers=DDP_ONLY, variants=FP32)
 def test_planted_alike(ctx):
     """Every rank gets the same data, so synced and local gradients are equal and no check can tell
     whether the sync happened: from two ranks on the cell is an error (a harness defect), not a pass."""
