@@ -80,6 +80,10 @@ def observe(model: nn.Module, names: list[str], *, sync: bool) -> Observed:
     kind = prepared_as(model)
     if kind == "fsdp1":
         return _fsdp1(model, with_grads=sync)
+    if kind.startswith("deepspeed-"):
+        from harness import deepspeed_cpu
+
+        return deepspeed_cpu.observe(getattr(model, "_orig_mod", model), names, sync=sync)
     params = dict(unwrap(model).named_parameters())
     DTensor = _dtensor_class()
     if DTensor is None or not any(isinstance(p, DTensor) for p in params.values()):

@@ -8,7 +8,6 @@ between sync points (harness/accounting.py judges that).
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any, Iterable, Mapping
 
 from harness.decorator import SkipCell, Variant
@@ -109,7 +108,7 @@ def accelerator_kwargs(wrapper: str, kwargs: Mapping[str, Any], *, device_type: 
         if version == 2:
             probe.require_parameter(plugin, "fsdp_version", "FullyShardedDataParallelPlugin(fsdp_version=2)")
         return {"fsdp_plugin": plugin(fsdp_version=version, **options) if version == 2 else _fsdp1_plugin(plugin, options)}
-    return {"deepspeed_plugin": _deepspeed_plugin(wrapper, device_type=device_type, num_steps=num_steps)}
+    return _deepspeed_kwargs(wrapper, device_type=device_type, num_steps=num_steps)
 
 
 def _fsdp1_plugin(plugin: Any, options: dict[str, Any]) -> Any:
@@ -120,23 +119,22 @@ def _fsdp1_plugin(plugin: Any, options: dict[str, Any]) -> Any:
     return plugin(**options)
 
 
-def _deepspeed_plugin(wrapper: str, *, device_type: str, num_steps: int) -> Any:
-    if importlib.util.find_spec("deepspeed") is None:
-        raise SkipCell(f"wrapper={wrapper} needs deepspeed, which is not installed")
-    if device_type == "cpu":
-        raise SkipCell(f"wrapper={wrapper}: accelerate drives DeepSpeed on an accelerator device only "
-                       "(on a CPU-only host it never selects DistributedType.DEEPSPEED); bench/gpu_smoke.sh runs it")
-    from harness import probe
-    import accelerate.utils
+def _deepspeed_kwargs(wrapper: str, *, device_type: str, num_steps: int) -> dict[str, Any]:
+    """The DeepSpeed plugin (and ``cpu=False``, which accelerate needs to select DeepSpeed at all);
+    harness/deepspeed_cpu.py says why each setting is what it is."""
+    from harness import deepspeed_cpu
 
-    plugin = probe.require(accelerate.utils, "DeepSpeedPlugin", "DeepSpeedPlugin")
-    return plugin(zero_stage=DEEPSPEED[wrapper], gradient_accumulation_steps=num_steps)
+    return deepspeed_cpu.accelerator_kwargs(wrapper, DEEPSPEED[wrapper], device_type=device_type, num_steps=num_steps)
 
 
 def after_construction(wrapper: str, accelerator: Any, kwargs: Mapping[str, Any]) -> None:
     """What the Accelerator needs once built for ``wrapper`` to be what ``prepare`` applies."""
     if wrapper in FSDP:
         fsdp_on_cpu(accelerator, kwargs["fsdp_plugin"])
+    elif wrapper in DEEPSPEED:
+        from harness import deepspeed_cpu
+
+        deepspeed_cpu.after_construction(accelerator, stage=DEEPSPEED[wrapper])
 
 
 def fsdp_on_cpu(accelerator: Any, plugin: Any) -> None:
