@@ -20,8 +20,8 @@ Where the gradients are (what ``observe`` reads):
   partition the gradients and reduce them after every micro-batch by design; what they hold in
   between is a partition inside the optimizer, and ``safe_get_full_grad`` there is no read at all
   (ZeRO-2 raises on the ranks owning a fragment while the others enter an all-reduce: a collective
-  mismatch). So there they are hidden (``Observed(sharded=True)`` with no gradient): no claim; the
-  collective accounting allows their per-micro-batch reductions (wrappers.REDUCES_EVERY_MICRO_BATCH).
+  mismatch). So there they are hidden (``Observed.hidden``, no gradient): no claim; the collective
+  accounting allows their per-micro-batch reductions (wrappers.REDUCES_EVERY_MICRO_BATCH).
 """
 
 from __future__ import annotations
@@ -201,11 +201,12 @@ def capture_boundary_gradients(engine: Any) -> None:
 def observe(engine: Any, names: list[str], *, sync: bool) -> Observed:
     """A DeepSpeedEngine's parameters (full fp32, every stage: a collective) and gradients.
 
-    At a sync point: the full gradients captured before the engine stepped. Between sync points:
-    ZeRO-1's own ``param.grad`` (this rank's accumulated gradient), ZeRO-2/3's hidden (no claim).
-    At a sync point where the engine took no step at a boundary (nothing captured since its last
-    backward), what the rank holds is shown as it is: ZeRO-1's ``param.grad``, none under ZeRO-2/3
-    (read as zeros), and the check fails there."""
+    After a step at a boundary (an optimizer step of the schedule): the full gradients captured
+    before the engine stepped. Otherwise (between optimizer steps, and at a point where the
+    contract syncs but the engine took no step: ``sync_each_batch``, or a boundary the engine
+    missed): ZeRO-1's own ``param.grad`` (what it reduces only at a boundary), compared as usual;
+    ZeRO-2/3's hidden (``Observed.hidden``: no claim; a missed step still shows in the
+    parameters)."""
     from deepspeed.utils import safe_get_full_fp32_param
 
     module = engine.module
@@ -218,4 +219,4 @@ def observe(engine: Any, names: list[str], *, sync: bool) -> Observed:
     if stage < 2:
         return Observed(params=params, grads={n: None if p.grad is None else p.grad.detach().clone() for n, p in named})
     grads: dict[str, torch.Tensor | None] = {n: None for n, _ in named}
-    return Observed(params=params, grads=grads, sharded=not sync)
+    return Observed(params=params, grads=grads, sharded=True, hidden=True)

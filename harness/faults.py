@@ -23,6 +23,9 @@ class Fault:
     name: str
     description: str
     patch: Callable[[int], ContextManager[None]]
+    # the wrappers under which a cell can catch it (harness/wrappers.py); empty: any, the DDP
+    # cells of the default self-check included. One with wrappers is run only when named.
+    wrappers: tuple[str, ...] = ()
 
 
 @contextlib.contextmanager
@@ -430,3 +433,8 @@ def apply_fault(name: str | None, *, rank: int) -> Iterator[None]:
         return
     with resolve(name).patch(rank):
         yield
+
+
+# Faults of one wrapper's path, registered into FAULTS when this module is imported (last: they
+# use register and _patched from here).
+from harness import faults_deepspeed  # noqa: E402,F401

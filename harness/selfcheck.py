@@ -322,7 +322,10 @@ def run_selfcheck(
     (skipped when ``sensitivity_cases`` is None)."""
     targets = select_targets(catalogue, cases=cases, variants=variants, all_variants=all_variants)
     try:
-        chosen_faults = [resolve(name) for name in (faults if faults is not None else list(FAULTS))]
+        # by default the faults that the catalogue's DDP cells can catch; one of a wrapper's own
+        # path (Fault.wrappers) only when named
+        default = [name for name, fault in FAULTS.items() if not fault.wrappers]
+        chosen_faults = [resolve(name) for name in (faults if faults is not None else default)]
     except ValueError as exc:
         raise SelfcheckError(str(exc)) from None
     if not [t for t in targets if not t.case.info.canary]:

@@ -17,9 +17,10 @@ def _classes():
     from accelerate.optimizer import AcceleratedOptimizer
     from accelerate.scheduler import AcceleratedScheduler
     from accelerate.state import GradientState
+    from accelerate.utils.deepspeed import DeepSpeedEngineWrapper
 
     return [Accelerator, AcceleratedOptimizer, AcceleratedScheduler, GradientState, DataLoaderDispatcher,
-            DataLoaderShard]
+            DataLoaderShard, DeepSpeedEngineWrapper]
 
 
 def _snapshot():

@@ -55,7 +55,8 @@ EXPECTED_DIAGNOSES = {
 
 
 def test_every_registered_fault_has_an_expected_diagnosis():
-    assert set(EXPECTED_DIAGNOSES) == set(selfcheck.FAULTS)
+    # a fault of one wrapper's path (Fault.wrappers) is tested with its wrapper (tests/test_deepspeed.py)
+    assert set(EXPECTED_DIAGNOSES) == {name for name, fault in selfcheck.FAULTS.items() if not fault.wrappers}
 
 
 @pytest.fixture(scope="module")
