@@ -151,6 +151,7 @@ def after_construction(accelerator: Any, *, stage: int) -> None:
 
     @functools.wraps(original)
     def prepare(*args: Any, **kwargs: Any) -> Any:
+        _one_process_launch(world_size)
         result = original(*args, **kwargs)
         wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
         if wrapped is not None:
@@ -158,6 +159,21 @@ def after_construction(accelerator: Any, *, stage: int) -> None:
         return result
 
     accelerator.prepare = prepare
+
+
+def _one_process_launch(world_size: int) -> None:
+    """At world size 1, ``LOCAL_RANK=0`` from ``prepare`` on, as a one-process launch sets it.
+
+    A pool of one rank is one process with its process group made and no launcher variables.
+    DeepSpeed reads LOCAL_RANK in ``deepspeed.initialize`` (an assertion, deepspeed/runtime/engine.py:1972)
+    and, under ZeRO-3, in every forward (runtime/zero/utils.py:85). Every launcher sets it
+    (``accelerate launch --num_processes 1``, torchrun, deepspeed), and ``deepspeed.init_distributed``
+    does when it discovers the group itself (comm/comm.py:942); here the group exists, so it does
+    not. It is set after the Accelerator is built, so that accelerate still sees the plain process
+    it was built in (num_processes 1), and the rank puts the environment back after the cell
+    (rank.run_cell), so that a later cell of the pool is again a plain process."""
+    if world_size == 1 and "LOCAL_RANK" not in os.environ:
+        os.environ["LOCAL_RANK"] = "0"
 
 
 def capture_boundary_gradients(engine: Any) -> None:

@@ -18,8 +18,11 @@ from harness.wrappers import DEEPSPEED
 def _boundary_ignored(rank: int) -> Iterator[None]:
     # accelerate's DeepSpeedEngineWrapper.backward tells the engine that every micro-batch is a
     # gradient-accumulation boundary (is_boundary=True whatever sync_gradients is); it still steps
-    # the engine only where sync_gradients is True. ZeRO-1 then reduces (and clears) the gradients
-    # after every micro-batch instead of accumulating them locally.
+    # the engine only where sync_gradients is True. ZeRO-2 then moves each micro-batch's reduced
+    # gradient into its partition as if the window ended there (the window's sum is lost). Under
+    # ZeRO-1 accumulate() also enters the engine's no_sync between sync points, which stops any
+    # reduction whatever the boundary says, so ZeRO-1 cells do not see this fault; ZeRO-3 cells
+    # neither (measured, deepspeed 0.19.8).
     from accelerate.utils.deepspeed import DeepSpeedEngineWrapper
 
     original = DeepSpeedEngineWrapper.backward
