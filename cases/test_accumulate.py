@@ -61,11 +61,14 @@ def adversarial_setup(ctx, steps, names):
     optimizers = [sgd(m.parameters()) for m in models.values()]
     try:
         prepared = accelerator.prepare(*models.values(), *optimizers, DataLoader(dataset, batch_size=BATCH_SIZE))
-    except ValueError as exc:
-        # accelerate (through 1.15.0) refuses several models under FSDP2 at prepare: a capability
-        # the installed release lacks, asked for by trying it
-        if ctx.wrapper == "fsdp2" and "one model" in str(exc):
+    except (ValueError, AssertionError) as exc:
+        # accelerate (through 1.15.0) refuses several models under FSDP2 (ValueError) and under
+        # DeepSpeed (AssertionError) at prepare: a capability the installed release lacks, asked
+        # for by trying it
+        if ctx.wrapper == "fsdp2" and isinstance(exc, ValueError) and "one model" in str(exc):
             raise Unsupported("several models in one Accelerator under FSDP2", str(exc)) from None
+        if ctx.wrapper.startswith("deepspeed-") and "multiple models" in str(exc):
+            raise Unsupported("several models in one Accelerator under DeepSpeed", str(exc)) from None
         raise
     models = dict(zip(names, prepared[: len(names)]))
     optimizers = prepared[len(names) : 2 * len(names)]

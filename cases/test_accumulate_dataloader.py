@@ -4,7 +4,7 @@ sync on every batch, and windows that span epochs."""
 import torch
 from torch.utils.data import DataLoader
 
-from harness import PRECISIONS, case, grid
+from harness import PRECISIONS, Diagnosis, case, grid
 from harness.models import regression_loss
 
 EPOCHS = 2
@@ -99,7 +99,13 @@ def test_accumulate_split_batches(ctx):
     train(ctx, accelerator, steps=steps, loader=loader, per_rank=per_rank)
 
 
-@case("accumulate_sync_each_batch", variants=grid(steps=[2, 3], precision=PRECISIONS))
+# Under DeepSpeed ZeRO-1 sync_each_batch does nothing: accelerate's DeepSpeedEngineWrapper.backward
+# tells the engine it is at a boundary from sync_gradients alone (accelerate/utils/deepspeed.py:267,
+# 1.15.0), and ZeRO-1 reduces only at a boundary (deepspeed engine.py:3089): the gradients stay
+# local between optimizer steps (no all-reduce where one is due). ZeRO-2/3 reduce every micro-batch
+# anyway. The optimizer steps are right; the memory the option promises is not saved.
+@case("accumulate_sync_each_batch", variants=grid(steps=[2, 3], precision=PRECISIONS),
+      defects={"deepspeed-z1": [Diagnosis("not_synced", model="model"), Diagnosis("comm_missing")]})
 def test_accumulate_sync_each_batch(ctx):
     """``GradientAccumulationPlugin(sync_each_batch=True)``: gradients are averaged at every batch,
     the optimizer still steps only every N batches and at the end of the dataloader."""

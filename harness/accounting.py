@@ -17,6 +17,7 @@ micro-batch by design), and one that syncs reduces at least every element that g
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import pickle
@@ -54,6 +55,31 @@ def _records() -> list[dict[str, Any]] | None:
                     .get("entries", []))
     except Exception:
         return None
+
+
+# Record-id ranges (first, last] of collectives the harness itself issued inside a backward (a
+# wrapper's reader that gathers gradients where only then they exist: harness/deepspeed_cpu.py):
+# not the library's, so never counted. Cleared at each backward.
+_UNCOUNTED: list[tuple[int, int]] = []
+
+
+@contextlib.contextmanager
+def uncounted() -> Any:
+    """Collectives issued in the block are the harness's own: the backward around it is judged
+    without them (a reduction the harness makes must not stand in for one the library missed)."""
+    records = _records()
+    if records is None:
+        yield
+        return
+    before = _last_id(records)
+    try:
+        yield
+    finally:
+        _UNCOUNTED.append((before, _last_id(_records())))
+
+
+def _counted(record_id: int) -> bool:
+    return not any(first < record_id <= last for first, last in _UNCOUNTED)
 
 
 @dataclass
@@ -103,11 +129,13 @@ class Accounting:
 
         @functools.wraps(original)
         def backward(*args: Any, **kwargs: Any) -> Any:
+            _UNCOUNTED.clear()
             before = _last_id(_records())
             try:
                 return original(*args, **kwargs)
             finally:
                 self.backwards.append(_since(_records(), before))
+                _UNCOUNTED.clear()
 
         accelerator.backward = backward
 
@@ -126,7 +154,7 @@ def _since(entries: list[dict[str, Any]] | None, last: int) -> Backward:
     new = [e for e in entries if int(e["record_id"]) > last]
     complete = not new or int(new[0]["record_id"]) == last + 1
     reductions = [(str(e["profiling_name"]), _numel(e.get("input_sizes"))) for e in new
-                  if _is_reduction(str(e.get("profiling_name", "")))]
+                  if _is_reduction(str(e.get("profiling_name", ""))) and _counted(int(e["record_id"]))]
     return Backward(reductions=reductions, complete=complete)
 
 

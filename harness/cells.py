@@ -91,7 +91,7 @@ def run_cell(pools: PoolSet, case: CaseRef, variant: Variant, world_size: int, s
     if settings.backend == "nccl" and not settings.launched and world_size > settings.gpu_count:
         return Cell(status=Status.SKIP, summary=nccl_skip_summary(world_size, settings.gpu_count), **common)
     spec = cell_spec(case, variant, world_size, settings, label=node)
-    common.update(detects=case.info.detects, timeout_s=settings.case_timeout_s)
+    common.update(detects=case.info.detects_for(variant), timeout_s=settings.case_timeout_s)
     try:
         pool = pools.get(world_size)
     except GroupLost as exc:  # under a launcher, after a rank died or hung

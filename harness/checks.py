@@ -151,7 +151,7 @@ class Checks:
         self._collectives(index, at, models)
         for name, model in models.items():
             observed = self._observe(name, model, sync=oracle.last_sync)
-            if observed.sharded and not oracle.last_sync or observed.shards_shown:
+            if observed.hidden or observed.sharded and not oracle.last_sync or observed.shards_shown:
                 self._hidden(index, at, name, observed)
                 continue
             local = oracle.local_grads(name)

@@ -62,10 +62,18 @@ class CaseInfo:
     detects: tuple[Diagnosis, ...]
     description: str
     wrappers: tuple[str, ...] = ()  # the wrappers the case applies to (harness/wrappers.py)
+    # a known defect of the library under one wrapper: the diagnoses its cells must produce
+    defects: Mapping[str, tuple[Diagnosis, ...]] = field(default_factory=dict)
 
     @property
     def canary(self) -> bool:
         return bool(self.detects)
+
+    def detects_for(self, variant: Variant) -> tuple[Diagnosis, ...]:
+        """What a cell of ``variant`` must produce: the canary's diagnoses, or those of a known
+        defect under the variant's wrapper (judged as a canary's: ``detected``, or ``missed`` the
+        day a release fixes it)."""
+        return self.detects or self.defects.get(str(variant.params.get("wrapper", "ddp")), ())
 
 
 def _format_value(value: Any) -> str:
@@ -128,6 +136,7 @@ def case(
     variants: Iterable[Variant] = grid(precision=PRECISIONS),
     canary: Diagnosis | Iterable[Diagnosis] = (),
     wrappers: Iterable[str] | None = None,
+    defects: Mapping[str, Diagnosis | Iterable[Diagnosis]] | None = None,
 ) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """Declare a case. The decorated function runs on every rank with a ``RankContext``.
 
@@ -142,6 +151,11 @@ def case(
     ``wrappers``: the wrappers the case applies to (``ddp``, ``fsdp2``, ``fsdp1``, ``deepspeed-z1``,
     ...; default: every one). A case that uses an API of one wrapper only (DDP's
     ``trigger_sync_in_backward``, ``DistributedDataParallelKwargs``) names it: ``wrappers=["ddp"]``.
+
+    ``defects``: a known defect of accelerate (or the wrapper) under one wrapper, by wrapper name, as
+    the diagnoses its cells show (``{"deepspeed-z1": Diagnosis("not_synced")}``). Those cells are
+    judged as a canary's, so the run stays green while the defect lasts and turns red (``missed``)
+    when a release fixes it; say in the case why it is a defect.
     """
     from harness.wrappers import WRAPPERS
 
@@ -150,6 +164,13 @@ def case(
     if unknown or not applies:
         raise ValueError(f"case {name!r}: wrappers= takes names among {', '.join(WRAPPERS)}; "
                          f"got {unknown[0] if unknown else 'none'}")
+    known: dict[str, tuple[Diagnosis, ...]] = {}
+    for wrapper, diagnoses in (defects or {}).items():
+        if wrapper not in applies:
+            raise ValueError(f"case {name!r}: defects= names wrapper {wrapper!r}, which the case does not apply to")
+        known[wrapper] = (diagnoses,) if isinstance(diagnoses, Diagnosis) else tuple(diagnoses)
+        if not known[wrapper] or not all(isinstance(d, Diagnosis) for d in known[wrapper]):
+            raise TypeError(f"case {name!r}: defects[{wrapper!r}] takes Diagnosis(kind, model=...) objects")
     if canary is True:
         raise TypeError(f"case {name!r}: a canary names the diagnoses it must produce, "
                         "e.g. canary=Diagnosis('not_synced', model='gen'), not canary=True")
@@ -185,6 +206,7 @@ def case(
             detects=detects,
             description=inspect.getdoc(body) or "",
             wrappers=applies,
+            defects=known,
         )
         return test
 

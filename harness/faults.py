@@ -400,9 +400,6 @@ def perturbation(relative: float, *, target_rank: int = 1, only: int | None = No
                  _perturb_rank(target_rank, relative, only=only))
 
 
-# the faults of the sharded paths register themselves into FAULTS
-from harness import faults_fsdp  # noqa: E402,F401
-
 PERTURBATION_FORMS = "perturb:<relative> or perturb_once:<relative>[@<backward>]"
 
 
@@ -436,3 +433,8 @@ def apply_fault(name: str | None, *, rank: int) -> Iterator[None]:
         return
     with resolve(name).patch(rank):
         yield
+
+
+# Faults of one wrapper's path, registered into FAULTS when this module is imported (last: they
+# use register and _patched from here).
+from harness import faults_deepspeed, faults_fsdp  # noqa: E402,F401

@@ -153,6 +153,7 @@ def run_cell(spec: CellSpec, rank: int, device: Any) -> RankResult:
 
     started = time.perf_counter()
     ctx = None
+    environment = dict(os.environ)
     try:
         reset_accelerate()
         body = find_case(locate(spec.case_anchor, spec.case_relpath, spec.case_file), spec.case_attr).body
@@ -171,6 +172,7 @@ def run_cell(spec: CellSpec, rank: int, device: Any) -> RankResult:
     except Exception:
         outcome, detail = RankOutcome.RAISED, traceback.format_exc()
     finally:
+        _restore_environment(environment)
         try:
             reset_accelerate()
             if ctx is not None and ctx.compile is not None:
@@ -192,6 +194,17 @@ def run_cell(spec: CellSpec, rank: int, device: Any) -> RankResult:
         max_abs_diff=recorder.max_abs_diff if recorder else 0.0,
         duration_s=time.perf_counter() - started,
     )
+
+
+def _restore_environment(saved: dict[str, str]) -> None:
+    """Put the process environment back as it was before the cell: what a cell's libraries set
+    for the process (accelerate's ACCELERATE_USE_DEEPSPEED/_FSDP when given a plugin, LOCAL_RANK for
+    a DeepSpeed cell of one process) must not reach the next cell of the pool."""
+    for name in [n for n in os.environ if n not in saved]:
+        del os.environ[name]
+    for name, value in saved.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
 
 
 def _planted_fault(name: str | None, rank: int) -> ContextManager[None]:

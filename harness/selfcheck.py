@@ -17,6 +17,8 @@ from harness.pool import PoolSet, PoolStartError
 from harness.records import BAD_STATUSES, Status
 from harness.wrappers import DDP, WRAPPERS, cell_variants
 
+# A fault's cell that was not run starts its summary with this.
+NOT_RUN = "not run: "
 # Relative perturbations tried by the sensitivity search: four a decade, 1e-9 to 1.
 SENSITIVITY_GRID = tuple(10.0 ** (e / 4) for e in range(-36, 1))
 SENSITIVITY_CASES = ("fused_loss", "accumulate")
@@ -44,6 +46,11 @@ class Target:
     @property
     def wrapper(self) -> str:
         return str(self.variant.params.get("wrapper", DDP))
+
+    @property
+    def known_wrong(self) -> bool:
+        """A canary, or a known defect under this wrapper: broken on purpose, it proves nothing here."""
+        return bool(self.case.info.detects_for(self.variant))
 
 
 def _matches(variant: Variant, pattern: str) -> bool:
@@ -145,6 +152,11 @@ class FaultResult:
     def caught(self) -> bool:
         return bool(self.caught_by)
 
+    @property
+    def ran(self) -> list[Cell]:
+        """The cells it ran on: those of its wrappers that passed clean."""
+        return [c for c in self.cells if not c.summary.startswith(NOT_RUN)]
+
     def kinds(self) -> list[str]:
         """The diagnoses at the first failing step of the cells that caught it, most common first."""
         counts = Counter(kind for c in self.caught_by for kind in first_kinds(c))
@@ -173,7 +185,7 @@ class SelfcheckResult:
 
     @property
     def counted_targets(self) -> list[Target]:
-        return [t for t in self.targets if not t.case.info.canary]
+        return [t for t in self.targets if not t.known_wrong]
 
     @property
     def clean_bad(self) -> list[Cell]:
@@ -181,14 +193,24 @@ class SelfcheckResult:
 
     @property
     def uncaught(self) -> list[FaultResult]:
-        return [r for r in self.faults if not r.caught]
+        return [r for r in self.faults if r.ran and not r.caught]
+
+    @property
+    def not_run(self) -> list[FaultResult]:
+        """Faults with no cell to run on here (no cell of their wrappers passed clean, e.g. DeepSpeed
+        not installed): neither caught nor missed, and left out of the kill rate."""
+        return [r for r in self.faults if not r.ran]
+
+    @property
+    def counted_faults(self) -> list[FaultResult]:
+        return [r for r in self.faults if r.ran]
 
     @property
     def ok(self) -> bool:
         return not self.clean_bad and not self.uncaught
 
     def to_dict(self) -> dict[str, Any]:
-        caught = sum(r.caught for r in self.faults)
+        caught = sum(r.caught for r in self.counted_faults)
         return {
             "world_size": self.world_size,
             "seed": self.seed,
@@ -200,8 +222,9 @@ class SelfcheckResult:
                  "cells": [c.to_dict() for c in r.cells]}
                 for r in self.faults
             ],
-            "kill_rate": {"caught": caught, "faults": len(self.faults),
-                          "rate": caught / len(self.faults) if self.faults else None},
+            "kill_rate": {"caught": caught, "faults": len(self.counted_faults),
+                          "rate": caught / len(self.counted_faults) if self.counted_faults else None},
+            "not_run": [r.fault.name for r in self.not_run],
             "sensitivity": [{"precision": s.precision, "cases": s.cases, "caught": s.caught, "missed": s.missed}
                             for s in self.sensitivity],
             "ok": self.ok,
@@ -249,21 +272,24 @@ def run_faults(runner: Runner, targets: Sequence[Target], faults: Iterable[Fault
     """Each fault on every non-canary target of the wrappers it is planted in (a canary is broken on
     purpose: it proves nothing here). A target whose clean cell did not pass is not run: its failing
     under a fault would prove nothing."""
-    counted = [t for t in targets if not t.case.info.canary]
+    counted = [t for t in targets if not t.known_wrong]
     baseline = {(c.case, c.variant): c.status for c in clean or ()}
     faults = list(faults)
     results = []
 
     def run(target: Target, fault: Fault) -> Cell:
         status = baseline.get((target.case.name, target.variant.name), Status.PASS)
+        if target.wrapper not in fault.wrappers:
+            return Cell(case=target.case.name, variant=target.variant.name, world_size=runner.world_size,
+                        status=Status.SKIP, summary=f"{NOT_RUN}planted in the path of {', '.join(fault.wrappers)}")
         if status != Status.PASS:
             return Cell(case=target.case.name, variant=target.variant.name, world_size=runner.world_size,
-                        status=Status.SKIP, summary=f"not run: {status} in the clean run")
+                        status=Status.SKIP, summary=f"{NOT_RUN}{status} in the clean run")
         return runner.run(target, fault=fault.name)
 
     for n, fault in enumerate(faults, 1):
         started = time.perf_counter()
-        cells = [run(t, fault) for t in counted if t.wrapper in fault.wrappers]
+        cells = [run(t, fault) for t in counted]
         result = FaultResult(fault, cells, time.perf_counter() - started)
         results.append(result)
         progress(FaultDone(n, len(faults), result))
@@ -332,10 +358,11 @@ def run_selfcheck(
     (skipped when ``sensitivity_cases`` is None)."""
     targets = select_targets(catalogue, cases=cases, variants=variants, all_variants=all_variants)
     try:
+        # each fault runs on the cells of the wrappers it is planted in (Fault.wrappers)
         chosen_faults = [resolve(name) for name in (faults if faults is not None else list(FAULTS))]
     except ValueError as exc:
         raise SelfcheckError(str(exc)) from None
-    if not [t for t in targets if not t.case.info.canary]:
+    if not [t for t in targets if not t.known_wrong]:
         raise SelfcheckError("every chosen case is a canary: nothing to count faults with")
     started = time.perf_counter()
     with Runner(world_size=world_size, seed=seed, case_timeout_s=case_timeout_s) as runner:

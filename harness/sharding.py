@@ -53,6 +53,10 @@ class Observed:
     # parameters whose gradient the wrapper shows as a reduced shard where this rank's own, full
     # gradient was due (FSDP1 between sync points): it synced early
     shards_shown: list[str] = field(default_factory=list)
+    # the wrapper keeps this model's gradients where they cannot be read now (DeepSpeed ZeRO-2/3
+    # between optimizer steps, even where the contract syncs: their reduced partitions live inside
+    # the optimizer): no claim is made of them
+    hidden: bool = False
     pieces: dict[str, Piece] = field(default_factory=dict)
     _full_params: Callable[[], dict[str, torch.Tensor]] | None = None
     _full_grads: Callable[[], dict[str, torch.Tensor | None]] | None = None
@@ -80,6 +84,10 @@ def observe(model: nn.Module, names: list[str], *, sync: bool) -> Observed:
     kind = prepared_as(model)
     if kind == "fsdp1":
         return _fsdp1(model, with_grads=sync)
+    if kind.startswith("deepspeed-"):
+        from harness import deepspeed_cpu
+
+        return deepspeed_cpu.observe(getattr(model, "_orig_mod", model), names, sync=sync)
     params = dict(unwrap(model).named_parameters())
     DTensor = _dtensor_class()
     if DTensor is None or not any(isinstance(p, DTensor) for p in params.values()):

@@ -8,7 +8,6 @@ between sync points (harness/accounting.py judges that).
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any, Iterable, Mapping
 
 from harness.decorator import SkipCell, Variant
@@ -28,6 +27,9 @@ REDUCES_EVERY_MICRO_BATCH = frozenset({"deepspeed-z2", "deepspeed-z3"})
 # the oracle's autocast replicas do not do; those cells are not made rather than judged wrongly.
 PRECISIONS = {DDP: ("fp32", "bf16", "fp16")}
 DEFAULT_PRECISIONS = ("fp32",)
+# The wrappers compiled variants run under: DDP, where compiled no_sync has had real bugs (pytorch
+# #109774), and FSDP2, which torch.compile is built to trace.
+COMPILED = frozenset({DDP, "fsdp2"})
 
 
 class WrongWrapper(Exception):
@@ -54,7 +56,7 @@ def cell_variants(variants: Iterable[Variant], applies: Iterable[str], selection
     """A case's variants crossed with the wrappers selected that apply to it.
 
     DDP keeps the variant ids it always had. Another wrapper adds ``-wrapper=<name>`` and runs the
-    precisions the oracle models for it. ``auto``: DDP at every variant, and every other wrapper at
+    precisions the oracle models for it (compiled variants under FSDP2 only). ``auto``: DDP at every variant, and every other wrapper at
     the case's lead variants (its first variant, and its first compiled one), so that the default
     run covers every wrapper once per case (compiled and not) at a fraction of the cost."""
     variants = list(variants)
@@ -68,7 +70,8 @@ def cell_variants(variants: Iterable[Variant], applies: Iterable[str], selection
             out.extend(variants)
             continue
         precisions = PRECISIONS.get(wrapper, DEFAULT_PRECISIONS)
-        eligible = [v for v in variants if str(v.params.get("precision", "fp32")) in precisions]
+        eligible = [v for v in variants if str(v.params.get("precision", "fp32")) in precisions
+                    and ("compile" not in v.params or wrapper in COMPILED)]
         if selection == AUTO:
             eligible = _lead(eligible)
         out.extend(Variant(f"{v.name}-wrapper={wrapper}", {**v.params, "wrapper": wrapper}) for v in eligible)
@@ -109,7 +112,7 @@ def accelerator_kwargs(wrapper: str, kwargs: Mapping[str, Any], *, device_type: 
         if version == 2:
             probe.require_parameter(plugin, "fsdp_version", "FullyShardedDataParallelPlugin(fsdp_version=2)")
         return {"fsdp_plugin": plugin(fsdp_version=version, **options) if version == 2 else _fsdp1_plugin(plugin, options)}
-    return {"deepspeed_plugin": _deepspeed_plugin(wrapper, device_type=device_type, num_steps=num_steps)}
+    return _deepspeed_kwargs(wrapper, device_type=device_type, num_steps=num_steps)
 
 
 def _fsdp1_plugin(plugin: Any, options: dict[str, Any]) -> Any:
@@ -120,23 +123,22 @@ def _fsdp1_plugin(plugin: Any, options: dict[str, Any]) -> Any:
     return plugin(**options)
 
 
-def _deepspeed_plugin(wrapper: str, *, device_type: str, num_steps: int) -> Any:
-    if importlib.util.find_spec("deepspeed") is None:
-        raise SkipCell(f"wrapper={wrapper} needs deepspeed, which is not installed")
-    if device_type == "cpu":
-        raise SkipCell(f"wrapper={wrapper}: accelerate drives DeepSpeed on an accelerator device only "
-                       "(on a CPU-only host it never selects DistributedType.DEEPSPEED); bench/gpu_smoke.sh runs it")
-    from harness import probe
-    import accelerate.utils
+def _deepspeed_kwargs(wrapper: str, *, device_type: str, num_steps: int) -> dict[str, Any]:
+    """The DeepSpeed plugin (and ``cpu=False``, which accelerate needs to select DeepSpeed at all);
+    harness/deepspeed_cpu.py says why each setting is what it is."""
+    from harness import deepspeed_cpu
 
-    plugin = probe.require(accelerate.utils, "DeepSpeedPlugin", "DeepSpeedPlugin")
-    return plugin(zero_stage=DEEPSPEED[wrapper], gradient_accumulation_steps=num_steps)
+    return deepspeed_cpu.accelerator_kwargs(wrapper, DEEPSPEED[wrapper], device_type=device_type, num_steps=num_steps)
 
 
 def after_construction(wrapper: str, accelerator: Any, kwargs: Mapping[str, Any]) -> None:
     """What the Accelerator needs once built for ``wrapper`` to be what ``prepare`` applies."""
     if wrapper in FSDP:
         fsdp_on_cpu(accelerator, kwargs["fsdp_plugin"])
+    elif wrapper in DEEPSPEED:
+        from harness import deepspeed_cpu
+
+        deepspeed_cpu.after_construction(accelerator, stage=DEEPSPEED[wrapper])
 
 
 def fsdp_on_cpu(accelerator: Any, plugin: Any) -> None:

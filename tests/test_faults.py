@@ -17,11 +17,12 @@ def _classes():
     from accelerate.optimizer import AcceleratedOptimizer
     from accelerate.scheduler import AcceleratedScheduler
     from accelerate.state import GradientState
+    from accelerate.utils.deepspeed import DeepSpeedEngineWrapper
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
     return [Accelerator, AcceleratedOptimizer, AcceleratedScheduler, GradientState, DataLoaderDispatcher,
-            DataLoaderShard, FSDPModule, FullyShardedDataParallel, _fsdp_collectives]
+            DataLoaderShard, DeepSpeedEngineWrapper, FSDPModule, FullyShardedDataParallel, _fsdp_collectives]
 
 
 def _snapshot():

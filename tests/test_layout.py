@@ -20,7 +20,7 @@ RANK_SIDE = {
     "harness.context", "harness.probe", "harness.oracle", "harness.checks", "harness.closeness",
     "harness.diagnosis", "harness.replica", "harness.schedule", "harness.models", "harness.render",
     "harness.render.failures", "harness.render.text", "harness.faults", "harness.faults_fsdp",
-    "harness.wrappers", "harness.sharding", "harness.accounting",
+    "harness.wrappers", "harness.sharding", "harness.accounting", "harness.faults_deepspeed", "harness.deepspeed_cpu",
 }
 
 

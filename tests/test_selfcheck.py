@@ -17,7 +17,7 @@ from harness.matrix import Cell
 from harness.records import Status
 from harness.render.selfcheck import sensitivity_text
 from harness.selfcheck import Runner, Target, first_kinds, measure_sensitivity
-from harness.wrappers import WRAPPERS, cell_variants
+from harness.wrappers import DEEPSPEED, WRAPPERS, cell_variants
 
 ROOT = Path(__file__).resolve().parent.parent
 SEEDS = range(1000, 1010)
@@ -61,7 +61,9 @@ EXPECTED_DIAGNOSES = {
 
 
 def test_every_registered_fault_has_an_expected_diagnosis():
-    assert set(EXPECTED_DIAGNOSES) == set(selfcheck.FAULTS)
+    # a DeepSpeed fault is tested where deepspeed is installed (tests/test_deepspeed.py)
+    assert set(EXPECTED_DIAGNOSES) == {name for name, fault in selfcheck.FAULTS.items()
+                                       if not set(fault.wrappers) & set(DEEPSPEED)}
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +187,7 @@ class _AlwaysFailRunner:
 
 
 def test_a_case_that_fails_clean_cannot_catch_a_fault(catalogue):
-    targets = selfcheck.select_targets(catalogue, cases=["fused_loss", "no_sync"])
+    targets = [t for t in selfcheck.select_targets(catalogue, cases=["fused_loss", "no_sync"]) if t.wrapper == "ddp"]
     clean = [Cell(case="fused_loss", variant="fp32", world_size=2, status=Status.FAIL),
              Cell(case="no_sync", variant="fp32", world_size=2, status=Status.PASS)]
     [result] = selfcheck.run_faults(_AlwaysFailRunner(), targets, [selfcheck.FAULTS["grads_summed"]], clean=clean)

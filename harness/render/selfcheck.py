@@ -70,8 +70,9 @@ def render(result: SelfcheckResult) -> str:
     lines.append(clean_row + f"   {sum(clean_by_label[t.label].status == Status.FAIL for t in counted)} fail")
     for r in result.faults:
         row = r.fault.name.ljust(name_width) + "".join(SYMBOLS.get(c.status, "?").rjust(width) for c in r.cells)
-        caught = f"{len(r.caught_by)}/{len(r.cells)}".rjust(9)
-        lines.append(f"{row}   {caught}  {', '.join(r.kinds()) if r.caught else 'NOT CAUGHT'}")
+        caught = f"{len(r.caught_by)}/{len(r.ran)}".rjust(9)
+        verdict = ", ".join(r.kinds()) if r.caught else ("NOT CAUGHT" if r.ran else "not run here")
+        lines.append(f"{row}   {caught}  {verdict}")
     lines += ["", "X caught (fail)   . passed (not caught)   E error (not caught)   - skip, unsupported, or not pass when clean", ""]
     for column, target in zip(columns, counted):
         lines.append(f"{column.rjust(width)}  {target.label}")
@@ -83,9 +84,12 @@ def render(result: SelfcheckResult) -> str:
     if result.clean_bad:
         lines.append("CLEAN RUN NOT CLEAN:")
         lines += [f"  {c.case}[{c.variant}] {c.status}: {c.summary}" for c in result.clean_bad]
-    caught = sum(r.caught for r in result.faults)
-    rate = caught / len(result.faults) if result.faults else math.nan
-    lines.append(f"kill rate: {caught}/{len(result.faults)} faults caught by at least one case ({rate:.0%})")
+    counted_faults = result.counted_faults
+    caught = sum(r.caught for r in counted_faults)
+    rate = caught / len(counted_faults) if counted_faults else math.nan
+    lines.append(f"kill rate: {caught}/{len(counted_faults)} faults caught by at least one case ({rate:.0%})")
+    for r in result.not_run:
+        lines.append(f"  not run here: {r.fault.name} (no cell of {', '.join(r.fault.wrappers)} passed clean)")
     for r in result.uncaught:
         errors = [c for c in r.cells if c.status == Status.ERROR]
         note = f"; {len(errors)} cells errored, e.g. {errors[0].case}: {errors[0].summary}" if errors else ""

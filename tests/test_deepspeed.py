@@ -1,0 +1,89 @@
+"""DeepSpeed ZeRO cells on real pools (CPU, gloo): each stage passes, the planted boundary fault is
+caught, and a model prepared as another stage than the cell names is an error, never a pass."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from harness.catalogue import load_case_file
+from harness.records import Status
+from harness.selfcheck import Runner, Target
+from harness.wrappers import cell_variants
+
+ROOT = Path(__file__).resolve().parent.parent
+MISSING = [p for p in ("deepspeed", "transformers") if importlib.util.find_spec(p) is None]
+pytestmark = pytest.mark.skipif(bool(MISSING), reason=f"DeepSpeed cells need {' and '.join(MISSING)} "
+                                                      "(pip install 'gradsync-harness[deepspeed]')")
+
+
+def target(case_file: str, variant: str, wrapper: str) -> Target:
+    case = load_case_file(ROOT / "cases" / case_file)[0]
+    wanted = f"{variant}-wrapper={wrapper}"
+    chosen = [v for v in cell_variants(case.info.variants, case.info.wrappers, (wrapper,)) if v.name == wanted]
+    assert chosen, f"{case.name} has no variant {wanted}"
+    return Target(case, chosen[0])
+
+
+# A case that asks for ZeRO-1 and has accelerate build a ZeRO-2 engine (its plugin's config edited
+# before prepare): a misconfiguration that must end the cell as an error, never a pass.
+WRONG_STAGE_CASE = """
+import torch
+
+from harness import case
+from harness.models import regression_loss
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.05)
+
+
+@case("deepspeed_prepared_as_zero2", wrappers=["deepspeed-z1"])
+def test_prepared_as_zero2(ctx):
+    accelerator = ctx.accelerator()
+    model = ctx.model("regressor")
+    oracle = ctx.oracle({"model": model}, optimizer=sgd)
+    accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"]["stage"] = 2
+    model, optimizer = accelerator.prepare(model, sgd(model.parameters()))
+    batch = ctx.batch(1)
+    accelerator.backward(regression_loss(model, batch))
+    oracle.backward(lambda m: regression_loss(m["model"], batch), sync=True)
+    oracle.check_grads(1, {"model": model})
+"""
+
+
+@pytest.fixture(scope="module")
+def runner():
+    with Runner(world_size=2) as live:
+        yield live
+
+
+@pytest.mark.parametrize("wrapper", ["deepspeed-z1", "deepspeed-z2", "deepspeed-z3"])
+def test_each_zero_stage_passes_accumulate_at_world_size_2(runner, wrapper):
+    cell = runner.run(target("test_accumulate.py", "steps=2-fp32", wrapper))
+    assert cell.status == Status.PASS, cell.summary
+    assert cell.max_abs_diff < 1e-6
+    assert cell.grad_checks > 0 and cell.comm_checks > 0
+
+
+def test_the_boundary_fault_is_caught_by_a_zero2_cell_that_passes_clean(runner):
+    """accelerate telling the engine that every micro-batch is a boundary: ZeRO-2 moves each
+    micro-batch's reduced gradient into its partition as if the window ended there."""
+    chosen = target("test_accumulate.py", "steps=2-fp32", "deepspeed-z2")
+    clean = runner.run(chosen)
+    faulty = runner.run(chosen, fault="deepspeed_boundary_ignored")
+    assert clean.status == Status.PASS, clean.summary
+    assert faulty.status == Status.FAIL, faulty.summary
+    assert {f.checked for f in faulty.failures} & {"grad", "param"}
+
+
+def test_a_model_prepared_as_another_stage_is_an_error_not_a_pass(runner, tmp_path):
+    path = tmp_path / "test_wrong_stage.py"
+    path.write_text(WRONG_STAGE_CASE)
+    case = load_case_file(path)[0]
+    variant = cell_variants(case.info.variants, case.info.wrappers, ("deepspeed-z1",))[0]
+    cell = runner.run(Target(case, variant))
+    assert cell.status == Status.ERROR, cell.summary
+    assert "prepared as deepspeed-z2" in cell.summary and "wrapper=deepspeed-z1" in cell.summary
