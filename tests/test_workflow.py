@@ -110,7 +110,7 @@ def test_the_four_jobs_and_the_nights_artifacts():
     assert "needs: [cpu, gpu, multinode]" in jobs["merge"] and "if: always()" in jobs["merge"]
     assert "pytest -n auto cases/ --world-sizes 1,2,4 --backend gloo --report-dir reports/cpu" in jobs["cpu"]
     cpu = jobs["cpu"]
-    assert cpu.index("pip install torch==2.13.0") < cpu.index('pip install -e ".[test]"')
+    assert cpu.index("pip install torch==2.13.0") < cpu.index('pip install -e ".[test,deepspeed]"')
     assert "fail-fast: false" in jobs["gpu"]
     assert "--standalone --nproc-per-node" in jobs["gpu"]
     assert '-m harness launch --backend nccl --report-dir "$REPORT_DIR"' in jobs["gpu"]

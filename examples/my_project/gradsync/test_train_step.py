@@ -9,7 +9,8 @@ from my_project.train import loss_fn, make_optimizers, train_step
 EPOCHS = 2
 
 
-@case("my_train_step", variants=grid(steps=[1, 2], precision=ALL_PRECISIONS))
+# DDP and FSDP: make_optimizers gives two optimizers, and DeepSpeed's engine takes one
+@case("my_train_step", variants=grid(steps=[1, 2], precision=ALL_PRECISIONS), wrappers=["ddp", "fsdp2", "fsdp1"])
 def test_my_train_step(ctx: RankContext) -> None:
     """my_project's train_step for two epochs of a shuffled, prepared dataloader: every rank's
     gradients after every backward, and its parameters after every micro-batch."""
