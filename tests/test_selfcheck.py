@@ -15,7 +15,7 @@ from harness import catalogue as case_catalogue
 from harness import selfcheck
 from harness.matrix import Cell
 from harness.records import Status
-from harness.render.selfcheck import sensitivity_text
+from harness.render.selfcheck import render, sensitivity_text
 from harness.selfcheck import Runner, Target, first_kinds, measure_sensitivity
 from harness.wrappers import DEEPSPEED, WRAPPERS, cell_variants
 
@@ -234,3 +234,18 @@ def test_no_false_alarm_over_ten_seeds(catalogue, world_size):
     assert not failed, (f"{len(failed)} of {cells} clean cells failed (false alarms) at world size {world_size}:\n"
                         + "\n".join(failed))
     assert not errored, f"clean cells errored at world size {world_size}:\n" + "\n".join(errored.values())
+
+
+def test_a_fault_with_no_cell_of_its_wrappers_here_is_not_run_and_left_out_of_the_kill_rate(catalogue):
+    # DDP cells only: a DeepSpeed fault has nothing to run on (as where deepspeed is not installed)
+    targets = [t for t in selfcheck.select_targets(catalogue, cases=["fused_loss"]) if t.wrapper == "ddp"]
+    faults = [selfcheck.FAULTS["grads_summed"], selfcheck.FAULTS["deepspeed_boundary_ignored"]]
+    results = selfcheck.run_faults(_AlwaysFailRunner(), targets, faults)
+    clean = [Cell(case=t.case.name, variant=t.variant.name, world_size=2, status=Status.PASS) for t in targets]
+    result = selfcheck.SelfcheckResult(world_size=2, seed=1, targets=targets, clean=clean, faults=results)
+    assert [r.fault.name for r in result.not_run] == ["deepspeed_boundary_ignored"]
+    assert result.uncaught == [] and result.ok
+    assert result.to_dict()["kill_rate"]["faults"] == 1 and result.to_dict()["not_run"] == ["deepspeed_boundary_ignored"]
+    text = render(result)
+    assert "kill rate: 1/1 faults caught" in text
+    assert "not run here: deepspeed_boundary_ignored (no cell of deepspeed-z1, deepspeed-z2, deepspeed-z3 passed clean)" in text

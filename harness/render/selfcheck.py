@@ -41,7 +41,8 @@ def progress_line(event: Any) -> str:
                 + (f"; NOT: {', '.join(f'{c.case}[{c.variant}] {c.status}' for c in bad)}" if bad else ""))
     if isinstance(event, FaultDone):
         result, cells = event.result, event.result.cells
-        verdict = f"caught by {len(result.caught_by)}/{len(cells)}" if result.caught else "NOT CAUGHT"
+        verdict = (f"caught by {len(result.caught_by)}/{len(result.ran)}" if result.caught
+                   else "NOT CAUGHT" if result.ran else "not run here")
         errors = sum(c.status == Status.ERROR for c in cells)
         extra = f", {errors} error" if errors else ""
         how = f" ({', '.join(result.kinds()[:3])})" if result.caught else ""
