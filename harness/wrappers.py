@@ -107,20 +107,14 @@ def accelerator_kwargs(wrapper: str, kwargs: Mapping[str, Any], *, device_type: 
         import accelerate.utils
 
         plugin = probe.require(accelerate.utils, "FullyShardedDataParallelPlugin", "FullyShardedDataParallelPlugin")
-        version = 2 if wrapper == "fsdp2" else 1
-        options: dict[str, Any] = {"use_orig_params": True} if version == 1 else {}
-        if version == 2:
+        if wrapper == "fsdp2":
             probe.require_parameter(plugin, "fsdp_version", "FullyShardedDataParallelPlugin(fsdp_version=2)")
-        return {"fsdp_plugin": plugin(fsdp_version=version, **options) if version == 2 else _fsdp1_plugin(plugin, options)}
+            return {"fsdp_plugin": plugin(fsdp_version=2)}
+        # FSDP1 with the user's parameters kept (their names, and full gradients when summoned);
+        # releases before FSDP2 have no fsdp_version and are FSDP1
+        version = {"fsdp_version": 1} if "fsdp_version" in probe.parameters(plugin) else {}
+        return {"fsdp_plugin": plugin(use_orig_params=True, **version)}
     return _deepspeed_kwargs(wrapper, device_type=device_type, num_steps=num_steps)
-
-
-def _fsdp1_plugin(plugin: Any, options: dict[str, Any]) -> Any:
-    from harness import probe
-
-    if "fsdp_version" in probe.parameters(plugin):
-        options["fsdp_version"] = 1
-    return plugin(**options)
 
 
 def _deepspeed_kwargs(wrapper: str, *, device_type: str, num_steps: int) -> dict[str, Any]:
@@ -153,8 +147,9 @@ def fsdp_on_cpu(accelerator: Any, plugin: Any) -> None:
     ``device_id=accelerator.device`` (``cpu:0`` on MULTI_CPU) and torch's FSDP1 takes a CPU
     module's compute device to be ``cpu``, refusing the pair ("Inconsistent compute device").
 
-    The one place the harness steps around accelerate. When a release selects FSDP on CPU by
-    itself, the distributed type is already FSDP and this does nothing."""
+    With harness/deepspeed_cpu.py, one of the two places where the harness steps around accelerate.
+    When a release selects FSDP on CPU by itself, the distributed type is already FSDP and this
+    does nothing."""
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType
 
