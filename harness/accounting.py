@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import pickle
 from dataclasses import dataclass, field
@@ -104,13 +105,7 @@ class Backward:
 
 
 def _numel(sizes: Any) -> int:
-    total = 0
-    for shape in sizes or ():
-        n = 1
-        for d in shape:
-            n *= int(d)
-        total += n
-    return total
+    return sum(math.prod(int(d) for d in shape) for shape in sizes or ())
 
 
 class Accounting:

@@ -289,7 +289,7 @@ class Oracle:
 
     def rank0_copy(self, name: str, actual_params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Rank 0's copy of the model's parameters (DDP keeps every rank's equal to it)."""
-        reference = _flat(actual_params[p].detach().clone() for p in self.params[name])
+        reference = _flat(actual_params[p].detach() for p in self.params[name])
         if self.world_size > 1:
             dist.broadcast(reference, src=0)
         return _pieces(reference, self.params[name])

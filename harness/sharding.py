@@ -79,7 +79,7 @@ class Observed:
 def observe(model: nn.Module, names: list[str], *, sync: bool) -> Observed:
     """Read ``model`` (prepared) as its wrapper keeps it. ``sync``: whether the last backward was due
     to sync (FSDP1 shows full gradients only after one)."""
-    from harness.wrappers import prepared_as
+    from harness.wrappers import peel_compiled, prepared_as
 
     kind = prepared_as(model)
     if kind == "fsdp1":
@@ -87,7 +87,7 @@ def observe(model: nn.Module, names: list[str], *, sync: bool) -> Observed:
     if kind.startswith("deepspeed-"):
         from harness import deepspeed_cpu
 
-        return deepspeed_cpu.observe(getattr(model, "_orig_mod", model), names, sync=sync)
+        return deepspeed_cpu.observe(peel_compiled(model), names, sync=sync)
     params = dict(unwrap(model).named_parameters())
     DTensor = _dtensor_class()
     if DTensor is None or not any(isinstance(p, DTensor) for p in params.values()):
@@ -141,7 +141,9 @@ def _fsdp1(model: nn.Module, *, with_grads: bool) -> Observed:
     points FSDP1's ``no_sync`` leaves each parameter's full, unsharded local gradient on it."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    fsdp = getattr(model, "_orig_mod", model)
+    from harness.wrappers import peel_compiled
+
+    fsdp = peel_compiled(model)
     inner = unwrap(model)
     grads: dict[str, torch.Tensor | None] = {}
     if not with_grads:

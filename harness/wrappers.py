@@ -174,7 +174,7 @@ def fsdp_on_cpu(accelerator: Any, plugin: Any) -> None:
 # what the prepared model is
 
 
-def _peel_compiled(model: Any) -> Any:
+def peel_compiled(model: Any) -> Any:
     """The module inside ``torch.compile``'s wrapper."""
     return getattr(model, "_orig_mod", model)
 
@@ -190,7 +190,7 @@ def prepared_as(model: Any) -> str:
     fsdp2 = _fsdp2_class()
     if fsdp2 is not None and isinstance(model, fsdp2):
         return "fsdp2"
-    inner = _peel_compiled(model)
+    inner = peel_compiled(model)
     if fsdp2 is not None and isinstance(inner, fsdp2):
         return "fsdp2"
 
