@@ -18,8 +18,9 @@ from torch import nn
 
 from harness.accounting import Accounting, judge
 from harness.closeness import Difference, Expectation, difference, distinguishable, rounding_allowance
-from harness.diagnosis import Hypotheses, diagnose
+from harness.diagnosis import Hypotheses, diagnose, fitted_weights
 from harness.records import Failure, FailureKind
+from harness.replica import AUTOCAST_DTYPES
 from harness.render import failures as text
 from harness.schedule import MicroStep
 from harness.sharding import Observed, observe
@@ -79,9 +80,11 @@ def make_failure(
     factor: float | None,
     diff: Difference,
     noun: str | None = None,
+    weights: list[float] | None = None,
 ) -> Failure:
     """A failure of a gradient check (``checked="grad"``) or a parameter check (``"param"``), where
-    ``diff`` compared the gradients or the updates; ``noun`` names what was compared otherwise."""
+    ``diff`` compared the gradients or the updates; ``noun`` names what was compared otherwise;
+    ``weights``: a misweighted gradient's fitted weights (by rank, after a sync)."""
     noun = noun or ("gradient of" if checked == "grad" else "update of parameter")
     what = f"{noun} '{model}.{param}'"
     return Failure(
@@ -99,7 +102,8 @@ def make_failure(
         numel=diff.numel,
         atol=diff.allowed_abs,
         rtol=diff.allowed_rel if math.isfinite(diff.allowed_rel) else 1e308,
-        message=text.mismatch_text(what=what, where=f"on rank {rank} at {where}", kind=kind, factor=factor, diff=diff),
+        message=text.mismatch_text(what=what, where=f"on rank {rank} at {where}", kind=kind, factor=factor, diff=diff,
+                                   weights=weights),
     )
 
 
@@ -118,6 +122,47 @@ def _param_kind(actual: torch.Tensor, rank0: torch.Tensor, *, moved: bool, due: 
     if moved and not due:
         return FailureKind.STEPPED_EARLY
     return FailureKind.MISMATCH
+
+
+@dataclass(frozen=True)
+class Reweighing:
+    """A token-weighted gradient explained with other weights: the contributions since the last check
+    (``Oracle.weighted_parts``: this rank's own, or after a sync every rank's share, by rank) fitted
+    to the rank's whole gradient over the model, with the contract's weights all 1. ``expectations``:
+    the expected gradients with the fitted weights instead, by parameter, each allowed the
+    expectation's allowance scaled by the largest weight plus its own rounding; under autocast
+    (``low``: bf16, fp16) plus that dtype's rounding of every term: a backward seeded with another
+    weight rounds its low-precision intermediates differently."""
+
+    weights: list[float]
+    expectations: dict[str, Expectation]
+
+    @classmethod
+    def fit(cls, expected: Mapping[str, Expectation], grads: Mapping[str, torch.Tensor | None],
+            parts: list[dict[str, torch.Tensor]], low: torch.dtype | None = None) -> Reweighing | None:
+        names = list(expected)
+        summed = {p: sum(part[p] for part in parts) for p in names}
+        base = {p: expected[p].value - summed[p] for p in names}
+        actual = torch.cat([(grads.get(p) if grads.get(p) is not None else torch.zeros_like(base[p])).reshape(-1)
+                            for p in names])
+        weights = fitted_weights(actual, torch.cat([base[p].reshape(-1) for p in names]),
+                                 [torch.cat([part[p].reshape(-1) for p in names]) for part in parts])
+        if weights is None:
+            return None
+        largest = max(1.0, max(abs(w) for w in weights))
+        expectations = {}
+        for p in names:
+            value = base[p] + sum(w * part[p] for w, part in zip(weights, parts))
+            allowed = largest * expected[p].allowed + rounding_allowance(value)
+            if low is not None:
+                terms = base[p].abs() + sum(abs(w) * part[p].abs() for w, part in zip(weights, parts))
+                allowed = allowed + rounding_allowance(terms, dtype=low)
+            expectations[p] = Expectation(value, allowed)
+        return cls(weights, expectations)
+
+    def weight_of(self, rank: int) -> float:
+        """This rank's weight: its own part's (one part), or its share's among every rank's."""
+        return self.weights[rank] if len(self.weights) > 1 else self.weights[0]
 
 
 class Checks:
@@ -161,7 +206,11 @@ class Checks:
             if not distinguishable(_joined(local), _joined(synced)):
                 self.recorder.vacuous_checks += 1
             failed = False
-            for pname, full in oracle.expected_grads(name).items():
+            grads = observed.full_grads()  # a collective when sharded: every rank, before any diagnosis
+            expectations = oracle.expected_grads(name)
+            parts = oracle.weighted_parts(name)
+            reweighing: Reweighing | None = None
+            for pname, full in expectations.items():
                 expected = observed.piece_of(pname, full)
                 grad = observed.grads[pname]
                 actual = grad if grad is not None else torch.zeros_like(observed.params[pname])
@@ -169,18 +218,23 @@ class Checks:
                 self.recorder.observe(diff.max_abs)
                 if diff.close:
                     continue
+                if parts and reweighing is None:
+                    reweighing = Reweighing.fit(expectations, grads, parts, low=AUTOCAST_DTYPES.get(oracle.precision))
                 previous = oracle.previous_grad(name, pname)
+                reweighted = reweighing.expectations.get(pname) if reweighing else None
                 kind, factor = diagnose(
                     actual,
                     Hypotheses(expected=expected, local=observed.piece_of(pname, local[pname]),
                                synced=observed.piece_of(pname, synced[pname]),
                                previous=None if previous is None else observed.piece_of(pname, previous),
-                               expected_sync=oracle.last_sync),
+                               expected_sync=oracle.last_sync,
+                               reweighted=None if reweighted is None else observed.piece_of(pname, reweighted),
+                               weight=reweighing.weight_of(self.rank) if reweighing else None),
                 )
                 failed = True
+                weights = reweighing.weights if reweighing and kind is FailureKind.MISWEIGHTED else None
                 self.recorder.add(make_failure(rank=self.rank, step=index, where=at, model=name, param=pname,
-                                               checked="grad", kind=kind, factor=factor, diff=diff))
-            grads = observed.full_grads()
+                                               checked="grad", kind=kind, factor=factor, diff=diff, weights=weights))
             oracle.adopt_grads(name, grads)
             if failed:
                 oracle.restart_window(name, grads)

@@ -214,6 +214,19 @@ class RankContext:
         dataset = regression_dataset(derive_seed(self.seed, self.case, label), samples=samples, features=features)
         return dataset, expected
 
+    def token_dataset(self, *, batches: int, batch_size: int, max_len: int = 12,
+                      label: str = "tokens") -> tuple[Dataset, int]:
+        """The harness's own token dataset (harness/tokens.py: sequences of 2 to ``max_len`` tokens
+        with their prompts and, once padded by ``harness.tokens.pad_tokens``, their padding labelled
+        -100), shared by all ranks, and how many batches each rank's prepared dataloader must yield.
+        Sized as ``dataset``: ``batches`` per rank, the last global batch one sample short. Give
+        ``DataLoader`` ``collate_fn=pad_tokens``."""
+        from harness.tokens import TokenDataset
+
+        samples = batches * batch_size * self.world_size - 1
+        expected = self._batches_per_rank(samples, batch_size, split_batches=False, dispatch_batches=False)
+        return TokenDataset(derive_seed(self.seed, self.case, label), samples=samples, max_len=max_len), expected
+
     def _batches_per_rank(self, samples: int, batch_size: int, *, split_batches: bool, dispatch_batches: bool,
                           drop_last: bool = False) -> int:
         """What each rank's prepared dataloader must yield per epoch (harness/schedule.py)."""
@@ -329,6 +342,23 @@ class RankContext:
                 yield next(points), batch
             for _ in range(expected - seen):
                 next(points, None)
+
+    def windows(self, loader: Iterable[Any], schedule: list[MicroStep]) -> Iterator[list[tuple[MicroStep, Any]]]:
+        """``epochs``, one accumulation window at a time: the micro-steps up to each optimizer step of
+        ``schedule``, with their batches, all taken from ``loader`` before the window's first
+        backward, as a loop that normalises by the window's token count must (it counts them first).
+
+        The prepared dataloader says it has ended once it has yielded its last batch, and
+        ``accumulate`` syncs every micro-batch from then on: take the last window of an epoch ahead
+        and its micro-batches all sync, which the checks report. The schedule gives the windows."""
+        window: list[tuple[MicroStep, Any]] = []
+        for point, batch in self.epochs(loader, schedule):
+            window.append((point, batch))
+            if point.optimizer_step:
+                yield window
+                window = []
+        if window:
+            yield window
 
     def batches(self, loader: Iterable[Any], expected: int, *, what: str, epoch: int = 0) -> Iterator[Any]:
         """Iterate ``loader`` to its end, yielding at most ``expected`` batches; a different count is a

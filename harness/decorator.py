@@ -35,17 +35,29 @@ class Variant:
 
 @dataclass(frozen=True)
 class Diagnosis:
-    """A failure a canary must produce: its ``kind``, in ``model`` when given."""
+    """A failure a canary must produce: its ``kind``, in ``model`` when given; ``when`` (variant
+    parameters, e.g. ``{"sync_each_batch": True}``): only the cells of variants that have them must
+    (for a known defect that one option of a case shows); ``ranks``: the fewest ranks that can show
+    it (a count of tokens not summed over the ranks is right on one rank)."""
 
     kind: str
     model: str | None = None
+    when: Mapping[str, Any] | tuple[tuple[str, Any], ...] = ()
+    ranks: int = 1
+
+    def __post_init__(self) -> None:
+        items = self.when.items() if isinstance(self.when, Mapping) else self.when
+        object.__setattr__(self, "when", tuple(sorted((str(k), v) for k, v in items)))
+
+    def applies_to(self, params: Mapping[str, Any]) -> bool:
+        return all(params.get(key) == value for key, value in self.when)  # type: ignore[misc]
 
     def matches(self, kind: str, model: str) -> bool:
         return kind == self.kind and (self.model is None or model == self.model)
 
     def observable(self, world_size: int) -> bool:
         """Whether a cell of this world size can show it (sync needs two ranks)."""
-        return world_size >= 2 or self.kind not in SYNC_KINDS
+        return world_size >= max(self.ranks, 2 if self.kind in SYNC_KINDS else 1)
 
     def __str__(self) -> str:
         return self.kind + (f" in {self.model}" if self.model else "")
@@ -73,7 +85,8 @@ class CaseInfo:
         """What a cell of ``variant`` must produce: the canary's diagnoses, or those of a known
         defect under the variant's wrapper (judged as a canary's: ``detected``, or ``missed`` the
         day a release fixes it)."""
-        return self.detects or self.defects.get(str(variant.params.get("wrapper", "ddp")), ())
+        declared = self.detects or self.defects.get(str(variant.params.get("wrapper", "ddp")), ())
+        return tuple(d for d in declared if d.applies_to(variant.params))
 
 
 def _format_value(value: Any) -> str:

@@ -1,13 +1,15 @@
 """Naming what is wrong with a gradient that does not match: each diagnosis is a hypothesis of how it
-could be wrong (not synced, synced early, stale, scaled), tried before the generic ``mismatch``."""
+could be wrong (not synced, synced early, stale, scaled, misweighted), tried before the generic
+``mismatch``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
-from harness.closeness import Expectation, difference, distinguishable
+from harness.closeness import MARGIN, Expectation, difference, distinguishable
 from harness.records import FailureKind
 
 
@@ -33,6 +35,20 @@ class Hypotheses:
     synced: Expectation | None = None  # the all-rank average of the local gradients
     previous: Expectation | None = None  # the last window's final gradient
     expected_sync: bool = True
+    # token weighting: the expectation with its contributions since the last check weighted by the
+    # fitted weights instead of the token mean's (reweighted), and this rank's fitted weight
+    reweighted: Expectation | None = None
+    weight: float | None = None
+
+
+def fitted_weights(actual: torch.Tensor, base: torch.Tensor, parts: Sequence[torch.Tensor]) -> list[float] | None:
+    """The weights w_j minimising |actual - base - sum_j w_j * parts_j| (least squares, in float64),
+    or None when every part is zero. The contract's weights are all 1."""
+    columns = torch.stack([p.double().reshape(-1) for p in parts], dim=1)
+    if not bool(columns.any()):
+        return None
+    target = (actual.double() - base.double()).reshape(-1, 1)
+    return [float(w) for w in torch.linalg.lstsq(columns, target).solution.reshape(-1)]
 
 
 def diagnose(actual: torch.Tensor, hyp: Hypotheses) -> tuple[FailureKind, float | None]:
@@ -47,7 +63,25 @@ def diagnose(actual: torch.Tensor, hyp: Hypotheses) -> tuple[FailureKind, float 
             return FailureKind.STALE, None
         if _matches(actual, hyp.previous) and distinguishable(hyp.previous, hyp.expected):
             return FailureKind.STALE, None
+    if hyp.reweighted is not None:
+        # token weighting: a wrong weight is misweighted, a uniform one (one part) included
+        if distinguishable(hyp.reweighted, hyp.expected) and _explains(actual, hyp.reweighted, hyp.expected):
+            return FailureKind.MISWEIGHTED, hyp.weight
+        return FailureKind.MISMATCH, None
     factor = fitted_scale(actual, hyp.expected.value)
     if factor is not None and not _matches(actual, hyp.expected) and _matches(actual, hyp.expected.scaled(factor)):
         return FailureKind.WRONG_SCALE, factor
     return FailureKind.MISMATCH, None
+
+
+def _explains(actual: torch.Tensor, hypothesis: Expectation, expected: Expectation) -> bool:
+    """Whether a fitted hypothesis explains ``actual``: within its allowance, or MARGIN times closer to
+    it (in the 2-norm) than the contract's expectation is. A backward seeded with another weight
+    rounds every term of its sums anew, and where they cancel that rounding is not bounded by the
+    result's own ulps; telling the fitted hypothesis from the contract's takes the margin that
+    telling any two hypotheses apart takes (harness/closeness.py)."""
+    if _matches(actual, hypothesis):
+        return True
+    left = float(torch.linalg.vector_norm(actual.double() - hypothesis.value.double()))
+    deviation = float(torch.linalg.vector_norm(actual.double() - expected.value.double()))
+    return left * MARGIN <= deviation

@@ -96,12 +96,26 @@ class Branchy(nn.Module):
         return out
 
 
+class TinyLM(nn.Module):
+    """A language model's shape at a toy's cost: token embeddings, a tanh, a linear head over the
+    vocabulary (logits per position). For the token-weighted cases (harness/tokens.py)."""
+
+    def __init__(self, vocab: int = 16, dim: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.embed(input_ids)))
+
+
 MODEL_TYPES = {
     "regressor": Regressor,
     "generator": Generator,
     "discriminator": Discriminator,
     "encoder": Encoder,
     "branchy": Branchy,
+    "tiny_lm": TinyLM,
 }
 
 

@@ -16,6 +16,7 @@ from harness.closeness import Expectation, reduction_allowance, rounding_allowan
 from harness.decorator import ALL_PRECISIONS
 from harness.replica import forward_as, unwrap
 from harness.schedule import MicroStep
+from harness.wrappers import ADDS_AFTER_REDUCING
 
 # ``optimizer=``: called with a replica's parameters, as ``torch.optim.SGD(params, lr=...)`` is.
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
@@ -81,6 +82,7 @@ class Oracle:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         self.rank = rank
         self.world_size = world_size
+        self.precision = precision
         self.num_steps = num_steps
         self.replay_rng = replay_rng
         self.replicas = {name: copy.deepcopy(unwrap(m)) for name, m in models.items()}
@@ -117,6 +119,15 @@ class Oracle:
         # each backward since the last gradient check: whether it syncs, and how many gradient
         # elements it produced (what a sync must reduce; harness/accounting.py)
         self.backward_syncs: list[tuple[bool, int]] = []
+        # token weighting (token_window): the window's valid tokens on all ranks, and the weighted
+        # contributions since the last check that the expectation sums, for the misweighted diagnosis
+        self.tokens: int | None = None
+        self._new = {name: {p: torch.zeros_like(t) for p, t in ps.items()} for name, ps in self.params.items()}
+        # each gradient as the last check left it (adopted from the rank), zero after a step
+        self.anchor = {name: {p: torch.zeros_like(t) for p, t in ps.items()} for name, ps in self.params.items()}
+        self._parts: dict[str, list[dict[str, torch.Tensor]]] = {}
+        self._weighted: set[str] = set()
+        self._mixed: set[str] = set()
         self.checks = Checks(self, recorder, accounting)
 
     def _grad_scaler(self, kwargs: Mapping[str, Any]) -> Any:
@@ -157,13 +168,18 @@ class Oracle:
                  rng: Hashable | None = None) -> None:
         """Run one micro-batch's loss (scaled by 1/num_steps, as ``Accelerator.backward`` documents,
         and by the gradient scaler under fp16) into the replicas' gradients; average across ranks
-        when the contract says this backward syncs.
+        when the contract says this backward syncs. In a window weighed by tokens (``token_window``)
+        the closure returns the sum of the micro-batch's token losses, scaled by world_size / N.
 
         ``closure(models)`` computes the loss from the replicas (a dict by model name), the same way
         the case computed it from the prepared models. ``rng``: the key the case's forward ran under
         ``ctx.replay_rng(key)``; the closure runs under the same RNG state (the same dropout masks)."""
         with self._replayed(rng):
-            loss = closure(self.models) / self.num_steps
+            loss = closure(self.models)
+        # the token mean's weight as (sum * world_size) / tokens: its backward seeds with
+        # world_size * fl(1/tokens), what the documented loop's arithmetic gives too (scaling by the
+        # accumulation steps and by a power-of-two world size is exact)
+        loss = loss * self.world_size / self.tokens if self.tokens is not None else loss / self.num_steps
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
         flat = [(name, pname, p) for name, ps in self.params.items() for pname, p in ps.items() if p.requires_grad]
@@ -175,17 +191,80 @@ class Oracle:
             p.grad = g.detach().clone() if p.grad is None else p.grad + g.detach()
             self.local[name][pname] += g.detach()
             self.allowed[name][pname] = self.allowed[name][pname] + rounding_allowance(p.grad)
+            if self.tokens is not None:
+                self._new[name][pname] += g.detach()
+        if self.tokens is not None:
+            for name in self.params:
+                if name in self._parts and not sync:
+                    self._mixed.add(name)  # a local backward after a sync, before a check
+                self._weighted.add(name)
         self.last_sync = sync
         if sync:
+            if self.tokens is not None:
+                self._gather_parts()
             self._average_grads()
 
-    def reduce(self, tensors: Mapping[str, torch.Tensor], carried: Mapping[str, torch.Tensor] | None = None
-                ) -> dict[str, Expectation]:
+    def token_window(self, labels: Iterable[torch.Tensor], *, ignore_index: int = -100) -> int:
+        """Weigh the backwards of this accumulation window (until the next optimizer step) by tokens,
+        and return the window's valid tokens on all ranks, N.
+
+        ``labels``: the labels of this rank's micro-batches of the window (an element equal to
+        ``ignore_index`` does not count). The oracle counts them, sums the counts over the ranks itself
+        (one collective), and from then on takes each ``backward`` closure to return the SUM of its
+        micro-batch's token losses: the gradient due at the sync is that of the global token mean,
+        (1/N) times the sum of every valid token's loss of the window on every rank, whatever
+        normalisation the case's own loop uses. Each rank's share before the average is
+        world_size / N times its sums."""
+        count = sum(int(t.ne(ignore_index).sum()) for t in labels)
+        device = next(iter(self.params[next(iter(self.params))].values())).device
+        total = torch.tensor([count], dtype=torch.int64, device=device)
+        if self.world_size > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        tokens = int(total.item())
+        if tokens == 0:
+            raise ValueError("token_window: no rank has a valid token in this window (every label is "
+                             f"{ignore_index}); the token mean is undefined")
+        self.tokens = tokens
+        return tokens
+
+    def _gather_parts(self) -> None:
+        """At a sync under token weighting: every rank's weighted contributions since the last check,
+        each divided by the world size as it enters the average (one all_gather per model)."""
+        for name, new in self._new.items():
+            flat = _flat(new.values())
+            gathered = [torch.empty_like(flat) for _ in range(self.world_size)] if self.world_size > 1 else [flat]
+            if self.world_size > 1:
+                dist.all_gather(gathered, flat)
+            self._parts[name] = [_pieces(g / self.world_size, new) for g in gathered]
+            for t in new.values():
+                t.zero_()
+
+    def weighted_parts(self, name: str) -> list[dict[str, torch.Tensor]] | None:
+        """The token-weighted contributions that the expected gradient adds since the last check:
+        this rank's own (no sync since), or every rank's share of the average, by rank (a sync).
+        None outside token weighting, or when a local backward followed a sync before the check."""
+        if name not in self._weighted or name in self._mixed:
+            return None
+        if name in self._parts:
+            return self._parts[name]
+        return [{p: t.clone() for p, t in self._new[name].items()}]
+
+    def _clear_parts(self, name: str) -> None:
+        for t in self._new[name].values():
+            t.zero_()
+        self._parts.pop(name, None)
+        self._weighted.discard(name)
+        self._mixed.discard(name)
+
+    def reduce(self, tensors: Mapping[str, torch.Tensor], carried: Mapping[str, torch.Tensor] | None = None,
+               magnitudes: Mapping[str, torch.Tensor] | None = None) -> dict[str, Expectation]:
         """The explicit all-rank average of ``tensors``, each with its allowance: the reduction's
-        bound from every rank's |contribution|, plus the allowances the ranks carried into it
-        (averaged). One collective for values, magnitudes and allowances together."""
+        bound from every rank's |contribution| (or ``magnitudes``, when the contribution is a sum whose
+        terms a wrapper rounds apart), plus the allowances the ranks carried into it (averaged). One
+        collective for values, magnitudes and allowances together."""
         values = _flat(tensors.values())
-        parts = [values, values.abs()] + ([_flat(carried.values()).to(values.dtype)] if carried is not None else [])
+        size = values.abs() if magnitudes is None else _flat(magnitudes.values()).to(values.dtype)
+        parts = [values, size] + ([_flat(carried.values()).to(values.dtype)] if carried is not None else [])
         buffer = torch.cat(parts)
         if self.world_size > 1:
             dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
@@ -209,7 +288,13 @@ class Oracle:
             for p in ps.values():
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            reduced = self.reduce({pname: p.grad for pname, p in ps.items()}, self.allowed[name])
+            magnitudes = None
+            if self.wrapper in ADDS_AFTER_REDUCING:
+                # the wrapper adds this sync's average to the gradient it held since the last check
+                # (averaged already, by an earlier sync): each rounds apart, bounded by both sizes
+                magnitudes = {pname: self.anchor[name][pname].abs() + (p.grad - self.anchor[name][pname]).abs()
+                              for pname, p in ps.items()}
+            reduced = self.reduce({pname: p.grad for pname, p in ps.items()}, self.allowed[name], magnitudes)
             for pname, p in ps.items():
                 p.grad = reduced[pname].value
                 self.allowed[name][pname] = reduced[pname].allowed
@@ -284,6 +369,9 @@ class Oracle:
                 p.grad = None
                 self.local[name][pname].zero_()
             self.allowed[name] = self._no_allowance(name)
+            self._clear_parts(name)
+            self.anchor[name] = {pname: torch.zeros_like(p) for pname, p in ps.items()}
+        self.tokens = None
 
     # collectives and what the contract expects now (read by harness/checks.py)
 
@@ -325,7 +413,9 @@ class Oracle:
         for pname, replica_param in self.params[name].items():
             grad = grads.get(pname)
             replica_param.grad = None if grad is None else grad.detach().clone()
+            self.anchor[name][pname] = torch.zeros_like(replica_param) if grad is None else grad.detach().clone()
         self.allowed[name] = self._no_allowance(name)
+        self._clear_parts(name)
 
     def restart_window(self, name: str, grads: Mapping[str, torch.Tensor | None]) -> None:
         """After a mismatch: a rank that cleared its gradients starts its next window here."""

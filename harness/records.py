@@ -58,6 +58,7 @@ class FailureKind(_Name):
     MISMATCH = "mismatch"
     COMM_UNEXPECTED = "comm_unexpected"  # gradient reductions in a backward the contract has none in
     COMM_MISSING = "comm_missing"  # too few (or no) gradient reductions in a backward that syncs
+    MISWEIGHTED = "misweighted"  # the contributions since the last check, weighted other than the token mean
 
 
 # Diagnoses that compare a synced gradient with a local one: a single rank cannot produce them.

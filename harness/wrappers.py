@@ -22,6 +22,10 @@ AUTO = "auto"
 # skips ``no_sync`` for it (accelerate PR #3656). Every other wrapper issues no gradient reduction
 # between sync points.
 REDUCES_EVERY_MICRO_BATCH = frozenset({"deepspeed-z2", "deepspeed-z3"})
+# Sharded wrappers add each reduced gradient to the gradient they already hold (FSDP's sharded
+# p.grad, ZeRO's partition), where DDP reduces the whole accumulated p.grad: a sync after an
+# earlier one (sync_each_batch) rounds in another order (harness/oracle.py, reduce).
+ADDS_AFTER_REDUCING = frozenset({"fsdp2", "fsdp1", "deepspeed-z2", "deepspeed-z3"})
 # The precisions the oracle models under each wrapper. FSDP's and DeepSpeed's bf16 is not autocast:
 # accelerate gives FSDP ``param_dtype=reduce_dtype=bf16`` and DeepSpeed bf16 weights, arithmetic
 # the oracle's autocast replicas do not do; those cells are not made rather than judged wrongly.

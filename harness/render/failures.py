@@ -22,6 +22,8 @@ KIND_TEXT = {
     "synced_early": "synced when it should be local (the average of all ranks where this rank's own gradient was due)",
     "stale": "stale from the last window (the gradient was not cleared after the optimizer step)",
     "wrong_scale": "scaled by {factor:.6g}",
+    "misweighted": ("misweighted: its tokens since the last check weigh {factor:.6g} times their share of the "
+                    "token mean over the window on every rank"),
     "params_diverged": "parameters diverged across ranks (no longer equal to rank 0's)",
     "stepped_early": "the optimizer stepped where the schedule has no step",
     "step_skipped": "the optimizer did not step where the schedule has one",
@@ -38,9 +40,13 @@ def _fmt_index(index: tuple[int, ...]) -> str:
     return "(" + ", ".join(str(i) for i in index) + ("," if len(index) == 1 else "") + ")"
 
 
-def mismatch_text(*, what: str, where: str, kind: str, factor: float | None, diff: Difference) -> str:
-    """The assert_close-style block for one mismatch, headed by where and what."""
+def mismatch_text(*, what: str, where: str, kind: str, factor: float | None, diff: Difference,
+                  weights: Sequence[float] | None = None) -> str:
+    """The assert_close-style block for one mismatch, headed by where and what; a misweighted one
+    after a sync names every rank's weight."""
     text = KIND_TEXT[kind].format(factor=factor or 0.0)
+    if weights is not None and len(weights) > 1:
+        text += " (weights by rank: " + ", ".join(f"{w:.6g}" for w in weights) + ")"
     share = 100.0 * diff.mismatched / max(diff.numel, 1)
     return (
         f"{what} {where}: {text}\n"

@@ -1,0 +1,105 @@
+"""Token-weighted losses: the mean over every valid token of an accumulation window on every rank,
+with padded batches of variable length (harness/tokens.py). The loss normalisation that Hugging
+Face's "Fixing Gradient Accumulation" (2024-10-16) and transformers PR #34191 were about: a mean per
+micro-batch, divided by the accumulation steps and averaged over the ranks, is not that mean when
+micro-batches and ranks hold different numbers of valid tokens. The oracle's expectation at a sync is
+the window's token mean from the replicas alone (``oracle.token_window``), whatever the loop divides by.
+"""
+
+import torch
+from torch.utils.data import DataLoader
+
+from harness import PRECISIONS, Diagnosis, case, grid
+from harness.tokens import pad_tokens, token_loss_mean, token_loss_sum, valid_tokens
+
+EPOCHS = 2
+STEPS = 2
+# per rank and epoch: windows of 2, 2 and 1 micro-batches. The last window of an epoch is one batch:
+# the window is taken from the prepared dataloader before its first backward, and once the loader has
+# yielded its last batch accumulate() syncs every micro-batch (RankContext.windows)
+BATCHES = 5
+BATCH_SIZE = 4
+
+# sync_each_batch=false first: the lead variant, which every wrapper runs by default (--wrappers auto)
+VARIANTS = grid(sync_each_batch=[False, True], precision=PRECISIONS)
+
+# Under DeepSpeed ZeRO-1 sync_each_batch does nothing (see accumulate_sync_each_batch)
+ZERO1_SYNC_EACH_BATCH = [Diagnosis("not_synced", model="model", when={"sync_each_batch": True}),
+                         Diagnosis("comm_missing", when={"sync_each_batch": True})]
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.5)
+
+
+def train(ctx, loss_of):
+    """A tiny language model through a prepared dataloader of padded token batches for two epochs,
+    one accumulation window at a time: the window's batches are taken first (to count their tokens),
+    then each goes through forward, ``backward(loss_of(...))``, ``step`` and ``zero_grad`` inside
+    ``accumulate(model)``. ``loss_of(accelerator, model, batch, window)`` is the loop's normalisation."""
+    if ctx.variant["sync_each_batch"]:
+        accelerator = ctx.accelerator(**ctx.gradient_accumulation(STEPS, sync_each_batch=True))
+    else:
+        accelerator = ctx.accelerator(gradient_accumulation_steps=STEPS)
+    model = ctx.model("tiny_lm")
+    dataset, per_rank = ctx.token_dataset(batches=BATCHES, batch_size=BATCH_SIZE)
+    oracle = ctx.oracle({"model": model}, optimizer=sgd)
+    optimizer = sgd(model.parameters())
+    loader = DataLoader(dataset, batch_size=BATCH_SIZE, collate_fn=pad_tokens)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    models = {"model": model}
+    for window in ctx.windows(loader, ctx.schedule(per_rank, epochs=EPOCHS)):
+        batches = [batch for _, batch in window]
+        oracle.token_window(batch["labels"] for batch in batches)
+        for point, batch in window:
+            with accelerator.accumulate(model):
+                accelerator.backward(loss_of(accelerator, model, batch, batches))
+                oracle.check_sync_flag(point, accelerator.sync_gradients)
+                oracle.backward(lambda m: token_loss_sum(m["model"], batch), sync=point.sync)
+                oracle.check_grads(point, models)
+                optimizer.step()
+                optimizer.zero_grad()
+            oracle.step(point)
+            oracle.check_params(point, models, {"model": optimizer})
+
+
+def gathered_token_loss(accelerator, model, batch, window):
+    # accelerate's usage guide ("Gradient accumulation on training samples of variable size"): the
+    # summed token loss over the window's valid tokens on all ranks (gathered), times the accumulation
+    # steps (accelerate divides by them) and the number of processes (DDP averages)
+    num_items_in_batch = accelerator.gather(sum(valid_tokens(b) for b in window)).sum().item()
+    steps = accelerator.gradient_accumulation_steps
+    return token_loss_sum(model, batch) * steps * accelerator.num_processes / num_items_in_batch
+
+
+@case("accumulate_token_loss", variants=VARIANTS, defects={"deepspeed-z1": ZERO1_SYNC_EACH_BATCH})
+def test_accumulate_token_loss(ctx):
+    """The documented token loss: each micro-batch's summed token loss divided by the window's valid
+    tokens gathered from every rank, times the accumulation steps and the number of processes. Every
+    token of the window weighs the same, on every rank."""
+    train(ctx, gathered_token_loss)
+
+
+def per_batch_mean(accelerator, model, batch, window):
+    return token_loss_mean(model, batch)
+
+
+@case("accumulate_token_mean", variants=VARIANTS, canary=Diagnosis("misweighted", model="model"))
+def test_accumulate_token_mean(ctx):
+    """Canary: the loss each micro-batch's own token mean (``reduction="mean"``), as before the fix.
+    A micro-batch with few valid tokens weighs as much as one with many: ``misweighted``."""
+    train(ctx, per_batch_mean)
+
+
+def local_token_loss(accelerator, model, batch, window):
+    num_items_in_batch = sum(valid_tokens(b) for b in window).item()  # this rank's only: not gathered
+    steps = accelerator.gradient_accumulation_steps
+    return token_loss_sum(model, batch) * steps * accelerator.num_processes / num_items_in_batch
+
+
+@case("accumulate_token_local_count", variants=VARIANTS,
+      canary=Diagnosis("misweighted", model="model", ranks=2))
+def test_accumulate_token_local_count(ctx):
+    """Canary: the documented loss with the window's token count of this rank alone (not gathered):
+    a rank with fewer tokens weighs its tokens more. Right on one rank; ``misweighted`` from two."""
+    train(ctx, local_token_loss)
