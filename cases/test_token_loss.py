@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from harness import PRECISIONS, Diagnosis, case, grid
-from harness.tokens import pad_tokens, token_loss_mean, token_loss_sum, valid_tokens
+from harness.tokens import causal_loss_sum, pad_tokens, token_loss_mean, token_loss_sum, valid_tokens
 
 EPOCHS = 2
 STEPS = 2
@@ -103,3 +103,61 @@ def test_accumulate_token_local_count(ctx):
     """Canary: the documented loss with the window's token count of this rank alone (not gathered):
     a rank with fewer tokens weighs its tokens more. Right on one rank; ``misweighted`` from two."""
     train(ctx, local_token_loss)
+
+
+def tiny_llama():
+    """A randomly initialised Llama of one layer, built from its config (no download)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+                         tie_word_embeddings=False, attn_implementation="eager")
+    return LlamaForCausalLM(config)
+
+
+# Not under ZeRO-3: there single elements of the Llama's synced gradients (1 of 256, at some syncs)
+# differ from the oracle's by about 10 fp32 ulps, beyond the allowance of a reduction, where each
+# rank's micro-batches alone give them. A summation order of ZeRO-3's own that the oracle does not
+# model (measured, not understood; the toy LM's cells pass): the cells are not made rather than
+# judged wrongly.
+@case("accumulate_token_loss_transformers", variants=VARIANTS, defects={"deepspeed-z1": ZERO1_SYNC_EACH_BATCH},
+      wrappers=["ddp", "fsdp2", "fsdp1", "deepspeed-z1", "deepspeed-z2"])
+def test_accumulate_token_loss_transformers(ctx):
+    """A tiny Llama from transformers trained through its own loss with ``num_items_in_batch`` (the
+    window's valid tokens gathered from every rank, as transformers' Trainer counts them), times the
+    accumulation steps and the number of processes. Needs transformers (the ``transformers`` extra);
+    a release whose model takes no ``num_items_in_batch`` is ``unsupported``."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        ctx.skip("transformers is not installed (pip install 'gradsync-harness[transformers]')")
+    if ctx.variant["sync_each_batch"]:
+        accelerator = ctx.accelerator(**ctx.gradient_accumulation(STEPS, sync_each_batch=True))
+    else:
+        accelerator = ctx.accelerator(gradient_accumulation_steps=STEPS)
+    model = ctx.model(tiny_llama)
+    ctx.require_parameter(model.forward, "num_items_in_batch", "num_items_in_batch in the model's forward "
+                          "(transformers PR #34191)")
+    dataset, per_rank = ctx.token_dataset(batches=BATCHES, batch_size=BATCH_SIZE, causal=True)
+    oracle = ctx.oracle({"model": model}, optimizer=sgd)
+    optimizer = sgd(model.parameters())
+    loader = DataLoader(dataset, batch_size=BATCH_SIZE, collate_fn=pad_tokens)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    models = {"model": model}
+    for window in ctx.windows(loader, ctx.schedule(per_rank, epochs=EPOCHS)):
+        batches = [batch for _, batch in window]
+        oracle.token_window(batch["labels"][:, 1:] for batch in batches)
+        num_items_in_batch = accelerator.gather(sum(valid_tokens(b) for b in batches)).sum()
+        for point, batch in window:
+            with accelerator.accumulate(model):
+                outputs = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                labels=batch["labels"], num_items_in_batch=num_items_in_batch)
+                accelerator.backward(outputs.loss * accelerator.gradient_accumulation_steps
+                                     * accelerator.num_processes)
+                oracle.check_sync_flag(point, accelerator.sync_gradients)
+                oracle.backward(lambda m: causal_loss_sum(m["model"], batch), sync=point.sync)
+                oracle.check_grads(point, models)
+                optimizer.step()
+                optimizer.zero_grad()
+            oracle.step(point)
+            oracle.check_params(point, models, {"model": optimizer})

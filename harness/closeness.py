@@ -24,6 +24,9 @@ import torch
 #   differently (a vectorised or fused path), nothing more.
 # - Exact zeros: below the dtype's smallest normal number rounding is absolute, not relative, so
 #   that much is allowed everywhere (FLOOR).
+# - A sync under a wrapper that reduces terms apart and adds them (FSDP after an earlier sync,
+#   ZeRO-2/3 every micro-batch; harness/wrappers.py ADDS_AFTER_REDUCING): the reduction's bound from
+#   the sizes of the terms (|adopted gradient| + each |backward's contribution|), not of their sum.
 # Under bf16 autocast the forward rounds to bf16, but it does so identically on both sides (same
 # inputs, same anchored parameters): only the fp32 arithmetic above differs.
 REDUCTION_FACTOR = 2.0

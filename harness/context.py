@@ -214,18 +214,20 @@ class RankContext:
         dataset = regression_dataset(derive_seed(self.seed, self.case, label), samples=samples, features=features)
         return dataset, expected
 
-    def token_dataset(self, *, batches: int, batch_size: int, max_len: int = 12,
+    def token_dataset(self, *, batches: int, batch_size: int, max_len: int = 12, causal: bool = False,
                       label: str = "tokens") -> tuple[Dataset, int]:
         """The harness's own token dataset (harness/tokens.py: sequences of 2 to ``max_len`` tokens
         with their prompts and, once padded by ``harness.tokens.pad_tokens``, their padding labelled
         -100), shared by all ranks, and how many batches each rank's prepared dataloader must yield.
         Sized as ``dataset``: ``batches`` per rank, the last global batch one sample short. Give
-        ``DataLoader`` ``collate_fn=pad_tokens``."""
+        ``DataLoader`` ``collate_fn=pad_tokens``. ``causal``: labelled for a Hugging Face causal LM."""
         from harness.tokens import TokenDataset
 
         samples = batches * batch_size * self.world_size - 1
         expected = self._batches_per_rank(samples, batch_size, split_batches=False, dispatch_batches=False)
-        return TokenDataset(derive_seed(self.seed, self.case, label), samples=samples, max_len=max_len), expected
+        dataset = TokenDataset(derive_seed(self.seed, self.case, label), samples=samples, max_len=max_len,
+                               causal=causal)
+        return dataset, expected
 
     def _batches_per_rank(self, samples: int, batch_size: int, *, split_batches: bool, dispatch_batches: bool,
                           drop_last: bool = False) -> int:

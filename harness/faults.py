@@ -437,4 +437,4 @@ def apply_fault(name: str | None, *, rank: int) -> Iterator[None]:
 
 # Faults of one wrapper's path, registered into FAULTS when this module is imported (last: they
 # use register and _patched from here).
-from harness import faults_deepspeed, faults_fsdp  # noqa: E402,F401
+from harness import faults_deepspeed, faults_fsdp, faults_tokens  # noqa: E402,F401

@@ -123,8 +123,9 @@ class Oracle:
         # contributions since the last check that the expectation sums, for the misweighted diagnosis
         self.tokens: int | None = None
         self._new = {name: {p: torch.zeros_like(t) for p, t in ps.items()} for name, ps in self.params.items()}
-        # each gradient as the last check left it (adopted from the rank), zero after a step
-        self.anchor = {name: {p: torch.zeros_like(t) for p, t in ps.items()} for name, ps in self.params.items()}
+        # the size of each gradient's terms: |the gradient the last check adopted| plus |each backward's
+        # since| (zero after a step), which a wrapper that reduces them apart rounds apart
+        self.terms = {name: {p: torch.zeros_like(t) for p, t in ps.items()} for name, ps in self.params.items()}
         self._parts: dict[str, list[dict[str, torch.Tensor]]] = {}
         self._weighted: set[str] = set()
         self._mixed: set[str] = set()
@@ -176,21 +177,37 @@ class Oracle:
         ``ctx.replay_rng(key)``; the closure runs under the same RNG state (the same dropout masks)."""
         with self._replayed(rng):
             loss = closure(self.models)
-        # the token mean's weight as (sum * world_size) / tokens: its backward seeds with
-        # world_size * fl(1/tokens), what the documented loop's arithmetic gives too (scaling by the
-        # accumulation steps and by a power-of-two world size is exact)
-        loss = loss * self.world_size / self.tokens if self.tokens is not None else loss / self.num_steps
+        flat = [(name, pname, p) for name, ps in self.params.items() for pname, p in ps.items() if p.requires_grad]
+        other: torch.Tensor | None = None
+        if self.tokens is not None:
+            # The token mean's weight, world_size / N, seeds the backward as the loop's arithmetic
+            # rounds it: world_size * fl(1/N) (the usage guide's (sum * steps * world_size) / N, and
+            # this (sum * world_size) / N), or fl(world_size / N) (transformers' sum / N, times the
+            # rest). Scaling by a power of two is exact: they differ only at other world sizes, and
+            # then the oracle runs both and allows each gradient element their difference.
+            other_seed = torch.tensor(self.world_size / self.tokens, dtype=loss.dtype)
+            one_seed = torch.ones((), dtype=loss.dtype) / self.tokens * self.world_size
+            if not torch.equal(one_seed, other_seed):
+                other = loss * other_seed.to(loss.device)
+            loss = loss * self.world_size / self.tokens
+        else:
+            loss = loss / self.num_steps
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
-        flat = [(name, pname, p) for name, ps in self.params.items() for pname, p in ps.items() if p.requires_grad]
-        grads = torch.autograd.grad(loss, [p for _, _, p in flat], allow_unused=True)
+            other = None if other is None else self.scaler.scale(other)
+        params = [p for _, _, p in flat]
+        grads = torch.autograd.grad(loss, params, allow_unused=True, retain_graph=other is not None)
+        others = torch.autograd.grad(other, params, allow_unused=True) if other is not None else [None] * len(grads)
         self.backward_syncs.append((sync, sum(g.numel() for g in grads if g is not None)))
-        for (name, pname, p), g in zip(flat, grads):
+        for (name, pname, p), g, g_other in zip(flat, grads, others):
             if g is None:
                 continue
             p.grad = g.detach().clone() if p.grad is None else p.grad + g.detach()
             self.local[name][pname] += g.detach()
+            self.terms[name][pname] += g.detach().abs()
             self.allowed[name][pname] = self.allowed[name][pname] + rounding_allowance(p.grad)
+            if g_other is not None:
+                self.allowed[name][pname] += (g.detach().double() - g_other.detach().double()).abs()
             if self.tokens is not None:
                 self._new[name][pname] += g.detach()
         if self.tokens is not None:
@@ -288,12 +305,9 @@ class Oracle:
             for p in ps.values():
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            magnitudes = None
-            if self.wrapper in ADDS_AFTER_REDUCING:
-                # the wrapper adds this sync's average to the gradient it held since the last check
-                # (averaged already, by an earlier sync): each rounds apart, bounded by both sizes
-                magnitudes = {pname: self.anchor[name][pname].abs() + (p.grad - self.anchor[name][pname]).abs()
-                              for pname, p in ps.items()}
+            # a wrapper that reduces each micro-batch (ZeRO-2/3), or adds a sync's average to a gradient
+            # averaged by an earlier one (FSDP, sync_each_batch), rounds each term's average apart
+            magnitudes = self.terms[name] if self.wrapper in ADDS_AFTER_REDUCING else None
             reduced = self.reduce({pname: p.grad for pname, p in ps.items()}, self.allowed[name], magnitudes)
             for pname, p in ps.items():
                 p.grad = reduced[pname].value
@@ -370,7 +384,7 @@ class Oracle:
                 self.local[name][pname].zero_()
             self.allowed[name] = self._no_allowance(name)
             self._clear_parts(name)
-            self.anchor[name] = {pname: torch.zeros_like(p) for pname, p in ps.items()}
+            self.terms[name] = {pname: torch.zeros_like(p) for pname, p in ps.items()}
         self.tokens = None
 
     # collectives and what the contract expects now (read by harness/checks.py)
@@ -413,7 +427,7 @@ class Oracle:
         for pname, replica_param in self.params[name].items():
             grad = grads.get(pname)
             replica_param.grad = None if grad is None else grad.detach().clone()
-            self.anchor[name][pname] = torch.zeros_like(replica_param) if grad is None else grad.detach().clone()
+            self.terms[name][pname] = torch.zeros_like(replica_param) if grad is None else grad.detach().abs()
         self.allowed[name] = self._no_allowance(name)
         self._clear_parts(name)
 

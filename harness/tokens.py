@@ -26,15 +26,24 @@ class TokenDataset(Dataset):
     """Sequences of 2 to ``max_len`` tokens drawn from a seeded generator, shared by all ranks (the
     prepared dataloader shards them). Each one's prompt (its first 1 to len-1 tokens) is labelled
     ``IGNORE_INDEX``; the labels of the rest are the tokens that follow, so every sequence has at
-    least one valid token and none has them all."""
+    least one valid token and none has them all. ``causal``: labelled as a Hugging Face causal LM
+    takes them, the labels aligned with the inputs (the same valid tokens)."""
 
-    def __init__(self, seed: int, *, samples: int, max_len: int = 12, vocab: int = VOCAB) -> None:
+    def __init__(self, seed: int, *, samples: int, max_len: int = 12, vocab: int = VOCAB,
+                 causal: bool = False) -> None:
         gen = generator(seed)
         self.items = []
         for _ in range(samples):
             length = int(torch.randint(2, max_len + 1, (1,), generator=gen))
             prompt = int(torch.randint(1, length, (1,), generator=gen))
             tokens = torch.randint(1, vocab, (length + 1,), generator=gen)
+            if causal:
+                # Hugging Face's convention: labels are the inputs, which the model shifts itself
+                # (position t predicts label t+1; label 0, in the prompt, is never predicted)
+                labels = tokens.clone()
+                labels[: prompt + 1] = IGNORE_INDEX
+                self.items.append({"input_ids": tokens, "labels": labels})
+                continue
             labels = tokens[1:].clone()
             labels[:prompt] = IGNORE_INDEX
             self.items.append({"input_ids": tokens[:-1], "labels": labels})
@@ -82,3 +91,12 @@ def token_loss_mean(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
     loss whose average over micro-batches and ranks is not the window's token mean."""
     logits, labels = _logits_and_labels(model, batch)
     return nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
+
+
+def causal_loss_sum(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+    """A Hugging Face causal LM's token losses summed, computed here from its logits: position t
+    predicts label t+1 (``TokenDataset(causal=True)``)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])["logits"]
+    return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                                       batch["labels"][:, 1:].reshape(-1), ignore_index=IGNORE_INDEX,
+                                       reduction="sum")

@@ -23,8 +23,9 @@ AUTO = "auto"
 # between sync points.
 REDUCES_EVERY_MICRO_BATCH = frozenset({"deepspeed-z2", "deepspeed-z3"})
 # Sharded wrappers add each reduced gradient to the gradient they already hold (FSDP's sharded
-# p.grad, ZeRO's partition), where DDP reduces the whole accumulated p.grad: a sync after an
-# earlier one (sync_each_batch) rounds in another order (harness/oracle.py, reduce).
+# p.grad, ZeRO's partition), where DDP reduces the whole accumulated p.grad: ZeRO-2/3 average every
+# micro-batch apart, FSDP a sync's after an earlier one's (sync_each_batch): another rounding order
+# (harness/oracle.py, _average_grads).
 ADDS_AFTER_REDUCING = frozenset({"fsdp2", "fsdp1", "deepspeed-z2", "deepspeed-z3"})
 # The precisions the oracle models under each wrapper. FSDP's and DeepSpeed's bf16 is not autocast:
 # accelerate gives FSDP ``param_dtype=reduce_dtype=bf16`` and DeepSpeed bf16 weights, arithmetic
