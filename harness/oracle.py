@@ -41,6 +41,20 @@ def _pieces(flat: torch.Tensor, like: Mapping[str, torch.Tensor]) -> dict[str, t
     return out
 
 
+def token_seeds(world_size: int, tokens: int, num_steps: int, *, dtype: torch.dtype = torch.float32
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What a token-weighted micro-batch's summed loss is multiplied by in the backward, world_size / N,
+    as the two documented loops round it in ``dtype``, after ``Accelerator.backward`` divides by the
+    accumulation steps: accelerate's usage guide, ``(sum * steps * world_size) / N``, seeds with
+    ((1/steps)/N * world_size) * steps; transformers' loss, ``sum / N`` times steps and world size,
+    with ((1/steps) * world_size * steps) / N. The first, and the second where it rounds otherwise
+    (scaling by a power of two is exact: at power-of-two world sizes and steps they are one)."""
+    one = torch.ones((), dtype=dtype)
+    guide = ((one / num_steps) / tokens * world_size) * num_steps
+    transformers_loss = (one / num_steps * world_size * num_steps) / tokens
+    return guide, None if torch.equal(guide, transformers_loss) else transformers_loss
+
+
 class Oracle:
     """Replicas of the user's models, with no DDP and no accelerate, on this rank.
 
@@ -180,16 +194,13 @@ class Oracle:
         flat = [(name, pname, p) for name, ps in self.params.items() for pname, p in ps.items() if p.requires_grad]
         other: torch.Tensor | None = None
         if self.tokens is not None:
-            # The token mean's weight, world_size / N, seeds the backward as the loop's arithmetic
-            # rounds it: world_size * fl(1/N) (the usage guide's (sum * steps * world_size) / N, and
-            # this (sum * world_size) / N), or fl(world_size / N) (transformers' sum / N, times the
-            # rest). Scaling by a power of two is exact: they differ only at other world sizes, and
-            # then the oracle runs both and allows each gradient element their difference.
-            other_seed = torch.tensor(self.world_size / self.tokens, dtype=loss.dtype)
-            one_seed = torch.ones((), dtype=loss.dtype) / self.tokens * self.world_size
-            if not torch.equal(one_seed, other_seed):
+            # the token mean's weight, world_size / N, as the two documented loops round it (each
+            # backward seeded exactly so); where they differ the oracle runs both and allows each
+            # gradient element their difference
+            seed, other_seed = token_seeds(self.world_size, self.tokens, self.num_steps, dtype=loss.dtype)
+            if other_seed is not None:
                 other = loss * other_seed.to(loss.device)
-            loss = loss * self.world_size / self.tokens
+            loss = loss * seed.to(loss.device)
         else:
             loss = loss / self.num_steps
         if self.scaler is not None:

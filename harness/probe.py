@@ -27,14 +27,19 @@ def require(owner: Any, attribute: str, api: str | None = None) -> Any:
     return value
 
 
-def require_parameter(function: Any, parameter: str, api: str) -> None:
-    """``Unsupported`` naming the API when ``function`` does not take ``parameter``."""
+def takes_parameter(function: Any, parameter: str) -> bool:
+    """Whether ``function`` takes ``parameter`` by name (or any keyword, or its signature is hidden)."""
     try:
         signature = inspect.signature(function)
     except (TypeError, ValueError):
-        return
+        return True
     takes_var_keyword = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
-    if parameter not in signature.parameters and not takes_var_keyword:
+    return parameter in signature.parameters or takes_var_keyword
+
+
+def require_parameter(function: Any, parameter: str, api: str) -> None:
+    """``Unsupported`` naming the API when ``function`` does not take ``parameter``."""
+    if not takes_parameter(function, parameter):
         raise Unsupported(api)
 
 

@@ -15,12 +15,12 @@ from harness.closeness import Expectation, rounding_allowance
 from harness.decorator import Diagnosis, Variant
 from harness.diagnosis import Hypotheses, diagnose, fitted_weights
 from harness.models import TinyLM, derive_seed, seeded
-from harness.oracle import Oracle
+from harness.oracle import Oracle, token_seeds
 from harness.records import FailureKind, Status
 from harness.selfcheck import Runner, Target
 from harness.tokens import IGNORE_INDEX, TokenDataset, pad_tokens, token_loss_sum, valid_tokens
 from harness.wrappers import WRAPPERS, cell_variants
-from tests.distributed import run_on_ranks
+from distributed import run_on_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,6 +71,23 @@ def test_the_oracle_at_a_sync_holds_the_gradient_of_the_token_mean_over_every_ra
     for rank in range(world_size):
         for name, p in model.named_parameters():
             torch.testing.assert_close(torch.tensor(got[rank][name], dtype=torch.float64), p.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("world_size, tokens, steps", [(1, 11, 1), (2, 37, 2), (3, 37, 2), (3, 53, 3), (4, 91, 2),
+                                                      (6, 101, 3), (3, 1000003, 5)])
+def test_token_seeds_are_the_backward_seeds_of_the_two_documented_loops_bit_for_bit(world_size, tokens, steps):
+    def seed_of(loss_of):
+        summed = torch.tensor(1.0, requires_grad=True)
+        (loss_of(summed) / steps).backward()  # Accelerator.backward divides by the steps
+        return summed.grad
+
+    guide, other = token_seeds(world_size, tokens, steps)
+    guide_loop = seed_of(lambda s: s * steps * world_size / tokens)
+    transformers_loop = seed_of(lambda s: s / torch.tensor(tokens) * steps * world_size)
+    assert torch.equal(guide, guide_loop)
+    assert torch.equal(other if other is not None else guide, transformers_loop)
+    if world_size & (world_size - 1) == 0 and steps & (steps - 1) == 0:
+        assert other is None  # powers of two scale exactly: one seed
 
 
 def test_fitted_weights_recover_planted_weights_and_misweighted_names_them():
@@ -169,3 +186,11 @@ def test_a_transformers_causal_lm_with_num_items_in_batch_passes(token_cells):
     pytest.importorskip("transformers")
     cell = token_cells["accumulate_token_loss_transformers", "sync_each_batch=false-fp32"]
     assert cell.status == Status.PASS, cell.summary
+
+
+def test_both_documented_orders_pass_at_three_ranks_and_three_steps_where_they_round_apart(run_pytest):
+    session = run_pytest("tests/planted/token_cases.py", "--world-sizes", "3", "--wrappers", "ddp", "-q", timeout=300)
+    cells = session.cells()
+    assert len(cells) == 4
+    for key, cell in cells.items():
+        assert cell["status"] == "pass", (key, cell["summary"])
