@@ -33,30 +33,35 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.5)
 
 
-def train(ctx, loss_of):
-    """A tiny language model through a prepared dataloader of padded token batches for two epochs,
-    one accumulation window at a time: the window's batches are taken first (to count their tokens),
-    then each goes through forward, ``backward(loss_of(...))``, ``step`` and ``zero_grad`` inside
-    ``accumulate(model)``. ``loss_of(accelerator, model, batch, window)`` is the loop's normalisation."""
+def token_accelerator(ctx):
     if ctx.variant["sync_each_batch"]:
-        accelerator = ctx.accelerator(**ctx.gradient_accumulation(STEPS, sync_each_batch=True))
-    else:
-        accelerator = ctx.accelerator(gradient_accumulation_steps=STEPS)
-    model = ctx.model("tiny_lm")
-    dataset, per_rank = ctx.token_dataset(batches=BATCHES, batch_size=BATCH_SIZE)
+        return ctx.accelerator(**ctx.gradient_accumulation(STEPS, sync_each_batch=True))
+    return ctx.accelerator(gradient_accumulation_steps=STEPS)
+
+
+def train(ctx, accelerator, model, loss_for, *, causal=False):
+    """``model`` through a prepared dataloader of padded token batches for two epochs, one
+    accumulation window at a time: the window's batches are taken first (to count their tokens),
+    then each goes through forward, ``backward``, ``step`` and ``zero_grad`` inside
+    ``accumulate(model)``. ``loss_for(accelerator, window)`` is the loop's normalisation: it returns
+    the loss of a (model, batch) in that window. ``causal``: a Hugging Face causal LM, which predicts
+    label t+1 at position t (label 0 is never a target)."""
+    dataset, per_rank = ctx.token_dataset(batches=BATCHES, batch_size=BATCH_SIZE, causal=causal)
     oracle = ctx.oracle({"model": model}, optimizer=sgd)
     optimizer = sgd(model.parameters())
     loader = DataLoader(dataset, batch_size=BATCH_SIZE, collate_fn=pad_tokens)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     models = {"model": model}
+    summed = causal_loss_sum if causal else token_loss_sum
     for window in ctx.windows(loader, ctx.schedule(per_rank, epochs=EPOCHS)):
         batches = [batch for _, batch in window]
-        oracle.token_window(batch["labels"] for batch in batches)
+        oracle.token_window(batch["labels"][:, 1:] if causal else batch["labels"] for batch in batches)
+        loss = loss_for(accelerator, batches)
         for point, batch in window:
             with accelerator.accumulate(model):
-                accelerator.backward(loss_of(accelerator, model, batch, batches))
+                accelerator.backward(loss(model, batch))
                 oracle.check_sync_flag(point, accelerator.sync_gradients)
-                oracle.backward(lambda m: token_loss_sum(m["model"], batch), sync=point.sync)
+                oracle.backward(lambda m: summed(m["model"], batch), sync=point.sync)
                 oracle.check_grads(point, models)
                 optimizer.step()
                 optimizer.zero_grad()
@@ -64,13 +69,13 @@ def train(ctx, loss_of):
             oracle.check_params(point, models, {"model": optimizer})
 
 
-def gathered_token_loss(accelerator, model, batch, window):
+def gathered_token_loss(accelerator, window):
     # accelerate's usage guide ("Gradient accumulation on training samples of variable size"): the
     # summed token loss over the window's valid tokens on all ranks (gathered), times the accumulation
     # steps (accelerate divides by them) and the number of processes (DDP averages)
     num_items_in_batch = accelerator.gather(sum(valid_tokens(b) for b in window)).sum().item()
     steps = accelerator.gradient_accumulation_steps
-    return token_loss_sum(model, batch) * steps * accelerator.num_processes / num_items_in_batch
+    return lambda model, batch: token_loss_sum(model, batch) * steps * accelerator.num_processes / num_items_in_batch
 
 
 @case("accumulate_token_loss", variants=VARIANTS, defects={"deepspeed-z1": ZERO1_SYNC_EACH_BATCH})
@@ -78,24 +83,24 @@ def test_accumulate_token_loss(ctx):
     """The documented token loss: each micro-batch's summed token loss divided by the window's valid
     tokens gathered from every rank, times the accumulation steps and the number of processes. Every
     token of the window weighs the same, on every rank."""
-    train(ctx, gathered_token_loss)
+    train(ctx, token_accelerator(ctx), ctx.model("tiny_lm"), gathered_token_loss)
 
 
-def per_batch_mean(accelerator, model, batch, window):
-    return token_loss_mean(model, batch)
+def per_batch_mean(accelerator, window):
+    return token_loss_mean
 
 
 @case("accumulate_token_mean", variants=VARIANTS, canary=Diagnosis("misweighted", model="model"))
 def test_accumulate_token_mean(ctx):
-    """Canary: the loss each micro-batch's own token mean (``reduction="mean"``), as before the fix.
+    """Canary: the loss is each micro-batch's own token mean (``reduction="mean"``), as before the fix.
     A micro-batch with few valid tokens weighs as much as one with many: ``misweighted``."""
-    train(ctx, per_batch_mean)
+    train(ctx, token_accelerator(ctx), ctx.model("tiny_lm"), per_batch_mean)
 
 
-def local_token_loss(accelerator, model, batch, window):
+def local_token_loss(accelerator, window):
     num_items_in_batch = sum(valid_tokens(b) for b in window).item()  # this rank's only: not gathered
     steps = accelerator.gradient_accumulation_steps
-    return token_loss_sum(model, batch) * steps * accelerator.num_processes / num_items_in_batch
+    return lambda model, batch: token_loss_sum(model, batch) * steps * accelerator.num_processes / num_items_in_batch
 
 
 @case("accumulate_token_local_count", variants=VARIANTS,
@@ -103,7 +108,7 @@ def local_token_loss(accelerator, model, batch, window):
 def test_accumulate_token_local_count(ctx):
     """Canary: the documented loss with the window's token count of this rank alone (not gathered):
     a rank with fewer tokens weighs its tokens more. Right on one rank; ``misweighted`` from two."""
-    train(ctx, local_token_loss)
+    train(ctx, token_accelerator(ctx), ctx.model("tiny_lm"), local_token_loss)
 
 
 def tiny_llama():
@@ -133,35 +138,23 @@ def test_accumulate_token_loss_transformers(ctx):
         import transformers
     except ImportError:
         ctx.skip("transformers is not installed (pip install 'gradsync-harness[transformers]')")
-    if ctx.variant["sync_each_batch"]:
-        accelerator = ctx.accelerator(**ctx.gradient_accumulation(STEPS, sync_each_batch=True))
-    else:
-        accelerator = ctx.accelerator(gradient_accumulation_steps=STEPS)
+    accelerator = token_accelerator(ctx)
     model = ctx.model(tiny_llama)
     if not takes_parameter(model.forward, "num_items_in_batch"):
         # transformers before 4.46.0 (PR #34191): the forward refuses the keyword, its loss is a mean
         ctx.skip(f"transformers {transformers.__version__} takes no num_items_in_batch in the model's forward "
                  "(added in 4.46.0, PR #34191)")
-    dataset, per_rank = ctx.token_dataset(batches=BATCHES, batch_size=BATCH_SIZE, causal=True)
-    oracle = ctx.oracle({"model": model}, optimizer=sgd)
-    optimizer = sgd(model.parameters())
-    loader = DataLoader(dataset, batch_size=BATCH_SIZE, collate_fn=pad_tokens)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    models = {"model": model}
-    for window in ctx.windows(loader, ctx.schedule(per_rank, epochs=EPOCHS)):
-        batches = [batch for _, batch in window]
-        oracle.token_window(batch["labels"][:, 1:] for batch in batches)
-        num_items_in_batch = accelerator.gather(sum(valid_tokens(b) for b in batches)).sum()
-        for point, batch in window:
-            with accelerator.accumulate(model):
-                outputs = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                labels=batch["labels"], num_items_in_batch=num_items_in_batch)
-                accelerator.backward(outputs.loss * accelerator.gradient_accumulation_steps
-                                     * accelerator.num_processes)
-                oracle.check_sync_flag(point, accelerator.sync_gradients)
-                oracle.backward(lambda m: causal_loss_sum(m["model"], batch), sync=point.sync)
-                oracle.check_grads(point, models)
-                optimizer.step()
-                optimizer.zero_grad()
-            oracle.step(point)
-            oracle.check_params(point, models, {"model": optimizer})
+    train(ctx, accelerator, model, transformers_loss, causal=True)
+
+
+def transformers_loss(accelerator, window):
+    # the model's own loss: summed token losses divided by num_items_in_batch (counted as transformers'
+    # Trainer counts them, gathered from every rank), times the accumulation steps and num_processes
+    num_items_in_batch = accelerator.gather(sum(valid_tokens(b) for b in window)).sum()
+
+    def loss(model, batch):
+        outputs = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
+                        num_items_in_batch=num_items_in_batch)
+        return outputs.loss * accelerator.gradient_accumulation_steps * accelerator.num_processes
+
+    return loss
