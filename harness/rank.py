@@ -154,6 +154,9 @@ def run_cell(spec: CellSpec, rank: int, device: Any) -> RankResult:
     started = time.perf_counter()
     ctx = None
     environment = dict(os.environ)
+    # DeepSpeed's ZeRO-3 engine replaces torch.nn.functional.linear for the whole process ("This will
+    # persist unless manually reset"): put torch's own back after the cell, as the environment
+    linear = torch.nn.functional.linear
     try:
         reset_accelerate()
         body = find_case(locate(spec.case_anchor, spec.case_relpath, spec.case_file), spec.case_attr).body
@@ -173,6 +176,7 @@ def run_cell(spec: CellSpec, rank: int, device: Any) -> RankResult:
         outcome, detail = RankOutcome.RAISED, traceback.format_exc()
     finally:
         _restore_environment(environment)
+        torch.nn.functional.linear = linear
         try:
             reset_accelerate()
             if ctx is not None and ctx.compile is not None:

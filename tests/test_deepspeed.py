@@ -87,3 +87,29 @@ def test_a_model_prepared_as_another_stage_is_an_error_not_a_pass(runner, tmp_pa
     cell = runner.run(Target(case, variant))
     assert cell.status == Status.ERROR, cell.summary
     assert "prepared as deepspeed-z2" in cell.summary and "wrapper=deepspeed-z1" in cell.summary
+
+
+# What a cell sees as torch.nn.functional.linear, said in its skip reason.
+LINEAR_CASE = """
+import torch
+
+from harness import case
+
+
+@case("linear_seen", wrappers=["ddp"])
+def test_linear_seen(ctx):
+    linear = torch.nn.functional.linear
+    ctx.skip(f"linear is {getattr(linear, '__module__', None)}.{linear.__name__}")
+"""
+
+
+def test_a_zero3_cell_leaves_torch_linear_as_it_found_it(runner, tmp_path):
+    # ZeRO-3's engine replaces torch.nn.functional.linear process-wide; the next cell on the pool
+    # must run torch's own
+    assert runner.run(target("test_accumulate.py", "steps=2-fp32", "deepspeed-z3")).status == Status.PASS
+    path = tmp_path / "test_linear_seen.py"
+    path.write_text(LINEAR_CASE)
+    case = load_case_file(path)[0]
+    cell = runner.run(Target(case, cell_variants(case.info.variants, case.info.wrappers, ("ddp",))[0]))
+    assert cell.status == Status.SKIP
+    assert "deepspeed" not in cell.summary and "zero3_linear_wrap" not in cell.summary, cell.summary
