@@ -17,6 +17,7 @@ from harness.diagnosis import Hypotheses, diagnose, fitted_weights
 from harness.models import TinyLM, derive_seed, seeded
 from harness.oracle import Oracle, token_seeds
 from harness.records import FailureKind, Status
+from harness.render.failures import canary_unobservable_summary
 from harness.selfcheck import Runner, Target
 from harness.tokens import IGNORE_INDEX, TokenDataset, pad_tokens, token_loss_sum, valid_tokens
 from harness.wrappers import WRAPPERS, cell_variants
@@ -125,6 +126,8 @@ def test_a_defect_can_name_the_variants_and_the_fewest_ranks_that_show_it():
     assert not only.applies_to({"sync_each_batch": False})
     assert Diagnosis("misweighted", ranks=2).observable(2) and not Diagnosis("misweighted", ranks=2).observable(1)
     assert Diagnosis("misweighted").observable(1)
+    assert canary_unobservable_summary([Diagnosis("misweighted", model="model", ranks=2)], 1).endswith(
+        "which world size 1 cannot show (it needs 2 ranks)")
     info = next(c for c in case_catalogue.discover(ROOT / "cases") if c.name == "accumulate_token_loss").info
     z1 = {"wrapper": "deepspeed-z1", "precision": "fp32"}
     assert info.detects_for(Variant("a", {**z1, "sync_each_batch": False})) == ()
