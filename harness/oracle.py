@@ -137,8 +137,9 @@ class Oracle:
         # contributions since the last check that the expectation sums, for the misweighted diagnosis
         self.tokens: int | None = None
         self._new = {name: {p: torch.zeros_like(t) for p, t in ps.items()} for name, ps in self.params.items()}
-        # the size of each gradient's terms: |the gradient the last check adopted| plus |each backward's
-        # since| (zero after a step), which a wrapper that reduces them apart rounds apart
+        # the size of each gradient's terms: |the gradient the last check adopted| (averaged already:
+        # it counts once over the ranks) plus |each backward's since| (zero after a step), which a
+        # wrapper that reduces them apart rounds apart
         self.terms = {name: {p: torch.zeros_like(t) for p, t in ps.items()} for name, ps in self.params.items()}
         self._parts: dict[str, list[dict[str, torch.Tensor]]] = {}
         self._weighted: set[str] = set()
@@ -438,7 +439,10 @@ class Oracle:
         for pname, replica_param in self.params[name].items():
             grad = grads.get(pname)
             replica_param.grad = None if grad is None else grad.detach().clone()
-            self.terms[name][pname] = torch.zeros_like(replica_param) if grad is None else grad.detach().abs()
+            # the adopted gradient enters the wrapper's sum once, where the reduction adds every
+            # rank's terms: a world_size-th of it from each
+            self.terms[name][pname] = (torch.zeros_like(replica_param) if grad is None
+                                       else grad.detach().abs() / self.world_size)
         self.allowed[name] = self._no_allowance(name)
         self._clear_parts(name)
 
