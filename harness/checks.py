@@ -127,7 +127,7 @@ def _param_kind(actual: torch.Tensor, rank0: torch.Tensor, *, moved: bool, due: 
 @dataclass(frozen=True)
 class Reweighing:
     """A token-weighted gradient explained with other weights: the contributions since the last check
-    (``Oracle.weighted_parts``: this rank's own, or after a sync every rank's share, by rank) fitted
+    (``TokenWeighting.parts``, harness/weighting.py: this rank's own, or after a sync every rank's share, by rank) fitted
     to the rank's whole gradient over the model, with the contract's weights all 1. ``expectations``:
     the expected gradients with the fitted weights instead, by parameter, each allowed the
     expectation's allowance scaled by the largest weight plus its own rounding; under autocast
@@ -208,7 +208,7 @@ class Checks:
             failed = False
             grads = observed.full_grads()  # a collective when sharded: every rank, before any diagnosis
             expectations = oracle.expected_grads(name)
-            parts = oracle.weighted_parts(name)
+            parts = oracle.weighting.parts(name)
             reweighing: Reweighing | None = None
             for pname, full in expectations.items():
                 expected = observed.piece_of(pname, full)

@@ -16,6 +16,7 @@ from harness.closeness import Expectation, reduction_allowance, rounding_allowan
 from harness.decorator import ALL_PRECISIONS
 from harness.replica import forward_as, unwrap
 from harness.schedule import MicroStep
+from harness.weighting import TokenWeighting, token_seeds
 from harness.wrappers import ADDS_AFTER_REDUCING
 
 # ``optimizer=``: called with a replica's parameters, as ``torch.optim.SGD(params, lr=...)`` is.
@@ -39,20 +40,6 @@ def _pieces(flat: torch.Tensor, like: Mapping[str, torch.Tensor]) -> dict[str, t
         out[pname] = flat[offset : offset + t.numel()].view_as(t).clone()
         offset += t.numel()
     return out
-
-
-def token_seeds(world_size: int, tokens: int, num_steps: int, *, dtype: torch.dtype = torch.float32
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """What a token-weighted micro-batch's summed loss is multiplied by in the backward, world_size / N,
-    as the two documented loops round it in ``dtype``, after ``Accelerator.backward`` divides by the
-    accumulation steps: accelerate's usage guide, ``(sum * steps * world_size) / N``, seeds with
-    ((1/steps)/N * world_size) * steps; transformers' loss, ``sum / N`` times steps and world size,
-    with ((1/steps) * world_size * steps) / N. The first, and the second where it rounds otherwise
-    (scaling by a power of two is exact: at power-of-two world sizes and steps they are one)."""
-    one = torch.ones((), dtype=dtype)
-    guide = ((one / num_steps) / tokens * world_size) * num_steps
-    transformers_loss = (one / num_steps * world_size * num_steps) / tokens
-    return guide, None if torch.equal(guide, transformers_loss) else transformers_loss
 
 
 class Oracle:
@@ -133,17 +120,12 @@ class Oracle:
         # each backward since the last gradient check: whether it syncs, and how many gradient
         # elements it produced (what a sync must reduce; harness/accounting.py)
         self.backward_syncs: list[tuple[bool, int]] = []
-        # token weighting (token_window): the window's valid tokens on all ranks, and the weighted
-        # contributions since the last check that the expectation sums, for the misweighted diagnosis
-        self.tokens: int | None = None
-        self._new = {name: {p: torch.zeros_like(t) for p, t in ps.items()} for name, ps in self.params.items()}
+        # token weighting (token_window), and the contributions the misweighted diagnosis refits
+        self.weighting = TokenWeighting(self.params, world_size=world_size)
         # the size of each gradient's terms: |the gradient the last check adopted| (averaged already:
         # it counts once over the ranks) plus |each backward's since| (zero after a step), which a
         # wrapper that reduces them apart rounds apart
         self.terms = {name: {p: torch.zeros_like(t) for p, t in ps.items()} for name, ps in self.params.items()}
-        self._parts: dict[str, list[dict[str, torch.Tensor]]] = {}
-        self._weighted: set[str] = set()
-        self._mixed: set[str] = set()
         self.checks = Checks(self, recorder, accounting)
 
     def _grad_scaler(self, kwargs: Mapping[str, Any]) -> Any:
@@ -194,11 +176,12 @@ class Oracle:
             loss = closure(self.models)
         flat = [(name, pname, p) for name, ps in self.params.items() for pname, p in ps.items() if p.requires_grad]
         other: torch.Tensor | None = None
-        if self.tokens is not None:
+        tokens = self.weighting.tokens
+        if tokens is not None:
             # the token mean's weight, world_size / N, as the two documented loops round it (each
             # backward seeded exactly so); where they differ the oracle runs both and allows each
             # gradient element their difference
-            seed, other_seed = token_seeds(self.world_size, self.tokens, self.num_steps, dtype=loss.dtype)
+            seed, other_seed = token_seeds(self.world_size, tokens, self.num_steps, dtype=loss.dtype)
             if other_seed is not None:
                 other = loss * other_seed.to(loss.device)
             loss = loss * seed.to(loss.device)
@@ -220,17 +203,12 @@ class Oracle:
             self.allowed[name][pname] = self.allowed[name][pname] + rounding_allowance(p.grad)
             if g_other is not None:
                 self.allowed[name][pname] += (g.detach().double() - g_other.detach().double()).abs()
-            if self.tokens is not None:
-                self._new[name][pname] += g.detach()
-        if self.tokens is not None:
-            for name in self.params:
-                if name in self._parts and not sync:
-                    self._mixed.add(name)  # a local backward after a sync, before a check
-                self._weighted.add(name)
+            if tokens is not None:
+                self.weighting.add(name, pname, g.detach())
+        if tokens is not None:
+            self.weighting.after_backward(sync=sync)
         self.last_sync = sync
         if sync:
-            if self.tokens is not None:
-                self._gather_parts()
             self._average_grads()
 
     def token_window(self, labels: Iterable[torch.Tensor], *, ignore_index: int = -100) -> int:
@@ -244,46 +222,7 @@ class Oracle:
         (1/N) times the sum of every valid token's loss of the window on every rank, whatever
         normalisation the case's own loop uses. Each rank's share before the average is
         world_size / N times its sums."""
-        count = sum(int(t.ne(ignore_index).sum()) for t in labels)
-        device = next(iter(self.params[next(iter(self.params))].values())).device
-        total = torch.tensor([count], dtype=torch.int64, device=device)
-        if self.world_size > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        tokens = int(total.item())
-        if tokens == 0:
-            raise ValueError("token_window: no rank has a valid token in this window (every label is "
-                             f"{ignore_index}); the token mean is undefined")
-        self.tokens = tokens
-        return tokens
-
-    def _gather_parts(self) -> None:
-        """At a sync under token weighting: every rank's weighted contributions since the last check,
-        each divided by the world size as it enters the average (one all_gather per model)."""
-        for name, new in self._new.items():
-            flat = _flat(new.values())
-            gathered = [torch.empty_like(flat) for _ in range(self.world_size)] if self.world_size > 1 else [flat]
-            if self.world_size > 1:
-                dist.all_gather(gathered, flat)
-            self._parts[name] = [_pieces(g / self.world_size, new) for g in gathered]
-            for t in new.values():
-                t.zero_()
-
-    def weighted_parts(self, name: str) -> list[dict[str, torch.Tensor]] | None:
-        """The token-weighted contributions that the expected gradient adds since the last check:
-        this rank's own (no sync since), or every rank's share of the average, by rank (a sync).
-        None outside token weighting, or when a local backward followed a sync before the check."""
-        if name not in self._weighted or name in self._mixed:
-            return None
-        if name in self._parts:
-            return self._parts[name]
-        return [{p: t.clone() for p, t in self._new[name].items()}]
-
-    def _clear_parts(self, name: str) -> None:
-        for t in self._new[name].values():
-            t.zero_()
-        self._parts.pop(name, None)
-        self._weighted.discard(name)
-        self._mixed.discard(name)
+        return self.weighting.begin(labels, ignore_index)
 
     def reduce(self, tensors: Mapping[str, torch.Tensor], carried: Mapping[str, torch.Tensor] | None = None,
                magnitudes: Mapping[str, torch.Tensor] | None = None) -> dict[str, Expectation]:
@@ -395,9 +334,8 @@ class Oracle:
                 p.grad = None
                 self.local[name][pname].zero_()
             self.allowed[name] = self._no_allowance(name)
-            self._clear_parts(name)
             self.terms[name] = {pname: torch.zeros_like(p) for pname, p in ps.items()}
-        self.tokens = None
+        self.weighting.end()
 
     # collectives and what the contract expects now (read by harness/checks.py)
 
@@ -444,7 +382,7 @@ class Oracle:
             self.terms[name][pname] = (torch.zeros_like(replica_param) if grad is None
                                        else grad.detach().abs() / self.world_size)
         self.allowed[name] = self._no_allowance(name)
-        self._clear_parts(name)
+        self.weighting.clear(name)
 
     def restart_window(self, name: str, grads: Mapping[str, torch.Tensor | None]) -> None:
         """After a mismatch: a rank that cleared its gradients starts its next window here."""

@@ -15,7 +15,8 @@ from harness.closeness import Expectation, rounding_allowance
 from harness.decorator import Diagnosis, Variant
 from harness.diagnosis import Hypotheses, diagnose, fitted_weights
 from harness.models import TinyLM, derive_seed, seeded
-from harness.oracle import Oracle, token_seeds
+from harness.oracle import Oracle
+from harness.weighting import token_seeds
 from harness.records import FailureKind, Status
 from harness.render.failures import canary_unobservable_summary
 from harness.selfcheck import Runner, Target
