@@ -206,11 +206,8 @@ class RankContext:
 
         By default it is sized so that each rank gets ``batches`` batches and the last global batch is
         one sample short (the uneven end); ``samples`` sets the size instead."""
-        global_batch = batch_size if split_batches else batch_size * self.world_size
-        if samples is None:
-            samples = batches * global_batch - 1
-        expected = self._batches_per_rank(samples, batch_size, split_batches=split_batches,
-                                          dispatch_batches=dispatch_batches)
+        samples, expected = self._sized(batches, batch_size, split_batches=split_batches,
+                                        dispatch_batches=dispatch_batches, samples=samples)
         dataset = regression_dataset(derive_seed(self.seed, self.case, label), samples=samples, features=features)
         return dataset, expected
 
@@ -223,11 +220,19 @@ class RankContext:
         ``DataLoader`` ``collate_fn=pad_tokens``. ``causal``: labelled for a Hugging Face causal LM."""
         from harness.tokens import TokenDataset
 
-        samples = batches * batch_size * self.world_size - 1
-        expected = self._batches_per_rank(samples, batch_size, split_batches=False, dispatch_batches=False)
+        samples, expected = self._sized(batches, batch_size, split_batches=False, dispatch_batches=False)
         dataset = TokenDataset(derive_seed(self.seed, self.case, label), samples=samples, max_len=max_len,
                                causal=causal)
         return dataset, expected
+
+    def _sized(self, batches: int, batch_size: int, *, split_batches: bool, dispatch_batches: bool,
+               samples: int | None = None) -> tuple[int, int]:
+        """The harness's own datasets' size (``batches`` per rank, the last global batch one sample
+        short, unless ``samples`` is given) and what each rank's prepared dataloader must yield."""
+        if samples is None:
+            samples = batches * (batch_size if split_batches else batch_size * self.world_size) - 1
+        return samples, self._batches_per_rank(samples, batch_size, split_batches=split_batches,
+                                               dispatch_batches=dispatch_batches)
 
     def _batches_per_rank(self, samples: int, batch_size: int, *, split_batches: bool, dispatch_batches: bool,
                           drop_last: bool = False) -> int:

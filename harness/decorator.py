@@ -55,9 +55,14 @@ class Diagnosis:
     def matches(self, kind: str, model: str) -> bool:
         return kind == self.kind and (self.model is None or model == self.model)
 
+    @property
+    def fewest_ranks(self) -> int:
+        """The fewest ranks that can show it: ``ranks``, and two for a sync kind."""
+        return max(self.ranks, 2 if self.kind in SYNC_KINDS else 1)
+
     def observable(self, world_size: int) -> bool:
         """Whether a cell of this world size can show it (sync needs two ranks)."""
-        return world_size >= max(self.ranks, 2 if self.kind in SYNC_KINDS else 1)
+        return world_size >= self.fewest_ranks
 
     def __str__(self) -> str:
         return self.kind + (f" in {self.model}" if self.model else "")

@@ -125,7 +125,9 @@ class Oracle:
         # the size of each gradient's terms: |the gradient the last check adopted| (averaged already:
         # it counts once over the ranks) plus |each backward's since| (zero after a step), which a
         # wrapper that reduces them apart rounds apart
-        self.terms = {name: {p: torch.zeros_like(t) for p, t in ps.items()} for name, ps in self.params.items()}
+        # (kept only under such a wrapper: nothing else reads them)
+        self.terms = ({name: {p: torch.zeros_like(t) for p, t in ps.items()} for name, ps in self.params.items()}
+                      if wrapper in ADDS_AFTER_REDUCING else None)
         self.checks = Checks(self, recorder, accounting)
 
     def _grad_scaler(self, kwargs: Mapping[str, Any]) -> Any:
@@ -199,7 +201,8 @@ class Oracle:
                 continue
             p.grad = g.detach().clone() if p.grad is None else p.grad + g.detach()
             self.local[name][pname] += g.detach()
-            self.terms[name][pname] += g.detach().abs()
+            if self.terms is not None:
+                self.terms[name][pname] += g.detach().abs()
             self.allowed[name][pname] = self.allowed[name][pname] + rounding_allowance(p.grad)
             if g_other is not None:
                 self.allowed[name][pname] += (g.detach().double() - g_other.detach().double()).abs()
@@ -258,7 +261,7 @@ class Oracle:
                     p.grad = torch.zeros_like(p)
             # a wrapper that reduces each micro-batch (ZeRO-2/3), or adds a sync's average to a gradient
             # averaged by an earlier one (FSDP, sync_each_batch), rounds each term's average apart
-            magnitudes = self.terms[name] if self.wrapper in ADDS_AFTER_REDUCING else None
+            magnitudes = self.terms[name] if self.terms is not None else None
             reduced = self.reduce({pname: p.grad for pname, p in ps.items()}, self.allowed[name], magnitudes)
             for pname, p in ps.items():
                 p.grad = reduced[pname].value
@@ -334,7 +337,8 @@ class Oracle:
                 p.grad = None
                 self.local[name][pname].zero_()
             self.allowed[name] = self._no_allowance(name)
-            self.terms[name] = {pname: torch.zeros_like(p) for pname, p in ps.items()}
+            if self.terms is not None:
+                self.terms[name] = {pname: torch.zeros_like(p) for pname, p in ps.items()}
         self.weighting.end()
 
     # collectives and what the contract expects now (read by harness/checks.py)
@@ -377,10 +381,11 @@ class Oracle:
         for pname, replica_param in self.params[name].items():
             grad = grads.get(pname)
             replica_param.grad = None if grad is None else grad.detach().clone()
-            # the adopted gradient enters the wrapper's sum once, where the reduction adds every
-            # rank's terms: a world_size-th of it from each
-            self.terms[name][pname] = (torch.zeros_like(replica_param) if grad is None
-                                       else grad.detach().abs() / self.world_size)
+            if self.terms is not None:
+                # the adopted gradient enters the wrapper's sum once, where the reduction adds every
+                # rank's terms: a world_size-th of it from each
+                self.terms[name][pname] = (torch.zeros_like(replica_param) if grad is None
+                                           else grad.detach().abs() / self.world_size)
         self.allowed[name] = self._no_allowance(name)
         self.weighting.clear(name)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import TYPE_CHECKING, Sequence
 
-from harness.records import CAUSES, SYNC_KINDS, Failure, FaultKind, RankFault, RankOutcome, Status
+from harness.records import CAUSES, Failure, FaultKind, RankFault, RankOutcome, Status
 
 if TYPE_CHECKING:
     from harness.closeness import Difference
@@ -223,8 +223,8 @@ def nccl_skip_summary(world_size: int, gpu_count: int) -> str:
 
 
 def canary_unobservable_summary(detects: Sequence[object], world_size: int) -> str:
-    fewest = max(max(getattr(d, "ranks", 1), 2 if getattr(d, "kind", "") in SYNC_KINDS else 1) for d in detects)
-    why = "sync needs two ranks" if all(getattr(d, "ranks", 1) <= 1 for d in detects) else f"it needs {fewest} ranks"
+    fewest = max(d.fewest_ranks for d in detects)  # type: ignore[attr-defined]
+    why = "sync needs two ranks" if all(d.ranks <= 1 for d in detects) else f"it needs {fewest} ranks"  # type: ignore[attr-defined]
     return (f"this canary shows only as {', '.join(map(str, detects))}, which world size "
             f"{world_size} cannot show ({why})")
 
