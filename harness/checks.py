@@ -24,6 +24,7 @@ from harness.replica import AUTOCAST_DTYPES
 from harness.render import failures as text
 from harness.schedule import MicroStep
 from harness.sharding import Observed, observe
+from harness.timeline import TimelineRecorder
 from harness.wrappers import REDUCES_EVERY_MICRO_BATCH, verify
 
 if TYPE_CHECKING:
@@ -45,8 +46,13 @@ class Recorder:
     vacuous_checks: int = 0  # gradient checks where synced and local could not be told apart
     comm_checks: int = 0  # backwards whose collectives were judged (harness/accounting.py)
     max_abs_diff: float = 0.0
+    timeline: TimelineRecorder = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.timeline = TimelineRecorder(rank=self.rank)
 
     def add(self, failure: Failure) -> None:
+        self.timeline.mark(failure.step, failure.checked, failure.kind)
         if len(self.failures) < MAX_FAILURES:
             self.failures.append(failure)
         else:
@@ -66,6 +72,17 @@ def where(step: MicroStep | int) -> tuple[int, str]:
     if isinstance(step, MicroStep):
         return step.index, step.where()
     return step, f"step {step}"
+
+
+def mark_point(recorder: Recorder, step: MicroStep | int, *, sync: bool | None = None,
+               optimizer_step: bool | None = None) -> None:
+    """The schedule's micro-step for the timeline: all of it from a MicroStep, else what the oracle
+    knows at this check (the last backward's sync, whether the optimizer was due)."""
+    if isinstance(step, MicroStep):
+        recorder.timeline.at(step.index, epoch=step.epoch, batch=step.batch, sync=step.sync,
+                             optimizer_step=step.optimizer_step)
+    else:
+        recorder.timeline.at(step, sync=sync, optimizer_step=optimizer_step)
 
 
 def make_failure(
@@ -193,8 +210,10 @@ class Checks:
         last check with the contract (harness/accounting.py)."""
         oracle = self.oracle
         index, at = where(step)
+        mark_point(self.recorder, step, sync=oracle.last_sync)
         self._collectives(index, at, models)
         for name, model in models.items():
+            self.recorder.timeline.mark(index, "grad")
             observed = self._observe(name, model, sync=oracle.last_sync)
             if observed.hidden or observed.sharded and not oracle.last_sync or observed.shards_shown:
                 self._hidden(index, at, name, observed)
@@ -267,6 +286,7 @@ class Checks:
             return
         for verdict in judge(backwards, syncs, reduces_every_micro_batch=oracle.wrapper in REDUCES_EVERY_MICRO_BATCH):
             self.recorder.comm_checks += 1
+            self.recorder.timeline.mark(index, "comm")
             if verdict.kind is None:
                 continue
             self.recorder.add(Failure(
@@ -288,7 +308,9 @@ class Checks:
         oracle = self.oracle
         index, at = where(step)
         stepped = oracle.stepped and oracle.before_step is not None
+        mark_point(self.recorder, step, optimizer_step=oracle.stepped)
         for name, model in models.items():
+            self.recorder.timeline.mark(index, "param")
             observed = self._observe(name, model, sync=oracle.last_sync)
             # sharded: each rank holds another part, there is no copy to compare with rank 0's
             rank0 = None if observed.sharded else oracle.rank0_copy(name, observed.params)
@@ -341,6 +363,8 @@ class Checks:
     def sync_flag(self, step: MicroStep, flag: bool) -> None:
         """Report where ``accelerator.sync_gradients`` disagrees with the schedule (its own kind)."""
         self.recorder.checks += 1
+        mark_point(self.recorder, step)
+        self.recorder.timeline.mark(step.index, "flag")
         if bool(flag) == step.optimizer_step:
             return
         self.recorder.add(Failure(
@@ -353,8 +377,10 @@ class Checks:
         """Compare each optimizer's learning rates with the oracle's (whose schedulers advanced only
         at the schedule's optimizer steps)."""
         index, at = where(step)
+        mark_point(self.recorder, step)
         for name, optimizer in optimizers.items():
             self.recorder.checks += 1
+            self.recorder.timeline.mark(index, "lr")
             actual_groups = [g for opt in as_optimizers(optimizer) for g in opt.param_groups]
             expected_groups = [g for opt in self.oracle.optimizers[name] for g in opt.param_groups]
             for group, (actual, expected) in enumerate(zip(actual_groups, expected_groups)):
@@ -378,6 +404,7 @@ def count_batches(recorder: Recorder, loader: Iterable[Any], expected: int, *, w
         seen += 1
         if seen <= expected:
             yield batch
+    recorder.timeline.mark(0, "schedule")
     if seen != expected:
         recorder.add(Failure(
             rank=recorder.rank, step=0, model="dataloader", param="len", kind=FailureKind.SCHEDULE,

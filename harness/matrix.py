@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from harness.records import STATUSES, Failure, Status
+from harness.timeline import Timeline
 
 SCHEMA_VERSION = 1
 
@@ -34,6 +35,9 @@ class Cell:
     nodeid: str = ""
     rerun: str = ""
     detail: str = ""  # an error cell's tracebacks or stack dumps, rank by rank
+    # every check by rank and micro-step, kept for a cell with failures (harness/timeline.py);
+    # written only where present, so that the JSON of every other cell is as before
+    timeline: Timeline | None = None
 
     @property
     def key(self) -> tuple[str, str, int]:
@@ -43,6 +47,10 @@ class Cell:
         data = dataclasses.asdict(self)
         data["status"] = str(self.status)  # plain data: execnet carries no enum between xdist workers
         data["failures"] = [f.to_dict() for f in self.failures]
+        if self.timeline is None:
+            del data["timeline"]
+        else:
+            data["timeline"] = self.timeline.to_dict()
         return data
 
     @classmethod
@@ -50,6 +58,8 @@ class Cell:
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in data.items() if k in names}
         kwargs["failures"] = [Failure.from_dict(f) for f in data.get("failures", [])]
+        if data.get("timeline") is not None:
+            kwargs["timeline"] = Timeline.from_dict(data["timeline"])
         return cls(**kwargs)
 
 

@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional
 
 from harness.matrix import SCHEMA_VERSION, Cell, Matrix, MatrixError
 from harness.records import STATUSES, Failure
+from harness.timeline import TimelineMark, TimelineStep
 from harness.render.text import escape_unprintable, printable_line
 from harness.strictjson import (
     MAX_NESTING,
@@ -162,6 +163,38 @@ _FAILURE_CHECKS: dict[str, Check] = {
     "atol": NUMBER,
     "rtol": NUMBER,
 }
+def _records(cls: type, what: str) -> Check:
+    """A list of objects, each with the fields of the dataclass ``cls`` (checked by their annotations)."""
+
+    def check(value: Any, name: str) -> Optional[str]:
+        if not isinstance(value, list):
+            return f"{name} is {_describe(value)}, expected a list of {what}s"
+        checks, required = _field_checks(cls, {})
+        for index, element in enumerate(value):
+            where = f"{name}[{index}]"
+            if not isinstance(element, dict):
+                return f"{where} is {_describe(element)}, expected an object (a {what})"
+            try:
+                _check_fields(element, checks, required, f"{where}.")
+            except _Invalid as exc:
+                return str(exc)
+        return None
+
+    check.expected = f"a list of {what}s"  # type: ignore[attr-defined]
+    return check
+
+
+def _timeline(value: Any, name: str) -> Optional[str]:
+    message = OBJECT(value, name)
+    for key, check in (("steps", _records(TimelineStep, "timeline step")),
+                       ("marks", _records(TimelineMark, "timeline mark"))):
+        if message is None and key in value:
+            message = check(value[key], f"{name}.{key}")
+    return message
+
+
+_timeline.expected = "an object (a timeline)"  # type: ignore[attr-defined]
+
 _CELL_CHECKS: dict[str, Check] = {
     "case": NAME,
     "variant": TEXT,
@@ -177,6 +210,7 @@ _CELL_CHECKS: dict[str, Check] = {
     "nodeid": TEXT,
     "rerun": TEXT,
     "detail": TEXT,
+    "timeline": _optional(_timeline),
 }
 _ANNOTATION_CHECKS: dict[str, Check] = {"str": TEXT, "int": INT, "float": NUMBER, "bool": BOOL}
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from harness.records import Failure, RankOutcome
+from harness.timeline import TimelineRecorder
 
 
 class ProtocolError(RuntimeError):
@@ -82,6 +83,7 @@ class RankResult:
     comm_checks: int = 0
     max_abs_diff: float = 0.0
     duration_s: float = 0.0
+    timeline: TimelineRecorder | None = None  # every check by micro-step (harness/timeline.py)
 
 
 def expect(message: Any, *types: type) -> Any:

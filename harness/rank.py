@@ -196,6 +196,7 @@ def run_cell(spec: CellSpec, rank: int, device: Any) -> RankResult:
         vacuous_checks=recorder.vacuous_checks if recorder else 0,
         comm_checks=recorder.comm_checks if recorder else 0,
         max_abs_diff=recorder.max_abs_diff if recorder else 0.0,
+        timeline=recorder.timeline if recorder else None,
         duration_s=time.perf_counter() - started,
     )
 

@@ -8,6 +8,7 @@ from harness.decorator import Diagnosis
 from harness.matrix import Cell
 from harness.records import CellOutcome, Failure, RankOutcome, Status
 from harness.render import failures as text
+from harness.timeline import Timeline
 
 
 def _judge_canary(cell: Cell, detects: Sequence[Diagnosis], omitted: int) -> Cell:
@@ -81,6 +82,8 @@ def judge(
     cell.comm_checks = sum(r.comm_checks for r in results)
     cell.max_abs_diff = max((r.max_abs_diff for r in results), default=0.0)
     cell.failures = failures
+    if failures or omitted:  # where the ranks parted from the oracle, drawn by the HTML report
+        cell.timeline = Timeline.join(r.timeline for r in results if r.timeline is not None)
     if cell.grad_checks == 0:
         cell.status = Status.MISSED if detects else Status.ERROR
         cell.summary = text.NO_GRADIENT_CHECK
