@@ -19,6 +19,7 @@ from harness.decorator import case_info
 from harness.matrix import Cell, Matrix, merge_cells
 from harness.options import DEFAULT_CASE_TIMEOUT_S, DEFAULT_SEED, OptionError, Settings, resolve
 from harness.pool import PoolSet
+from harness.progress import Progress, terminal_writer
 from harness.rank import launcher_settings
 from harness.records import BAD_STATUSES, GOOD_STATUSES
 from harness.render.failures import cell_message, skip_reason
@@ -79,9 +80,11 @@ class HarnessState:
         self.write_error = ""
         self.signals_installed = False
         self._environment: dict[str, Any] | None = None
+        self.progress = Progress(None if _is_worker(config) else terminal_writer(config))
 
     # registered as a plugin object, so that these are hooks of this process's state
 
+    @pytest.hookimpl(trylast=True)  # after pytest's own letter or word for the report
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when != "call":
             return
@@ -93,6 +96,8 @@ class HarnessState:
                 self.write_reports(complete=False)
             except OSError as exc:
                 self.write_error = f"{exc.filename or self.settings.report_dir}: {exc.strerror or exc}"
+            for cell in cells:
+                self.progress.cell_done(cell.status, f"{cell.case}[{cell.variant}-ws{cell.world_size}]")
 
     def write_reports(self, *, complete: bool) -> None:
         """(Re)write the three reports from the cells so far, each file replaced atomically."""
@@ -233,6 +238,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     # After deselection (-k, -m): the cells this run is expected to finish.
     state = session.config.stash[STATE]
     state.expected_ids = {i.nodeid for i in session.items if _cell_world_size(i)}
+    state.progress.expect(len(state.expected_ids))
 
 
 def _cell_world_size(item: pytest.Item) -> int:
@@ -270,6 +276,7 @@ def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
     state = node.config.stash.get(STATE, None)
     if state is not None and not state.expected_ids:
         state.expected_ids = {i for i in ids if _CELL_ID.search(i)}
+        state.progress.expect(len(state.expected_ids))
     if state is not None and state.expected_ids:
         _end_on_signals(state)
 
@@ -305,6 +312,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if state is None:
         return
     state.interrupted = state.interrupted or exitstatus == pytest.ExitCode.INTERRUPTED
+    state.progress.finish()  # the closing progress line (controller or serial run), before the summary
     # after an interruption the ranks may be busy in a cell: do not wait for them
     state.pools.close(graceful=not state.interrupted)
     # With no finished cell (a usage error, an interruption before the first cell) there is nothing

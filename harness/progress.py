@@ -1,0 +1,110 @@
+"""The live progress line of a run: cells done of expected, bad cells so far, and the time left."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional
+
+from harness.records import BAD_STATUSES, Status
+
+# How often a line is written while cells pass (a cell that ends bad is written at once): often
+# enough to show a long run is alive, rarely enough to keep a CI log readable.
+INTERVAL_S = 10.0
+_BAD_ORDER = (Status.FAIL, Status.ERROR, Status.MISSED)
+
+
+def duration(seconds: float) -> str:
+    """``45s``, ``1m52s``, ``2h05m``."""
+    seconds = max(0, int(round(seconds)))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+class Progress:
+    """Counts finished cells and writes a line through ``write`` (None: counts, writes nothing).
+
+    A line is written when a cell ends and ``interval_s`` has passed since the last line (or since
+    the start), at once when a cell ends fail, error or missed (naming it), and once by ``finish``.
+    """
+
+    def __init__(self, write: Optional[Callable[[str], None]], clock: Callable[[], float] = time.monotonic,
+                 interval_s: float = INTERVAL_S) -> None:
+        self.write = write
+        self.clock = clock
+        self.interval_s = interval_s
+        self.total = 0
+        self.done = 0
+        self.bad: dict[str, int] = {}
+        self.started = self.last_written = clock()
+        self.first_done = 0.0  # when the first cell ended: the time before it is mostly pools starting
+        self.expected = False
+        self.finished = False
+
+    def expect(self, total: int) -> None:
+        """The run's cell count is known: its cells start now (the clock starts at the first call)."""
+        if not self.expected and not self.done:
+            self.started = self.last_written = self.clock()
+        self.expected = True
+        self.total = total
+
+    def cell_done(self, status: str, name: str = "") -> None:
+        self.done += 1
+        if self.done == 1:
+            self.first_done = self.clock()
+        bad = status in BAD_STATUSES
+        if bad:
+            self.bad[str(status)] = self.bad.get(str(status), 0) + 1
+        if self.write is None or (self.total and self.done >= self.total):
+            return  # the last cell's line is finish's
+        now = self.clock()
+        if bad:
+            self._write(self.line(now) + f" · {status}: {name}", now)
+        elif now - self.last_written >= self.interval_s:
+            self._write(self.line(now), now)
+
+    def finish(self) -> None:
+        """The closing line, once, when any cell finished: how long the cells took, or where they stopped."""
+        if self.write is None or self.finished or not self.done:
+            return
+        self.finished = True
+        now = self.clock()
+        short = self.total and self.done < self.total
+        self._write(self.line(now, final=True) + f" · {'stopped after' if short else 'done in'} "
+                    f"{duration(now - self.started)}", now)
+
+    def line(self, now: float, *, final: bool = False) -> str:
+        counted = f"{self.done}/{self.total}" if self.total >= self.done else str(self.done)
+        parts = [f"gradient-sync: {counted} cells"]
+        parts += [f"{self.bad[s]} {s}" for s in _BAD_ORDER if self.bad.get(s)]
+        if not final and 1 < self.done < self.total:
+            # the pace since the first cell: the wait for it is the pools' start-up, paid once
+            left = (now - self.first_done) / (self.done - 1) * (self.total - self.done)
+            parts.append(f"{duration(left)} left")
+        return " · ".join(parts)
+
+    def _write(self, line: str, now: float) -> None:
+        assert self.write is not None
+        self.last_written = now
+        self.write(line)
+
+
+def terminal_writer(config: Any) -> Optional[Callable[[str], None]]:
+    """Writes a line on a line of its own in pytest's terminal output; None under ``-q``."""
+    if (config.getoption("verbose", 0) or 0) < 0:
+        return None
+
+    def write(line: str) -> None:
+        # looked up at each line: the terminal reporter is registered after the harness's configure
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is None:  # -p no:terminal
+            return
+        reporter.ensure_newline()
+        # under xdist pytest writes its dots with no file name first, which ensure_newline misses
+        if getattr(getattr(reporter, "_tw", None), "width_of_current_line", 0):
+            reporter.write("\n")
+        reporter.write_line(line)
+
+    return write

@@ -1,0 +1,188 @@
+"""The live progress line: what it says, when it is written (a fake clock), and that a real run
+writes it on lines of its own, serial and under xdist, and writes none under -q."""
+
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import PLANTED, wait_for_no_processes
+from harness.progress import Progress, duration, terminal_writer
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def progress(total=10, interval_s=10.0):
+    clock, lines = Clock(), []
+    p = Progress(lines.append, clock=clock, interval_s=interval_s)
+    p.expect(total)
+    return p, clock, lines
+
+
+@pytest.mark.parametrize("seconds, text", [(0, "0s"), (44.6, "45s"), (59.4, "59s"), (60, "1m00s"), (112, "1m52s"),
+                                           (3599, "59m59s"), (3600, "1h00m"), (7500, "2h05m"), (-3, "0s")])
+def test_durations_read_as_seconds_minutes_or_hours(seconds, text):
+    assert duration(seconds) == text
+
+
+def test_the_line_counts_cells_names_only_the_bad_statuses_there_are_and_estimates_the_time_left():
+    p, clock, _ = progress(total=522)
+    assert p.line(clock.now) == "gradient-sync: 0/522 cells"  # no time before a cell is done
+    clock.now += 8  # the pools start: the first cell ends late
+    p.cell_done("pass", "c[fp32-ws1]")
+    assert p.line(clock.now) == "gradient-sync: 1/522 cells"  # no pace from one cell
+    for status in ["pass"] * 110 + ["skip", "unsupported", "detected"] * 2 + ["fail", "error", "fail"]:
+        p.cell_done(status, "c[fp32-ws1]")
+    clock.now += 119 * 56 / 402  # 119 cells in 16.6 s after the first: 402 more take 56 s
+    assert p.line(clock.now) == "gradient-sync: 120/522 cells · 2 fail · 1 error · 56s left"
+    p.cell_done("missed", "canary[fp32-ws2]")
+    assert p.line(clock.now) == "gradient-sync: 121/522 cells · 2 fail · 1 error · 1 missed · 55s left"
+
+
+def test_an_unknown_total_shows_the_cells_done_and_no_time():
+    lines = []
+    p = Progress(lines.append, clock=Clock())
+    p.cell_done("pass")
+    p.cell_done("fail", "case[fp32-ws2]")
+    assert lines == ["gradient-sync: 2 cells · 1 fail · fail: case[fp32-ws2]"]
+    p.finish()
+    assert lines[-1] == "gradient-sync: 2 cells · 1 fail · done in 0s"
+
+
+def test_passing_cells_write_a_line_at_most_every_interval_and_the_last_cell_leaves_it_to_finish():
+    p, clock, lines = progress(total=6)
+    clock.now += 4
+    p.cell_done("pass")
+    assert lines == []  # 4 s in: not yet
+    clock.now += 6
+    p.cell_done("pass")
+    assert lines == ["gradient-sync: 2/6 cells · 24s left"]  # 10 s since the start; 6 s a cell after the first
+    clock.now += 9
+    p.cell_done("skip")
+    assert len(lines) == 1
+    clock.now += 1
+    p.cell_done("pass")
+    assert lines[-1] == "gradient-sync: 4/6 cells · 11s left"
+    clock.now += 5
+    p.cell_done("pass")
+    clock.now += 20
+    p.cell_done("pass")  # the last one: no "0s left"
+    assert len(lines) == 2
+    p.finish()
+    p.finish()
+    assert lines[2:] == ["gradient-sync: 6/6 cells · done in 45s"]
+
+
+def test_a_bad_cell_is_written_at_once_naming_it_and_restarts_the_interval():
+    p, clock, lines = progress(total=4)
+    clock.now += 1
+    p.cell_done("error", "fused_loss[fp32-ws2]")
+    assert lines == ["gradient-sync: 1/4 cells · 1 error · error: fused_loss[fp32-ws2]"]
+    clock.now += 9.5
+    p.cell_done("pass")  # 10.5 s from the start, 9.5 from the last line
+    assert len(lines) == 1
+    p.cell_done("pass")
+    clock.now += 1.5
+    p.cell_done("fail", "the_last[bf16-ws1]")  # the last cell: finish says it
+    assert len(lines) == 1
+    p.finish()
+    assert lines[-1] == "gradient-sync: 4/4 cells · 1 fail · 1 error · done in 12s"
+
+
+def test_the_clock_starts_when_the_cells_are_known_and_a_run_that_stops_short_says_so():
+    clock, lines = Clock(), []
+    p = Progress(lines.append, clock=clock)
+    clock.now += 30  # collection
+    p.expect(8)
+    clock.now += 5
+    p.expect(8)  # xdist: each worker's collection: the clock started at the first
+    p.cell_done("pass")
+    clock.now += 5
+    p.cell_done("pass")  # 10 s from the first expect, not 15 or 40
+    assert lines == ["gradient-sync: 2/8 cells · 30s left"]  # 5 s a cell since the first
+    p.finish()
+    assert lines[1:] == ["gradient-sync: 2/8 cells · stopped after 10s"]
+
+
+def test_nothing_is_written_with_no_writer_or_before_any_cell():
+    p, _, lines = progress()
+    p.finish()
+    assert lines == []
+    silent = Progress(None, clock=Clock(), interval_s=0)
+    silent.expect(3)
+    silent.cell_done("fail", "c[fp32-ws1]")
+    silent.finish()
+    assert silent.done == 1 and silent.bad == {"fail": 1}
+
+
+class Reporter:
+    """What terminal_writer uses of pytest's terminal reporter."""
+
+    def __init__(self, width: int) -> None:
+        self._tw = SimpleNamespace(width_of_current_line=width)
+        self.calls = []
+
+    def ensure_newline(self):
+        self.calls.append("ensure_newline")
+
+    def write(self, text):
+        self.calls.append(text)
+
+    def write_line(self, line):
+        self.calls.append(line)
+
+
+def config(verbose, reporter):
+    return SimpleNamespace(getoption=lambda name, default=None: verbose,
+                           pluginmanager=SimpleNamespace(get_plugin=lambda name: reporter))
+
+
+def test_the_terminal_line_goes_on_a_line_of_its_own_and_quiet_runs_have_none():
+    assert terminal_writer(config(-1, Reporter(0))) is None
+    assert terminal_writer(config(-2, Reporter(0))) is None
+    after_dots = Reporter(12)  # xdist's dots, written with no file name first
+    terminal_writer(config(0, after_dots))("gradient-sync: 1/2 cells")
+    assert after_dots.calls == ["ensure_newline", "\n", "gradient-sync: 1/2 cells"]
+    fresh = Reporter(0)
+    terminal_writer(config(1, fresh))("gradient-sync: 1/2 cells")
+    assert fresh.calls == ["ensure_newline", "gradient-sync: 1/2 cells"]
+    terminal_writer(config(0, None))("-p no:terminal: nowhere to write, no error")
+
+
+# end to end: small runs (world sizes 1-2, one case or two)
+FUSED = ["cases/test_fused_loss.py", "-k", "fp32-ws"]
+LINE = re.compile(r"^gradient-sync: .*$", re.MULTILINE)
+
+
+def test_a_serial_run_writes_a_failing_cell_at_once_and_a_closing_line(run_pytest):
+    # largest world size first: the failing ws2 cell, then the passing ws1 one
+    session = run_pytest(PLANTED, "-k", "left_out", "--world-sizes", "1,2")
+    assert session.returncode == 1
+    lines = LINE.findall(session.stdout)
+    assert len(lines) == 2, session.stdout[-3000:]
+    assert re.fullmatch(r"gradient-sync: 1/2 cells · 1 fail · fail: planted_left_out_of_no_sync\[fp32-ws2\]",
+                        lines[0])
+    assert re.fullmatch(r"gradient-sync: 2/2 cells · 1 fail · done in \d+s", lines[1])
+    # the closing line comes before the summary
+    assert session.stdout.index(lines[1]) < session.stdout.index("gradient-sync matrix")
+    assert wait_for_no_processes(session.token) == []
+
+
+def test_under_xdist_the_controller_writes_the_line(run_pytest):
+    session = run_pytest("-n", "2", *FUSED, "--world-sizes", "1,2")
+    assert session.returncode == 0, session.stdout[-3000:]
+    assert re.search(r"^gradient-sync: 2/2 cells · done in \d+s$", session.stdout, re.MULTILINE), session.stdout
+    assert wait_for_no_processes(session.token) == []
+
+
+def test_a_quiet_run_writes_no_progress_line(run_pytest):
+    session = run_pytest("-q", *FUSED, "--world-sizes", "1")
+    assert session.returncode == 0, session.stdout[-3000:]
+    assert session.matrix["cells"][0]["status"] == "pass"
+    assert LINE.findall(session.stdout) == []
