@@ -95,3 +95,41 @@ def run_pytest(tmp_path):
         return Session(process.returncode, stdout, stderr, directory, token, time.monotonic() - started)
 
     return run
+
+
+BROWSER_MISSING = ("headless Chromium not found: install Debian's chromium package (apt-get install chromium) "
+                   "or set HARNESS_CHROMIUM to a Chromium/Chrome binary")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "browser: needs headless Chromium (uses the `browser` fixture, tests/browser.py)")
+
+
+def pytest_collection_modifyitems(items):
+    # Every test that uses the browser fixture carries the marker, so `-m "not browser"` leaves them out.
+    for item in items:
+        if "browser" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.browser)
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """One headless Chromium for the whole session (tests/browser.py), killed at its end. Skips with
+    the reason when there is none or it cannot start, unless HARNESS_REQUIRE_BROWSER=1 (CI), where
+    that fails instead."""
+    from browser import Browser, BrowserError, find_chromium
+
+    def unavailable(reason: str):
+        if os.environ.get("HARNESS_REQUIRE_BROWSER") == "1":
+            pytest.fail(f"{reason} (HARNESS_REQUIRE_BROWSER=1)", pytrace=False)
+        pytest.skip(reason)
+
+    path = find_chromium()
+    if path is None:
+        unavailable(BROWSER_MISSING)
+    try:
+        started = Browser.start(path)
+    except (BrowserError, OSError) as error:
+        unavailable(f"headless Chromium ({path}) could not start: {error}")
+    with started:
+        yield started
