@@ -172,7 +172,7 @@ def test_merge_command_writes_the_three_reports(tmp_path):
     assert merged.environment["environments"]["8"] == load_matrix(gpu).environment
     assert merged.environment["environments"]["1"] == load_matrix(cpu).environment
     assert "ws=8" in (tmp_path / "merged" / "matrix.md").read_text(encoding="utf-8")
-    assert "<th>ws=8</th>" in (tmp_path / "merged" / "matrix.html").read_text(encoding="utf-8")
+    assert '<option value="8">ws=8</option>' in (tmp_path / "merged" / "matrix.html").read_text(encoding="utf-8")
 
 
 def test_the_merged_matrix_is_read_by_diff_and_compare(tmp_path):

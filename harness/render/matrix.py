@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from harness.matrix import Cell, Matrix
-from harness.records import STATUSES, Status
-from harness.render.style import ABSENT, PAGE_STYLE, md_status, status_style
-from harness.render.text import html_block, html_text, md_code, md_text
+from harness.records import Status
+from harness.render.matrix_page import render_matrix_page
+from harness.render.style import ABSENT, STATUS_SYMBOLS, md_status, verdict
+from harness.render.text import md_code, md_text
 
 # Cells whose outcome needs no explanation in the Failures section.
 QUIET_STATUSES = frozenset({Status.PASS, Status.DETECTED, Status.SKIP})
@@ -14,42 +15,19 @@ ENVIRONMENT_KEYS = ("python", "torch", "accelerate", "backend", "device", "world
 # a launch's place, in the Markdown environment line too when the matrix has it (harness launch)
 LAUNCH_KEYS = ("launcher", "nodes", "processes_per_node", "hosts", "devices")
 
-STATUS_MEANINGS = {
-    Status.PASS: "every rank matched the oracle",
-    Status.FAIL: "some rank did not match the oracle",
-    Status.ERROR: "the cell could not be judged (crash, hang, exception)",
-    Status.SKIP: "not applicable on this machine",
-    Status.UNSUPPORTED: "the installed accelerate lacks the API",
-    Status.DETECTED: "canary: the harness caught the known-wrong usage",
-    Status.MISSED: "canary: the harness did not catch the known-wrong usage",
-}
-
 # Said under every matrix that has world-size-1 cells: their pass is not evidence of sync.
 WORLD_SIZE_ONE_NOTE = (
     "ws=1: one rank cannot tell a synced gradient from a local one, so sync is not tested at world size 1; "
     "its cells check the loss scaling, the optimizer steps, the flags and the learning rates only."
 )
 
-HTML_STYLE = (
-    PAGE_STYLE
-    + """.status { display: inline-block; min-width: 7em; padding: 3px 8px; border-radius: 4px;
-          font-weight: 600; color: #fff; }
-"""
-    + status_style(".status.{status}")
-    + """.absent { color: #8c959f; }
-.banner { background: #fff8c5; border: 1px solid #d4a72c; padding: 8px 12px; font-weight: 600; }
-details summary { cursor: pointer; list-style: none; }
-details summary::-webkit-details-marker { display: none; }
-details[open] summary .status { outline: 2px solid #1f2328; }
-pre { white-space: pre-wrap; max-width: 60em; font-size: 0.85em; background: #f6f8fa;
-      padding: 6px; margin: 4px 0 0 0; }
-"""
-)
-
 def render_markdown(matrix: Matrix) -> str:
     """A Markdown summary that fits a GitHub CI step summary."""
     world_sizes = _world_sizes(matrix)
-    lines = ["# Gradient-sync matrix", "", _environment_line(matrix), "", md_text(_counts_line(matrix))]
+    good, words = verdict(matrix.counts())
+    symbol = STATUS_SYMBOLS[Status.PASS if good else Status.FAIL]
+    lines = ["# Gradient-sync matrix", "", _environment_line(matrix), "",
+             f"{symbol} **{md_text(words)}** · {md_text(_counts_line(matrix))}"]
     if not matrix.complete:
         lines += ["", "**Incomplete run**: only the cells that finished are shown."]
     lines += [""]
@@ -76,56 +54,11 @@ def render_markdown(matrix: Matrix) -> str:
 
 
 def render_html(matrix: Matrix) -> str:
-    """One self-contained HTML page: no scripts, no network, no external assets."""
+    """One self-contained page (harness/render/matrix_page.py): inline CSS and script, no network."""
     world_sizes = _world_sizes(matrix)
-    parts = [
-        "<!DOCTYPE html>",
-        '<html lang="en">',
-        "<head>",
-        '<meta charset="utf-8">',
-        "<title>Gradient-sync matrix</title>",
-        f"<style>{HTML_STYLE}</style>",
-        "</head>",
-        "<body>",
-        "<h1>Gradient-sync matrix</h1>",
-    ]
-    if not matrix.complete:
-        parts.append(
-            '<p class="banner">Incomplete run: only the cells that finished are shown.</p>'
-        )
-    parts.append("<h2>Environment</h2>")
-    parts.append("<table>")
-    if matrix.created:
-        parts.append(f"<tr><th>created</th><td>{html_text(matrix.created)}</td></tr>")
-    for key, value in _environment_items(matrix):
-        parts.append(f"<tr><th>{html_text(key)}</th><td>{html_text(value)}</td></tr>")
-    parts.append("</table>")
-    parts.append(f"<p>{html_text(_counts_line(matrix))}</p>")
-    parts.append("<h2>Cells</h2>")
-    if not matrix.cells:
-        parts.append("<p>No cells ran.</p>")
-    else:
-        parts.append("<table>")
-        header = "".join(f"<th>ws={ws}</th>" for ws in world_sizes)
-        parts.append(f"<tr><th>case</th><th>variant</th>{header}</tr>")
-        for (case, variant), by_ws in _pivot(matrix).items():
-            row = [f"<td>{html_text(case)}</td>", f"<td>{html_text(variant)}</td>"]
-            for ws in world_sizes:
-                cell = by_ws.get(ws)
-                row.append(f"<td>{_html_cell(cell)}</td>" if cell else _html_absent())
-            parts.append("<tr>" + "".join(row) + "</tr>")
-        parts.append("</table>")
-        parts.append("<p>Click a cell to see its summary and failures.</p>")
-    parts.append("<h2>Legend</h2>")
-    parts.append("<table>")
-    for status in STATUSES:
-        box = f'<span class="status {status}">{status}</span>'
-        parts.append(f"<tr><td>{box}</td><td>{html_text(STATUS_MEANINGS[status])}</td></tr>")
-    parts.append("</table>")
-    if 1 in world_sizes:
-        parts.append(f'<p class="ws1">{html_text(WORLD_SIZE_ONE_NOTE)}</p>')
-    parts += ["</body>", "</html>"]
-    return "\n".join(parts) + "\n"
+    notes = [WORLD_SIZE_ONE_NOTE] if 1 in world_sizes else []
+    return render_matrix_page(matrix, world_sizes=world_sizes, environment_line=_plain_environment_line(matrix),
+                              notes=notes)
 
 
 def render_table(matrix: Matrix) -> str:
@@ -204,6 +137,12 @@ def _environment_items(matrix: Matrix) -> list[tuple[str, str]]:
     return items
 
 
+def _plain_environment_line(matrix: Matrix) -> str:
+    """Every environment value in one line, the run's time last."""
+    shown = " · ".join(f"{key.replace('_', ' ')} {value}" for key, value in _environment_items(matrix))
+    return shown + (f" · created {matrix.created}" if matrix.created else "")
+
+
 def _environment_line(matrix: Matrix) -> str:
     shown = [(k, v) for k, v in _environment_items(matrix)
              if k in ENVIRONMENT_KEYS or (k in LAUNCH_KEYS and k in matrix.environment)]
@@ -231,32 +170,3 @@ def _md_cell_failures(cell: Cell) -> list[str]:
     if cell.rerun:
         lines.append(f"  - rerun: {md_code(cell.rerun)}")
     return lines
-
-
-def _html_absent() -> str:
-    return f'<td class="absent" title="no result for this world size">{ABSENT}</td>'
-
-
-def _html_cell(cell: Cell) -> str:
-    box = f'<span class="status {html_text(cell.status)}">{html_text(cell.status)}</span>'
-    title = html_text(cell.summary) if cell.summary else html_text(cell.status)
-    details = _cell_details(cell)
-    if not details:
-        return f'<span title="{title}">{box}</span>'
-    return (
-        f'<details title="{title}"><summary>{box}</summary>'
-        f"<pre>{html_block(details)}</pre></details>"
-    )
-
-
-def _cell_details(cell: Cell) -> str:
-    lines = []
-    if cell.summary:
-        lines.append(cell.summary)
-    if cell.duration_s:
-        lines.append(f"duration {cell.duration_s:.2f}s, max abs diff {cell.max_abs_diff:.3g}")
-    for failure in cell.failures:
-        lines += ["", failure.message or f"{failure.model}.{failure.param}: {failure.kind}"]
-    if cell.rerun:
-        lines += ["", f"rerun: {cell.rerun}"]
-    return "\n".join(lines)

@@ -3,7 +3,9 @@ page style every HTML report shares (one page layout and one set of colours to l
 
 from __future__ import annotations
 
-from harness.records import Status
+from typing import Mapping
+
+from harness.records import BAD_STATUSES, Status
 from harness.render.text import md_text
 
 # What a table shows where an input has no such cell.
@@ -52,3 +54,15 @@ def md_status(status: str) -> str:
     """A status for Markdown, after its symbol."""
     symbol = STATUS_SYMBOLS.get(status)
     return f"{symbol} {md_text(status)}" if symbol else md_text(status)
+
+
+def verdict(counts: Mapping[str, int], noun: str = "cells") -> tuple[bool, str]:
+    """Whether a run holds (no cell fail, error or missed; and some cell ran), and the words for it
+    that every report opens with."""
+    total = sum(counts.values())
+    bad = sum(counts.get(s, 0) for s in BAD_STATUSES)
+    if total == 0:
+        return False, f"No {noun} ran"
+    if bad:
+        return False, f"{bad} of {total} {noun} need attention"
+    return True, f"All {total} {noun} hold"
