@@ -104,7 +104,7 @@ def run_compare(args: argparse.Namespace) -> int:
     if args.markdown is not None:
         _write_report(args.markdown, markdown)
     if args.html is not None:
-        _write_report(args.html, render_comparison_html(comparison))
+        _write_report(args.html, render_comparison_html(comparison, html_path=args.html))
     sys.stdout.write(markdown)
     return EXIT_OK
 
@@ -116,8 +116,10 @@ def add_compare_parser(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Show one row per cell of any input and one column per input, headed by the\n"
             "accelerate version it recorded (else its file name). Rows whose statuses differ\n"
-            "are marked. Markdown goes to stdout; --markdown and --html also write files.\n"
-            "This command judges nothing: use `diff` to gate on regressions."
+            "are marked, and so are those that regressed as `diff` counts it (pass or detected in\n"
+            "one input, anything else in the next that has the cell). Markdown goes to stdout; --markdown\n"
+            "and --html also write files. This command judges nothing: use `diff` to gate on\n"
+            "regressions."
         ),
         epilog=(
             "exit status:\n"
@@ -139,7 +141,9 @@ def add_compare_parser(subparsers: argparse._SubParsersAction) -> None:
         type=Path,
         metavar="FILE",
         default=None,
-        help="write a self-contained HTML page (no scripts, no network) to FILE",
+        help="write one self-contained HTML page to FILE (inline CSS and script, nothing fetched); "
+             "a status links to its cell on an input's matrix.html when that page sits beside the "
+             "input's matrix.json, by a path relative to FILE",
     )
     parser.set_defaults(run=run_compare)
 

@@ -9,6 +9,7 @@ from typing import Sequence
 
 from harness.diff import CellKey, index_cells, label_matrices, order_key
 from harness.matrix import Cell, Matrix
+from harness.records import GOOD_STATUSES
 
 
 @dataclass
@@ -18,6 +19,12 @@ class ComparisonColumn:
     heading: str
     source: str
     matrix: Matrix
+
+    def matrix_page(self) -> Path | None:
+        """The matrix.html written beside this input's matrix.json (the same name with .html, as
+        `pytest cases/` writes them), when it is there now; else None."""
+        page = Path(self.source).with_suffix(".html")
+        return page if page.is_file() else None
 
 
 @dataclass
@@ -36,6 +43,22 @@ class ComparisonRow:
         """True when the inputs that have this cell disagree on its status."""
         return len({s for s in self.statuses if s is not None}) > 1
 
+    @property
+    def turned_bad(self) -> list[bool]:
+        """Per column: True where this cell regressed as `diff` counts it: it held (pass, detected)
+        in the nearest column before it that has the cell, and is anything else here; consecutive
+        inputs, absent ones skipped (compare cannot tell a vanished cell from one not run)."""
+        turned, before = [], None
+        for status in self.statuses:
+            turned.append(status is not None and status not in GOOD_STATUSES and before in GOOD_STATUSES)
+            before = status if status is not None else before
+        return turned
+
+    @property
+    def regressed(self) -> bool:
+        """True when the cell stopped holding between two consecutive inputs that have it."""
+        return any(self.turned_bad)
+
 
 @dataclass
 class Comparison:
@@ -45,6 +68,10 @@ class Comparison:
     @property
     def differing_rows(self) -> list[ComparisonRow]:
         return [row for row in self.rows if row.differs]
+
+    @property
+    def regressed_rows(self) -> list[ComparisonRow]:
+        return [row for row in self.rows if row.regressed]
 
 
 def build_comparison(matrices: Sequence[tuple[str | Path, Matrix]]) -> Comparison:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import re
+from html.parser import HTMLParser
 from pathlib import Path
+from urllib.parse import unquote
 
 import pytest
 
@@ -12,6 +14,8 @@ from harness.cli import main
 from harness.comparison import build_comparison
 from harness.render.comparison import render_comparison_html, render_comparison_markdown
 from harness.matrix import Cell, Matrix
+from harness.render.matrix import render_html
+from harness.render.page import cell_anchor
 
 
 def make_matrix(cells, *, accelerate="1.15.0", world_sizes=(1, 2)) -> Matrix:
@@ -87,21 +91,34 @@ def test_markdown_marks_differing_rows_in_bold():
     assert rows["accumulate/2"].startswith("| **≠** |")
     assert "**" not in rows["accumulate/1"]
     assert "1 of 4 cells differ across 2 inputs" in md
+    assert "| ✅ pass | ❌ fail |" in rows["accumulate/2"].replace("**", "")
+
+
+def assert_self_contained(page: str) -> None:
+    """One file: inline CSS and script only, nothing fetched, no link but to a cell of this page or
+    (relative) to a matrix page on disk."""
+    lowered = page.lower()
+    for forbidden in ("<link", "src=", "http://", "https://", "@import", "url(", "//cdn", "fetch("):
+        assert forbidden not in lowered, forbidden
+    assert page.count("<script") == 2  # the data (type="application/json") and the inline script
+    assert '<script type="application/json" id="harness-data">' in page
+    for href in re.findall(r'href="([^"]*)"', page):
+        assert not re.match(r"[a-z][a-z0-9+.-]*:", href), href  # no scheme: relative, or a #fragment
 
 
 def test_html_is_self_contained_and_escaped():
     page = render_comparison_html(build_comparison([("old.json", OLD), ("new.json", NEW)]))
-    lowered = page.lower()
-    for forbidden in ("<script", "<link", "src=", "href=", "http://", "https://", "@import", "url("):
-        assert forbidden not in lowered, forbidden
+    assert_self_contained(page)
     assert "<style>" in page
     assert "accelerate 0.28.0" in page and "accelerate 1.15.0" in page
     assert "&lt;not synced&gt; &amp; &quot;stale&quot;" in page
     assert "<not synced>" not in page
-    assert 'class="differs"' in page
-    fail_cell = re.search(r'<td class="status s-fail" title="([^"]*)">fail</td>', page)
+    assert 'class="differs regressed"' in page
+    fail_cell = re.search(r'<span title="([^"]*)"><span class="badge s-fail">fail</span></span>', page)
     assert fail_cell is not None
     assert fail_cell.group(1).startswith("accelerate 1.15.0: fail — ")
+    # Without knowing where the page goes, no status links out.
+    assert 'class="cell-link"' not in page
 
 
 def test_compare_command_writes_files(tmp_path, capsys):
@@ -187,3 +204,202 @@ def test_compare_markdown_and_html_never_carry_markup_from_the_data(tmp_path, ca
     page = page_path.read_text(encoding="utf-8")
     assert "<!--" not in page and "&lt;!-- hide the rest --&gt;" in page
     assert "\x1b" not in page and "gloo\\x1b[2J\\u202e" in page
+
+
+# The verdict, the regressed cells, and the page's links to each run's own matrix page.
+
+
+def test_a_cell_regressed_as_diff_counts_it_from_holding_to_anything_else_between_consecutive_inputs():
+    def row(*statuses):
+        matrices = [make_matrix([("a", "v", 1, s)] if s else [], accelerate=f"0.{n}.0")
+                    for n, s in enumerate(statuses)]
+        return build_comparison([(f"m{n}.json", m) for n, m in enumerate(matrices)]).rows[0]
+
+    assert row("pass", "fail").regressed and row("detected", "missed").regressed
+    assert row("pass", "error").turned_bad == [False, True]
+    # An input without the cell is skipped: the next input that has it is the one compared.
+    assert row("pass", None, "fail").turned_bad == [False, False, True]
+    assert row("fail", "pass", "error").turned_bad == [False, False, True]
+    assert row("pass", "skip").regressed and row("detected", "unsupported").regressed
+    for statuses in [("fail", "pass"), ("fail", "error"), ("skip", "fail"), ("pass", "pass"), ("pass", "detected"),
+                     ("pass", None)]:
+        assert not row(*statuses).regressed, statuses
+    assert row("pass", "skip").differs
+
+
+def verdict_class(page: str) -> tuple[str, str]:
+    found = re.search(r'<div id="verdict" class="verdict (\w+)" role="status">([^<]*)<', page)
+    assert found is not None
+    return found.group(1), found.group(2)
+
+
+def test_banner_is_red_on_a_regression_amber_on_a_difference_green_otherwise():
+    same = make_matrix([("a", "v", 1, "pass"), ("b", "v", 1, "fail")], accelerate="0.28.0")
+    better = make_matrix([("a", "v", 1, "pass"), ("b", "v", 1, "pass")], accelerate="1.15.0")
+    worse = make_matrix([("a", "v", 1, "fail"), ("b", "v", 1, "pass")], accelerate="1.16.0")
+    cases = [
+        ([same, same], "good", "0 of 2 cells differ across 2 inputs", "✅"),
+        ([same, better], "differs", "1 of 2 cells differ across 2 inputs", "≠"),
+        ([same, better, worse], "bad", "2 of 2 cells differ across 3 inputs, 1 regressed", "❌"),
+        # the other order: a fails, then passes; b fails, then passes: no regression
+        ([worse, better], "differs", "1 of 2 cells differ across 2 inputs", "≠"),
+    ]
+    for matrices, css, words, symbol in cases:
+        comparison = build_comparison([(f"m{n}.json", m) for n, m in enumerate(matrices)])
+        assert verdict_class(render_comparison_html(comparison)) == (css, words)
+        md = render_comparison_markdown(comparison).splitlines()
+        assert md[0] == "### Cross-version comparison"
+        assert md[2] == f"{symbol} **{words}.**"
+
+
+def test_each_input_shows_its_counts_as_badges_and_an_incomplete_run_says_so():
+    unfinished = make_matrix([("a", "v", 1, "pass"), ("a", "v", 2, "fail")], accelerate="1.15.0")
+    unfinished.complete = False
+    page = render_comparison_html(build_comparison([("old.json", OLD), ("new.json", unfinished)]))
+    inputs = re.search(r'<ol class="inputs" id="inputs">(.*?)</ol>', page, re.S).group(1)
+    old_item, new_item = re.findall(r"<li>(.*?)</li>", inputs)
+    assert '<span class="badge s-pass">2 pass</span><span class="badge s-fail">1 fail</span>' in old_item
+    assert "INCOMPLETE" not in old_item and "INCOMPLETE" in new_item
+    assert "torch 2.13.0, python 3.11.7, backend gloo, device cpu, world sizes [1,2]" in new_item
+
+
+class _Rows(HTMLParser):
+    """The rows of compare.html's whole table: id, data attributes, and each status cell's link."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows, self._in_table, self._td = [], False, None
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "table":
+            self._in_table = attrs.get("id") == "all-cells"
+        elif self._in_table and tag == "tr" and "data-case" in attrs:
+            self.rows.append({"attrs": attrs, "cells": []})
+        elif self._in_table and tag == "td" and self.rows:
+            self.rows[-1]["cells"].append(None)
+        elif self._in_table and tag == "a" and "cell-link" in attrs.get("class", "") and self.rows:
+            self.rows[-1]["cells"][-1] = attrs["href"]
+
+    def handle_endtag(self, tag):
+        if tag == "table":
+            self._in_table = False
+
+
+def table_rows(page: str) -> list[dict]:
+    parser = _Rows()
+    parser.feed(page)
+    return parser.rows
+
+
+def write_run(directory: Path, matrix: Matrix, *, with_page: bool) -> Path:
+    """A run's report directory as `pytest cases/` leaves it: matrix.json, and matrix.html beside it."""
+    path = write_matrix(directory / "matrix.json", matrix)
+    if with_page:
+        (directory / "matrix.html").write_text(render_html(matrix), encoding="utf-8")
+    return path
+
+
+def test_a_status_links_to_its_cell_on_the_matrix_page_beside_its_matrix_json(tmp_path, capsys):
+    old = write_run(tmp_path / "reports" / "accelerate-0.28.0", OLD, with_page=True)
+    new = write_run(tmp_path / "reports" / "accelerate 1.15.0 #nightly", NEW, with_page=False)
+    html_path = tmp_path / "out" / "compare.html"
+    html_path.parent.mkdir()
+    assert main(["compare", str(old), str(new), "--html", str(html_path)]) == 0
+    page = html_path.read_text(encoding="utf-8")
+    assert_self_contained(page)
+    rows = table_rows(page)
+    comparison = build_comparison([(old, OLD), (new, NEW)])
+    assert len(rows) == len(comparison.rows)
+    matrix_page = (tmp_path / "reports" / "accelerate-0.28.0" / "matrix.html").read_text(encoding="utf-8")
+    linked = 0
+    for row, expected in zip(rows, comparison.rows):
+        anchor = cell_anchor(*expected.key)
+        assert row["attrs"]["id"] == anchor  # compare.html#cell-... is a permalink too
+        old_href, new_href = row["cells"][4:]
+        assert new_href is None  # no matrix.html beside that matrix.json
+        if expected.cells[0] is None:
+            assert old_href is None  # no such cell, nothing to link to
+            continue
+        path, _, fragment = old_href.partition("#")
+        assert not path.startswith("/")
+        target = (html_path.parent / unquote(path)).resolve()
+        assert target == (tmp_path / "reports" / "accelerate-0.28.0" / "matrix.html").resolve()
+        assert target.is_file()
+        assert fragment == anchor
+        assert f'id="{anchor}"' in matrix_page  # the fragment names a cell on that page
+        linked += 1
+    assert linked == len(OLD.cells)
+    # The run's heading links to its page too; the other run has none.
+    assert page.count('title="this run&#x27;s matrix page"') + page.count("title=\"this run's matrix page\"") == 1
+
+
+def test_links_are_relative_to_where_the_page_is_written(tmp_path, monkeypatch):
+    old = write_run(tmp_path / "runs" / "old", OLD, with_page=True)
+    new = write_run(tmp_path / "runs" / "new", NEW, with_page=True)
+    monkeypatch.chdir(tmp_path)
+    for html_path, prefix in [(Path("compare.html"), "runs/old/matrix.html#"),
+                              (Path("runs/old/compare.html"), "matrix.html#"),
+                              (Path("deep/er/compare.html"), "../../runs/old/matrix.html#")]:
+        html_path.parent.mkdir(parents=True, exist_ok=True)
+        relative = [(Path("runs/old/matrix.json"), OLD), (new, NEW)]
+        assert main(["compare", *(str(p) for p, _ in relative), "--html", str(html_path)]) == 0
+        hrefs = [href for row in table_rows(html_path.read_text(encoding="utf-8")) for href in row["cells"] if href]
+        old_hrefs = [href for href in hrefs if "old" in href or href.startswith("matrix.html")]
+        assert old_hrefs and all(href.startswith(prefix) for href in old_hrefs), (html_path, old_hrefs[:2])
+        assert all((html_path.parent / unquote(href.partition("#")[0])).is_file() for href in hrefs)
+    # A matrix page that is the compare page itself (written over it) is no link.
+    assert main(["compare", str(old), "--html", str(old.with_suffix(".html"))]) == 0
+    assert 'class="cell-link"' not in old.with_suffix(".html").read_text(encoding="utf-8")
+
+
+def test_compare_page_in_a_browser(browser, tmp_path):
+    old = write_run(tmp_path / "reports" / "accelerate-0.28.0", OLD, with_page=True)
+    new = write_run(tmp_path / "reports" / "accelerate-1.15.0", NEW, with_page=True)
+    html_path = tmp_path / "compare.html"
+    assert main(["compare", str(old), str(new), "--html", str(html_path)]) == 0
+    comparison = build_comparison([(old, OLD), (new, NEW)])
+    equal = sorted(cell_anchor(*row.key) for row in comparison.rows if not row.differs)
+    differing = [cell_anchor(*row.key) for row in comparison.differing_rows]
+    assert equal and differing
+    visible = "[...document.querySelectorAll('#all-cells tbody tr')].filter(r => !r.hidden).map(r => r.id).sort()"
+    page = browser.open(html_path.as_uri())
+    try:
+        assert page.evaluate("document.getElementById('compare-filters').hidden") is False
+        assert page.evaluate("document.getElementById('compare-shown').textContent") == "showing 4 of 4 cells"
+        # The filter, by keyboard: Tab to the native checkbox, Space ticks it.
+        for _ in range(30):
+            if page.evaluate("document.activeElement.id") == "only-differing":
+                break
+            page.press("Tab")
+        assert page.evaluate("document.activeElement.id") == "only-differing"
+        page.press(" ")
+        page.wait_for(f"JSON.stringify({visible}) === JSON.stringify({differing!r})".replace("'", '"'))
+        hidden = page.evaluate("[...document.querySelectorAll('#all-cells tbody tr[hidden]')].map(r => r.id).sort()")
+        assert hidden == equal
+        assert page.evaluate("document.getElementById('compare-shown').textContent") == "showing 1 of 4 cells"
+        page.click("#compare-reset")
+        page.wait_for(f"{visible}.length === 4")
+        # A world size, chosen as a person would (the select's value, then its change event).
+        page.evaluate("s => { const el = document.getElementById(s); el.value = '1'; "
+                      "el.dispatchEvent(new Event('change', {bubbles: true})); }", "compare-ws")
+        assert page.evaluate(visible) == [cell_anchor("accumulate", "steps=2", 1)]
+        page.click("#compare-reset")
+        # A permalink to a row the filter hides shows it again.
+        page.click("#only-differing")
+        page.wait_for(f"{visible}.length === 1")
+        page.goto(html_path.as_uri() + "#" + equal[0])
+        page.wait_for(f"{visible}.length === 4")
+        # A status links to that cell on the run's own matrix page.
+        anchor = cell_anchor("accumulate", "steps=2", 2)
+        link = f"#all-cells tr[id='{anchor}'] td:nth-child(5) a.cell-link"
+        href = page.evaluate("s => document.querySelector(s).href", link)
+        matrix_page = tmp_path / "reports" / "accelerate-0.28.0" / "matrix.html"
+        assert href == matrix_page.as_uri() + "#" + anchor
+        assert not page.console_errors, page.console_errors
+        page.click(link)
+        page.wait_for("location.pathname.endsWith('/accelerate-0.28.0/matrix.html')")
+        assert page.evaluate("location.hash") == "#" + anchor
+        assert page.wait_for("s => document.getElementById(s) !== null", anchor)
+    finally:
+        page.close()

@@ -231,7 +231,7 @@ def test_markdown_diff_of_files_with_markup_in_them(tmp_path, capsys):
     assert main(["diff", str(base), str(cand), "--format", "markdown"]) == 1
     md = capsys.readouterr().out
     assert "<" not in md
-    assert "| a | &lt;!-- the rest of the summary --&gt; | 2 | pass | fail | &lt;!-- the rest" in md
+    assert "| a | &lt;!-- the rest of the summary --&gt; | 2 | ✅ pass | ❌ fail | &lt;!-- the rest" in md
     assert md.startswith("### Matrix diff: accelerate &lt;!-- the rest of the summary --&gt; → accelerate 1.15.0")
 
 
@@ -251,8 +251,8 @@ def test_markdown_lists_vanished_cells_among_the_regressions():
     candidate = make_matrix([("accumulate", "steps=2", 2, "fail", "not synced")])
     md = render_diff_markdown(diff_matrices(base, candidate), "a", "b")
     assert "#### Regressions (2)" in md
-    assert "| accumulate | steps=2 | 2 | pass | fail | not synced |" in md
-    assert "| gone | v | 2 | detected | missing | vanished: no such cell in the candidate" in md
+    assert "| accumulate | steps=2 | 2 | ✅ pass | ❌ fail | not synced |" in md
+    assert "| gone | v | 2 | 🎯 detected | missing | vanished: no such cell in the candidate" in md
     assert "**2 regressions (1 vanished), 0 improvements, 0 other changes, 0 cells only in base" in md
     assert "Only in base" not in md
 
@@ -263,10 +263,29 @@ def test_markdown_report():
     md = render_diff_markdown(diff_matrices(base, candidate), "accelerate 0.28.0", "accelerate 1.15.0")
     assert md.startswith("### Matrix diff: accelerate 0.28.0 → accelerate 1.15.0")
     assert "#### Regressions (1)" in md
-    assert "| accumulate | steps=2 | 2 | pass | fail | grad \\| not synced |" in md
+    assert "| accumulate | steps=2 | 2 | ✅ pass | ❌ fail | grad \\| not synced |" in md
     assert "#### Only in base (1)" in md
     assert "> note: compared only where cells meet: base world sizes [1,2], candidate [1]" in md
     assert "**1 regression, 0 improvements, 0 other changes, 1 cell only in base, 0 only in candidate**" in md
+    assert "| only | here | 1 | ⏭ skip |" in md
+
+
+def test_markdown_opens_with_a_one_line_verdict():
+    base = make_matrix([("a", "v", 1, "pass"), ("b", "v", 1, "fail")])
+    regressed = render_diff_markdown(diff_matrices(base, make_matrix([("a", "v", 1, "error"), ("b", "v", 1, "fail")])),
+                                     "old", "new").splitlines()
+    assert regressed[:3] == [
+        "### Matrix diff: old → new",
+        "",
+        "❌ **1 regression, 0 improvements, 0 other changes, 0 cells only in base, 0 only in candidate**",
+    ]
+    assert "| a | v | 1 | ✅ pass | 💥 error |" in "\n".join(regressed)
+    improved = render_diff_markdown(diff_matrices(base, make_matrix([("a", "v", 1, "pass"), ("b", "v", 1, "pass")])),
+                                    "old", "new").splitlines()
+    assert improved[2] == "✅ **0 regressions, 1 improvement, 0 other changes, 0 cells only in base, 0 only in candidate**"
+    # A vanished cell is a regression: the verdict says so.
+    vanished = render_diff_markdown(diff_matrices(base, make_matrix([("b", "v", 1, "fail")])), "old", "new")
+    assert vanished.splitlines()[2].startswith("❌ **1 regression (1 vanished), ")
 
 
 # The command line.

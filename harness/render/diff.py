@@ -6,6 +6,7 @@ from typing import Sequence
 
 from harness.diff import CellChange, CellKey, MatrixDiff
 from harness.matrix import Cell
+from harness.render.style import STATUS_SYMBOLS, md_status
 from harness.render.text import md_text, printable_line
 
 # What a vanished cell's candidate status is shown as.
@@ -107,18 +108,28 @@ def render_diff_text(diff: MatrixDiff, base_label: str, cand_label: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
+def _markdown_table(header: list[str], rows: list[list[str]], status_columns: frozenset[int]) -> list[str]:
+    """A table; the columns in ``status_columns`` show a status with its symbol, as matrix.md does."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(md_text(v) for v in row) + " |" for row in rows]
+    lines += [
+        "| " + " | ".join(md_status(v) if i in status_columns else md_text(v) for i, v in enumerate(row)) + " |"
+        for row in rows
+    ]
     return lines
 
 
+def verdict_line(diff: MatrixDiff) -> str:
+    """The Markdown verdict: the count line, after ❌ with a regression (exit 1), else ✅."""
+    symbol = STATUS_SYMBOLS["fail"] if diff.has_regressions else STATUS_SYMBOLS["pass"]
+    return f"{symbol} **{count_line(diff)}**"
+
+
 def render_diff_markdown(diff: MatrixDiff, base_label: str, cand_label: str) -> str:
-    """Markdown for a CI step summary or a pull request comment."""
+    """Markdown for a CI step summary or a pull request comment: the verdict line first."""
     lines = [
         f"### Matrix diff: {md_text(base_label)} → {md_text(cand_label)}",
         "",
-        f"**{count_line(diff)}**",
+        verdict_line(diff),
         "",
     ]
     for note in notes(diff):
@@ -138,14 +149,14 @@ def render_diff_markdown(diff: MatrixDiff, base_label: str, cand_label: str) -> 
         if not rows:
             continue
         header = ["case", "variant", "world size", "base", "candidate", "candidate summary"]
-        lines += [f"#### {title} ({len(rows)})", "", *_markdown_table(header, rows), ""]
+        lines += [f"#### {title} ({len(rows)})", "", *_markdown_table(header, rows, frozenset({3, 4})), ""]
     only_sections = (("Only in base", diff.only_in_base), ("Only in candidate", diff.only_in_candidate))
     for title, cells in only_sections:
         if not cells:
             continue
         rows = [[c.case, c.variant, str(c.world_size), c.status, c.summary] for c in cells]
         header = ["case", "variant", "world size", "status", "summary"]
-        lines += [f"#### {title} ({len(cells)})", "", *_markdown_table(header, rows), ""]
+        lines += [f"#### {title} ({len(cells)})", "", *_markdown_table(header, rows, frozenset({3})), ""]
     if not (diff.regressions or diff.vanished or diff.improvements or diff.changed_other):
         lines += [f"No cell changed status ({diff.unchanged} compared).", ""]
     return "\n".join(lines)
