@@ -81,14 +81,16 @@ class Matrix:
             counts[cell.status] = counts.get(cell.status, 0) + 1
         return counts
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
+    def to_dict(self, *, with_cells: bool = True) -> dict[str, Any]:
+        data: dict[str, Any] = {
             "schema_version": SCHEMA_VERSION,
             "created": self.created,
             "complete": self.complete,
             "environment": self.environment,
-            "cells": [c.to_dict() for c in self.sorted_cells()],
         }
+        if with_cells:
+            data["cells"] = [c.to_dict() for c in self.sorted_cells()]
+        return data
 
     @classmethod
     def from_dict(cls, data: Any, *, source: str = "matrix") -> "Matrix":

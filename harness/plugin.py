@@ -24,7 +24,7 @@ from harness.rank import launcher_settings
 from harness.records import BAD_STATUSES, GOOD_STATUSES
 from harness.render.failures import cell_message, skip_reason
 from harness.render.matrix import terminal_summary
-from harness.report import check_report_dir, write_reports
+from harness.report import CellTexts, check_report_dir, write_reports
 from harness.wrappers import cell_variants
 
 # the plugin object `python -m harness launch` gives rank 0's pytest (harness/launch.py)
@@ -81,6 +81,7 @@ class HarnessState:
         self.signals_installed = False
         self._environment: dict[str, Any] | None = None
         self.progress = Progress(None if _is_worker(config) else terminal_writer(config))
+        self.cell_texts = CellTexts()  # each cell's JSON made once, though the reports are rewritten after every cell
 
     # registered as a plugin object, so that these are hooks of this process's state
 
@@ -105,7 +106,7 @@ class HarnessState:
             self.created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         matrix = Matrix(environment=self.environment(), cells=merge_cells(self.cells), created=self.created,
                         complete=complete)
-        self.reports_written = [str(p) for p in write_reports(matrix, self.settings.report_dir)]
+        self.reports_written = [str(p) for p in write_reports(matrix, self.settings.report_dir, texts=self.cell_texts)]
         self.matrix = matrix
 
     def pytest_keyboard_interrupt(self, excinfo: Any) -> None:

@@ -7,9 +7,10 @@ import json
 import math
 import os
 import tempfile
+import textwrap
 from pathlib import Path
 
-from harness.matrix import Matrix
+from harness.matrix import Cell, Matrix
 from harness.render.matrix import render_html, render_markdown
 
 REPORT_NAMES = ("matrix.json", "matrix.md", "matrix.html")
@@ -29,16 +30,46 @@ def _finite_json(value: object) -> object:
     return value
 
 
-def render_json(matrix: Matrix) -> str:
-    """The schema-1 JSON form of the matrix: strict JSON, which `diff` and `compare` read back."""
-    return json.dumps(_finite_json(matrix.to_dict()), indent=2, sort_keys=False, allow_nan=False) + "\n"
+class CellTexts:
+    """Each judged cell's JSON text, made once. A run rewrites its reports after every cell, so
+    without this the whole matrix would be serialised again each time (quadratic in the cells); a
+    text is reused only for the very cell object it was made from, which the plugin never changes."""
+
+    def __init__(self) -> None:
+        self._texts: dict[int, tuple[Cell, str]] = {}
+
+    def text(self, cell: Cell) -> str:
+        known = self._texts.get(id(cell))
+        if known is not None and known[0] is cell:
+            return known[1]
+        text = textwrap.indent(_dumps(cell.to_dict()), "    ")
+        self._texts[id(cell)] = (cell, text)
+        return text
 
 
-def write_reports(matrix: Matrix, report_dir: str | os.PathLike[str]) -> list[Path]:
-    """Write matrix.json, matrix.md and matrix.html into report_dir; return their paths."""
+def _dumps(data: object) -> str:
+    return json.dumps(_finite_json(data), indent=2, sort_keys=False, allow_nan=False)
+
+
+def render_json(matrix: Matrix, texts: CellTexts | None = None) -> str:
+    """The schema-1 JSON form of the matrix: strict JSON, which `diff` and `compare` read back. The
+    text is json.dumps's (indent 2) of ``matrix.to_dict()``, put together from each cell's own."""
+    texts = texts or CellTexts()
+    data = matrix.to_dict(with_cells=False)
+    cells = [texts.text(cell) for cell in matrix.sorted_cells()]
+    head = _dumps({**data, "cells": []})
+    if not cells:
+        return head + "\n"
+    assert head.endswith('"cells": []\n}')
+    return head[: -len("[]\n}")] + "[\n" + ",\n".join(cells) + "\n  ]\n}\n"
+
+
+def write_reports(matrix: Matrix, report_dir: str | os.PathLike[str], *, texts: CellTexts | None = None) -> list[Path]:
+    """Write matrix.json, matrix.md and matrix.html into report_dir; return their paths. ``texts``:
+    the cells' JSON texts kept from an earlier write of the same run."""
     directory = Path(report_dir)
     directory.mkdir(parents=True, exist_ok=True)
-    renderers = (render_json, render_markdown, render_html)
+    renderers = (lambda m: render_json(m, texts), render_markdown, render_html)
     paths = []
     for name, render in zip(REPORT_NAMES, renderers):
         path = directory / name

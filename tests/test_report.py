@@ -393,3 +393,21 @@ def test_reports_say_sync_is_not_tested_at_world_size_one_only_where_there_are_s
     assert "sync is not tested at world size 1" in render_html(with_one)
     without = Matrix(environment={"world_sizes": [2]}, cells=[Cell("a", "v", 2, "pass")])
     assert "sync is not tested" not in render_markdown(without) + render_html(without)
+
+
+def test_the_json_is_json_dumps_of_the_whole_matrix_made_of_each_cells_text_once() -> None:
+    from harness.report import CellTexts, _finite_json
+
+    matrix = make_matrix()
+    matrix.cells[0].max_abs_diff = float("inf")
+    whole = json.dumps(_finite_json(matrix.to_dict()), indent=2, allow_nan=False) + "\n"
+    texts = CellTexts()
+    assert render_json(matrix, texts) == whole == render_json(matrix)
+    empty = Matrix(environment={"seed": 1}, cells=[])
+    assert render_json(empty) == json.dumps(empty.to_dict(), indent=2) + "\n"
+    # a later write reuses a cell's text only for that very cell object: a new result of the same
+    # cell (a rerun replacing it) is written anew
+    replaced = Cell("accumulate", "steps=2", 1, "fail", summary="now failing")
+    matrix.cells[0] = replaced
+    assert json.loads(render_json(matrix, texts))["cells"][0]["status"] == "fail"
+    assert render_json(matrix, texts) == json.dumps(_finite_json(matrix.to_dict()), indent=2) + "\n"
