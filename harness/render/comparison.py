@@ -276,8 +276,8 @@ def render_comparison_html(comparison: Comparison, *, html_path: Path | None = N
         "<h2>Legend</h2>",
         legend(STATUS_MEANINGS),
         f"<p>{html_text(DIFFERS_MARK)} marks a cell whose status differs between the inputs that have it; "
-        f"{html_text(REGRESSED_MARK)}, one that was pass or detected in one input and fail, error or missed in "
-        "the next input that has it (a red edge marks the status where it turned); "
+        f"{html_text(REGRESSED_MARK)}, one that was pass or detected in one input and anything else in "
+        "the next input that has it, a regression as diff counts it (a red edge marks the status where it turned); "
         f'<span class="absent">{html_text(ABSENT)}</span> means the input has no such cell. '
         "Hover over a status for its summary"
         + ("; a linked status opens that cell on its run's matrix page." if linked else ".")
