@@ -12,8 +12,7 @@ from harness.diff import world_sizes_of
 from harness.matrix import Cell
 from harness.records import STATUSES
 from harness.render.diff import format_world_sizes
-from harness.render.matrix_page import STATUS_MEANINGS
-from harness.render.page import cell_anchor, legend, page_head, page_tail, status_badge
+from harness.render.page import STATUS_MEANINGS, cell_anchor, legend, page_head, page_tail, status_badge
 from harness.render.style import ABSENT, STATUS_SYMBOLS, md_status
 from harness.render.text import html_text, md_text, printable_line
 

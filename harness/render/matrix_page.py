@@ -7,9 +7,10 @@ from collections import Counter
 from typing import Any
 
 from harness.matrix import Cell, Matrix
-from harness.records import BAD_STATUSES, STATUSES
+from harness.records import BAD_STATUSES, STATUSES, Failure
 from harness.render.page import (
     KIND_COLOURS,
+    STATUS_MEANINGS,
     cell_anchor,
     kind_chip,
     legend,
@@ -56,15 +57,6 @@ a.m.sel { outline: 2px solid #1f2328; outline-offset: 1px; }
 .kind.k-agreed { color: #1f2328; }
 """
 
-STATUS_MEANINGS = {
-    "pass": "every rank matched the oracle",
-    "fail": "some rank did not match the oracle",
-    "error": "the cell could not be judged (crash, hang, exception)",
-    "skip": "not applicable on this machine",
-    "unsupported": "the installed accelerate lacks the API",
-    "detected": "canary: the harness caught the known-wrong usage",
-    "missed": "canary: the harness did not catch the known-wrong usage",
-}
 
 
 def render_matrix_page(matrix: Matrix, *, world_sizes: list[int], environment_line: str, notes: list[str]) -> str:
@@ -159,9 +151,9 @@ def _failure_entry(cell: Cell) -> str:
     )
 
 
-def _shown_failures(cell: Cell) -> list[Any]:
+def _shown_failures(cell: Cell) -> list[Failure]:
     """The first failure of each kind, in step order, for the first FAILURES_SHOWN kinds."""
-    firsts: dict[str, Any] = {}
+    firsts: dict[str, Failure] = {}
     for failure in cell.failures:
         if failure.message and str(failure.kind) not in firsts:
             firsts[str(failure.kind)] = failure

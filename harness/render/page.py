@@ -32,6 +32,17 @@ KIND_COLOURS = {
     FailureKind.COMM_MISSING: "#633c01",
     FailureKind.MISWEIGHTED: "#1b7c83",
 }
+# What each status means, in the legend of every page.
+STATUS_MEANINGS = {
+    "pass": "every rank matched the oracle",
+    "fail": "some rank did not match the oracle",
+    "error": "the cell could not be judged (crash, hang, exception)",
+    "skip": "not applicable on this machine",
+    "unsupported": "the installed accelerate lacks the API",
+    "detected": "canary: the harness caught the known-wrong usage",
+    "missed": "canary: the harness did not catch the known-wrong usage",
+}
+
 AGREED_COLOUR = "#aceebb"
 UNKNOWN_KIND_COLOUR = "#8c959f"
 
