@@ -22,10 +22,11 @@ import functools
 import math
 import os
 import pickle
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
-# Entries the flight recorder keeps (a ring). Reading it costs about 10 us an entry, twice a backward;
+# Entries the flight recorder keeps (a ring). Reading it costs about 10 us an entry, once a backward;
 # a backward of the harness's models issues a few. One that issues more than this is not judged.
 BUFFER_ENTRIES = 64
 ENV = "TORCH_FR_BUFFER_SIZE"
@@ -41,15 +42,26 @@ def _is_reduction(profiling_name: str) -> bool:
     return "reduce" in profiling_name.split(":", 1)[-1]
 
 
-def _records() -> list[dict[str, Any]] | None:
-    """The flight recorder's entries, or None where this torch has none or it is off."""
+def _dump() -> Any:
+    """torch's reader of the flight recorder, or None where this torch has none or it is off."""
     try:
         import torch._C._distributed_c10d as c10d
 
         dump = c10d._dump_fr_trace
     except (ImportError, AttributeError):
         return None
-    if int(os.environ.get(ENV, "0") or 0) <= 0:
+    return dump if int(os.environ.get(ENV, "0") or 0) > 0 else None
+
+
+def recording() -> bool:
+    """Whether collectives are recorded here (without reading the ring: that costs a millisecond)."""
+    return _dump() is not None
+
+
+def _records() -> list[dict[str, Any]] | None:
+    """The flight recorder's entries, or None where this torch has none or it is off."""
+    dump = _dump()
+    if dump is None:
         return None
     try:
         return list(pickle.loads(dump(includeCollectives=True, includeStackTraces=False, onlyActive=False))
@@ -112,7 +124,7 @@ class Accounting:
     """The backwards of one rank in one cell, as the flight recorder saw them."""
 
     def __init__(self) -> None:
-        self.available = _records() is not None
+        self.available = recording()
         self.backwards: list[Backward] = []
 
     def watch(self, accelerator: Any) -> None:
@@ -125,11 +137,11 @@ class Accounting:
         @functools.wraps(original)
         def backward(*args: Any, **kwargs: Any) -> Any:
             _UNCOUNTED.clear()
-            before = _last_id(_records())
+            started_ns = time.time_ns()  # the records' own clock (CLOCK_REALTIME): one read of the ring, after
             try:
                 return original(*args, **kwargs)
             finally:
-                self.backwards.append(_since(_records(), before))
+                self.backwards.append(_issued_since(_records(), started_ns))
                 _UNCOUNTED.clear()
 
         accelerator.backward = backward
@@ -143,11 +155,14 @@ def _last_id(entries: list[dict[str, Any]] | None) -> int:
     return int(entries[-1]["record_id"]) if entries else -1
 
 
-def _since(entries: list[dict[str, Any]] | None, last: int) -> Backward:
-    if entries is None:
+def _issued_since(entries: list[dict[str, Any]] | None, started_ns: int) -> Backward:
+    """The reductions recorded from ``started_ns`` on (each record carries the wall-clock time it was
+    issued at). The ring kept all of them when it still holds a record from before, or has never
+    dropped one (its first record is the first ever made)."""
+    if entries is None or any("time_created_ns" not in e for e in entries):
         return Backward(complete=False)
-    new = [e for e in entries if int(e["record_id"]) > last]
-    complete = not new or int(new[0]["record_id"]) == last + 1
+    new = [e for e in entries if int(e["time_created_ns"]) >= started_ns]
+    complete = len(new) < len(entries) or not entries or int(entries[0]["record_id"]) == 0
     reductions = [(str(e["profiling_name"]), _numel(e.get("input_sizes"))) for e in new
                   if _is_reduction(str(e.get("profiling_name", ""))) and _counted(int(e["record_id"]))]
     return Backward(reductions=reductions, complete=complete)

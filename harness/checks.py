@@ -9,6 +9,7 @@ one step (harness/closeness.py) instead of growing with every step the replicas 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from harness.accounting import Accounting, judge
-from harness.closeness import Difference, Expectation, difference, distinguishable, rounding_allowance
+from harness.closeness import Difference, Expectation, all_close, difference, distinguishable, rounding_allowance
 from harness.diagnosis import Hypotheses, diagnose, fitted_weights
 from harness.records import Failure, FailureKind
 from harness.replica import AUTOCAST_DTYPES
@@ -124,6 +125,11 @@ def make_failure(
     )
 
 
+def _grad_or_zeros(observed: Observed, pname: str) -> torch.Tensor:
+    grad = observed.grads[pname]
+    return grad if grad is not None else torch.zeros_like(observed.params[pname])
+
+
 def _joined(expectations: Mapping[str, Expectation]) -> Expectation:
     """One flat expectation of a model's parameters, for a model-wide question."""
     values = [e.value.reshape(-1) for e in expectations.values()]
@@ -212,14 +218,17 @@ class Checks:
         index, at = where(step)
         mark_point(self.recorder, step, sync=oracle.last_sync)
         self._collectives(index, at, models)
-        for name, model in models.items():
+        seen = {name: self._observe(name, model, sync=oracle.last_sync) for name, model in models.items()}
+        shown = {name: not (o.hidden or o.sharded and not oracle.last_sync or o.shards_shown) for name, o in seen.items()}
+        # what a sync now would give, the other hypothesis: every model's in one collective
+        oracle.prepare_synced(name for name in models if shown[name])
+        for name, observed in seen.items():
             self.recorder.timeline.mark(index, "grad")
-            observed = self._observe(name, model, sync=oracle.last_sync)
-            if observed.hidden or observed.sharded and not oracle.last_sync or observed.shards_shown:
+            if not shown[name]:
                 self._hidden(index, at, name, observed)
                 continue
             local = oracle.local_grads(name)
-            synced = oracle.synced_grads(name)  # what a sync now would give: the other hypothesis
+            synced = oracle.synced_grads(name)
             self.recorder.checks += 1
             self.recorder.grad_checks += 1
             if not distinguishable(_joined(local), _joined(synced)):
@@ -229,7 +238,10 @@ class Checks:
             expectations = oracle.expected_grads(name)
             parts = oracle.weighting.parts(name)
             reweighing: Reweighing | None = None
-            for pname, full in expectations.items():
+            pairs = [(_grad_or_zeros(observed, pname), observed.piece_of(pname, full)) for pname, full in expectations.items()]
+            close, max_abs = all_close(pairs)
+            self.recorder.observe(max_abs)
+            for pname, full in ({} if close else expectations).items():
                 expected = observed.piece_of(pname, full)
                 grad = observed.grads[pname]
                 actual = grad if grad is not None else torch.zeros_like(observed.params[pname])
@@ -312,39 +324,61 @@ class Checks:
         for name, model in models.items():
             self.recorder.timeline.mark(index, "param")
             observed = self._observe(name, model, sync=oracle.last_sync)
-            # sharded: each rank holds another part, there is no copy to compare with rank 0's
-            rank0 = None if observed.sharded else oracle.rank0_copy(name, observed.params)
             self.recorder.checks += 1
-            failed = False
+            updates = {}
             for pname, replica_param in oracle.params[name].items():
                 after = observed.piece(pname, replica_param.detach())
                 before = observed.piece(pname, oracle.before_step[name][pname]) if oracle.before_step is not None \
                     else after
-                actual = observed.params[pname]
                 allowed = rounding_allowance(after, before)
-                expected = Expectation(after.double() - before.double(), allowed)
-                update = actual.double() - before.double()
-                diff = difference(update, expected)
-                self.recorder.observe(diff.max_abs)
-                if diff.close:
-                    if rank0 is not None:
-                        self._equal_to_rank0(index, at, name, pname, actual, rank0[pname])
-                    continue
-                failed = True
-                moved = bool((update.abs() > allowed).any())
-                due = stepped and bool((expected.value.abs() > allowed).any())
-                kind = _param_kind(actual, rank0[pname] if rank0 is not None else actual, moved=moved, due=due)
-                self.recorder.add(make_failure(rank=self.rank, step=index, where=at, model=name, param=pname,
-                                               checked="param", kind=kind, factor=None, diff=diff))
+                updates[pname] = (observed.params[pname].double() - before.double(),
+                                  Expectation(after.double() - before.double(), allowed))
+            close, max_abs = all_close(list(updates.values()))
+            self.recorder.observe(max_abs)
+            # the parameters that moved wrongly: (moved, due), their kind judged against rank 0's copy
+            wrong = {} if close else {p: self._wrong_update(u, e, stepped) for p, (u, e) in updates.items()}
+            wrong = {p: w for p, w in wrong.items() if w is not None}
+            if observed.sharded:  # each rank holds another part: there is no copy to compare with rank 0's
+                self._judge_updates(index, at, name, updates, wrong, dict(observed.params), None)
+            else:
+                actual = {p: observed.params[p].detach().clone() for p in oracle.params[name]}
+                oracle.rank0_copy(name, actual, functools.partial(self._judge_updates, index, at, name, updates,
+                                                                  wrong, actual))
             oracle.adopt_params(name, observed.full_params())
             # a sharded model's full gradients are a collective: every rank reads them, or none
-            grads = observed.full_grads() if failed or observed.sharded else {}
-            if failed:
+            grads = observed.full_grads() if wrong or observed.sharded else {}
+            if wrong:
                 oracle.restart_window(name, grads)
                 oracle.adopt_grads(name, grads)  # a rank that stepped wrongly: its gradients too
                 if optimizers is not None and name in optimizers:
                     oracle.adopt_optimizer_state(name, optimizers[name])
         oracle.end_step()
+
+    @staticmethod
+    def _wrong_update(update: torch.Tensor, expected: Expectation, stepped: bool) -> tuple[bool, bool] | None:
+        """None when the update is the oracle's; else whether it moved, and whether a step was due."""
+        if difference(update, expected).close:
+            return None
+        moved = bool((update.abs() > expected.allowed).any())
+        due = stepped and bool((expected.value.abs() > expected.allowed).any())
+        return moved, due
+
+    def _judge_updates(self, index: int, at: str, name: str, updates: Mapping[str, tuple[torch.Tensor, Expectation]],
+                       wrong: Mapping[str, tuple[bool, bool]], actual: Mapping[str, torch.Tensor],
+                       rank0: Mapping[str, torch.Tensor] | None) -> None:
+        """The failures of a parameter check, once rank 0's copy is known (None: sharded, none)."""
+        if rank0 is not None and not wrong and all_close(
+                [(actual[p], Expectation.rounded(rank0[p])) for p in actual])[0]:
+            return
+        for pname, (update, expected) in updates.items():
+            if pname not in wrong:
+                if rank0 is not None:
+                    self._equal_to_rank0(index, at, name, pname, actual[pname], rank0[pname])
+                continue
+            moved, due = wrong[pname]
+            kind = _param_kind(actual[pname], rank0[pname] if rank0 is not None else actual[pname], moved=moved, due=due)
+            self.recorder.add(make_failure(rank=self.rank, step=index, where=at, model=name, param=pname,
+                                           checked="param", kind=kind, factor=None, diff=difference(update, expected)))
 
     def _equal_to_rank0(self, index: int, at: str, name: str, pname: str, actual: torch.Tensor,
                         rank0: torch.Tensor) -> None:

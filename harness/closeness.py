@@ -106,14 +106,34 @@ def _unravel(flat_index: int, shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(index))
 
 
+def _abs_diff(actual: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """|actual - value| in float64, infinite where either is not finite and they differ."""
+    abs_diff = (actual - value).abs()
+    nonfinite = ~torch.isfinite(actual) | ~torch.isfinite(value)
+    abs_diff = torch.where(nonfinite & (actual != value), torch.full_like(abs_diff, math.inf), abs_diff)
+    return torch.nan_to_num(abs_diff, nan=math.inf)
+
+
+def all_close(pairs: list[tuple[torch.Tensor, Expectation]]) -> tuple[bool, float]:
+    """Whether ``difference(actual, expected).close`` for every pair, and the largest of their
+    ``max_abs``: the same arithmetic on every element, in one pass over all of them (a check of a
+    model's parameters asks this first, and measures each parameter apart only when one is not)."""
+    if not pairs:
+        return True, 0.0
+    actual = torch.cat([a.detach().double().reshape(-1) for a, _ in pairs])
+    value = torch.cat([e.value.detach().double().reshape(-1) for _, e in pairs])
+    allowed = torch.cat([e.allowed.double().expand_as(e.value).reshape(-1) for _, e in pairs])
+    abs_diff = _abs_diff(actual, value)
+    if abs_diff.numel() == 0:
+        return True, 0.0
+    return not bool((abs_diff > allowed).any()), float(abs_diff.max())
+
+
 def difference(actual: torch.Tensor, expected: Expectation) -> Difference:
     actual = actual.detach().double()
     value = expected.value.detach().double()
     allowed = expected.allowed.double().expand_as(value)
-    abs_diff = (actual - value).abs()
-    nonfinite = ~torch.isfinite(actual) | ~torch.isfinite(value)
-    abs_diff = torch.where(nonfinite & (actual != value), torch.full_like(abs_diff, math.inf), abs_diff)
-    abs_diff = torch.nan_to_num(abs_diff, nan=math.inf)
+    abs_diff = _abs_diff(actual, value)
     scale = value.abs().clamp_min(torch.finfo(torch.float64).tiny)
     rel_diff = abs_diff / scale
     bad = abs_diff > allowed

@@ -75,6 +75,7 @@ class RankContext:
         self.accounting = Accounting()
         self.accumulation: Accumulation | None = None
         self._scaler_kwargs: dict[str, Any] = {}
+        self._oracles: list[Oracle] = []
 
     # what the installed accelerate offers (harness/probe.py): the API, or Unsupported naming it
 
@@ -283,7 +284,7 @@ class RankContext:
         ``scheduler``: called with each of the oracle's optimizers; ``scheduler_steps``: how many
         times the schedulers advance at each optimizer step."""
         scaler = self._scaler_kwargs if self.precision == "fp16" else None
-        return Oracle(
+        oracle = Oracle(
             models,
             recorder=self.recorder,
             rank=self.rank,
@@ -298,7 +299,16 @@ class RankContext:
             scaler_kwargs=scaler,
             wrapper=self.wrapper,
             accounting=self.accounting,
+            defer=True,
         )
+        self._oracles.append(oracle)
+        return oracle
+
+    def finish(self) -> None:
+        """After the case returned, on every rank: the checks its oracles still hold for rank 0's
+        copies are judged (harness/collectives.py). The harness calls it; a case never needs to."""
+        for oracle in self._oracles:
+            oracle.finish()
 
     def schedule(
         self,

@@ -24,8 +24,19 @@ def seeded(seed: int, device: torch.device | None = None) -> Iterator[None]:
     if device is not None and device.type == "cuda":
         devices = [device.index if device.index is not None else torch.cuda.current_device()]
     with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
+        seed_rng(seed, device)
         yield
+
+
+def seed_rng(seed: int, device: torch.device | None = None) -> None:
+    """Seed the CPU's global RNG, and ``device``'s when it is a GPU (the one a rank uses).
+
+    Not ``torch.manual_seed``: on a host where CUDA, XPU or MTIA is not initialised it queues a seed
+    for each of them with a formatted stack (about a millisecond a call, several calls a cell), seeds
+    that would apply to a device this rank never uses, and that no ``fork_rng`` puts back."""
+    torch.random.default_generator.manual_seed(seed)
+    if device is not None and device.type == "cuda":
+        torch.cuda.manual_seed(seed)
 
 
 def generator(seed: int) -> torch.Generator:

@@ -7,12 +7,12 @@ import copy
 from typing import Any, Callable, ContextManager, Hashable, Iterable, Mapping, Sequence, Union
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from harness.accounting import Accounting
 from harness.checks import Checks, Recorder, as_optimizers
-from harness.closeness import Expectation, reduction_allowance, rounding_allowance
+from harness.closeness import Expectation, rounding_allowance
+from harness.collectives import Collectives, Reduction, flat
 from harness.decorator import ALL_PRECISIONS
 from harness.replica import forward_as, unwrap
 from harness.schedule import MicroStep
@@ -26,20 +26,6 @@ ModelOptimizers = Callable[[nn.Module], Union[torch.optim.Optimizer, Sequence[to
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 # What ``backward(rng=key)`` replays: the RNG state the case's own forward ran under for that key.
 RngReplay = Callable[[Hashable], ContextManager[None]]
-
-
-def _flat(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.reshape(-1) for t in tensors])
-
-
-def _pieces(flat: torch.Tensor, like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``flat`` cut back into tensors shaped like ``like``'s, by name."""
-    out = {}
-    offset = 0
-    for pname, t in like.items():
-        out[pname] = flat[offset : offset + t.numel()].view_as(t).clone()
-        offset += t.numel()
-    return out
 
 
 class Oracle:
@@ -71,6 +57,7 @@ class Oracle:
         scaler_kwargs: Mapping[str, Any] | None = None,
         wrapper: str = "ddp",
         accounting: Accounting | None = None,
+        defer: bool = False,
     ) -> None:
         if not models:
             raise ValueError("the oracle needs at least one model")
@@ -86,11 +73,17 @@ class Oracle:
         self.precision = precision
         self.num_steps = num_steps
         self.replay_rng = replay_rng
+        # ``defer``: rank 0's copies wait for the next all-reduce (harness/collectives.py); whoever
+        # made the oracle calls ``finish`` when the case ends (RankContext does)
+        self.collectives = Collectives(rank=rank, world_size=world_size, defer=defer)
         self.replicas = {name: copy.deepcopy(unwrap(m)) for name, m in models.items()}
         self._require_equal_on_every_rank()
         self.models = forward_as(self.replicas, precision)
         self.params = {name: dict(r.named_parameters()) for name, r in self.replicas.items()}
         self.local = {name: {p: torch.zeros_like(t) for p, t in ps.items()} for name, ps in self.params.items()}
+        # the all-rank average of ``local`` as it is now, by model: made with a sync's average, in
+        # the same all-reduce, and forgotten whenever ``local`` changes
+        self._synced: dict[str, dict[str, Expectation]] = {}
         # how far each replica gradient may legitimately be from the rank's (harness/closeness.py)
         self.allowed = {name: self._no_allowance(name) for name in self.params}
         self.previous: dict[str, dict[str, Expectation]] | None = None
@@ -138,16 +131,8 @@ class Oracle:
         """The replicas start from this rank's models; DDP starts from rank 0's. A model built
         differently on each rank (``MyNet()`` under a per-rank seed) would fail every rank but 0
         with no visible cause, so it is refused here, on every rank, with the remedy."""
-        if self.world_size < 2:
-            return
-        tensors = [p.detach().reshape(-1).double() for r in self.replicas.values() for p in r.parameters()]
-        mine = torch.cat(tensors) if tensors else torch.zeros(0, dtype=torch.float64)
-        reference = mine.clone()
-        dist.broadcast(reference, src=0)
-        differs = torch.zeros(self.world_size, device=mine.device)
-        differs[self.rank] = 0.0 if torch.equal(mine, reference) else 1.0
-        dist.all_reduce(differs)  # every rank learns which ranks differ, and says the same
-        ranks = [r for r, flag in enumerate(differs.tolist()) if flag]
+        # every rank learns which ranks differ, and says the same
+        ranks = self.collectives.same_everywhere(p for r in self.replicas.values() for p in r.parameters())
         if ranks:
             names = ", ".join(repr(n) for n in self.replicas)
             raise ValueError(
@@ -176,6 +161,7 @@ class Oracle:
         ``ctx.replay_rng(key)``; the closure runs under the same RNG state (the same dropout masks)."""
         with self._replayed(rng):
             loss = closure(self.models)
+        self._synced.clear()
         flat = [(name, pname, p) for name, ps in self.params.items() for pname, p in ps.items() if p.requires_grad]
         other: torch.Tensor | None = None
         tokens = self.weighting.tokens
@@ -232,20 +218,8 @@ class Oracle:
         """The explicit all-rank average of ``tensors``, each with its allowance: the reduction's
         bound from every rank's |contribution| (or ``magnitudes``, when the contribution is a sum whose
         terms a wrapper rounds apart), plus the allowances the ranks carried into it (averaged). One
-        collective for values, magnitudes and allowances together."""
-        values = _flat(tensors.values())
-        size = values.abs() if magnitudes is None else _flat(magnitudes.values()).to(values.dtype)
-        parts = [values, size] + ([_flat(carried.values()).to(values.dtype)] if carried is not None else [])
-        buffer = torch.cat(parts)
-        if self.world_size > 1:
-            dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
-        n = values.numel()
-        average = buffer[:n] / self.world_size
-        allowed = reduction_allowance(buffer[n : 2 * n], dtype=values.dtype)
-        if carried is not None:
-            allowed = allowed + buffer[2 * n :].double() / self.world_size
-        averages, allowances = _pieces(average, tensors), _pieces(allowed, tensors)
-        return {pname: Expectation(averages[pname], allowances[pname]) for pname in tensors}
+        collective for values, magnitudes and allowances together (harness/collectives.py)."""
+        return self.collectives.reduce_all([Reduction(tensors, carried, magnitudes)])[0]  # type: ignore[return-value]
 
     def _replayed(self, key: Hashable | None) -> ContextManager[None]:
         if key is None:
@@ -255,6 +229,9 @@ class Oracle:
         return self.replay_rng(key)
 
     def _average_grads(self) -> None:
+        """Every model's gradients averaged, and the average of its local gradients (the synced
+        hypothesis a check asks for next), in one all-reduce."""
+        reductions = []
         for name, ps in self.params.items():
             for p in ps.values():
                 if p.grad is None:
@@ -262,10 +239,14 @@ class Oracle:
             # a wrapper that reduces each micro-batch (ZeRO-2/3), or adds a sync's average to a gradient
             # averaged by an earlier one (FSDP, sync_each_batch), rounds each term's average apart
             magnitudes = self.terms[name] if self.terms is not None else None
-            reduced = self.reduce({pname: p.grad for pname, p in ps.items()}, self.allowed[name], magnitudes)
+            reductions += [Reduction({pname: p.grad for pname, p in ps.items()}, self.allowed[name], magnitudes),
+                           Reduction(self.local[name])]
+        reduced = self.collectives.reduce_all(reductions)
+        for index, (name, ps) in enumerate(self.params.items()):
+            average, self._synced[name] = reduced[2 * index], reduced[2 * index + 1]  # type: ignore[assignment]
             for pname, p in ps.items():
-                p.grad = reduced[pname].value
-                self.allowed[name][pname] = reduced[pname].allowed
+                p.grad = average[pname].value
+                self.allowed[name][pname] = average[pname].allowed
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> dict[str, float]:
         """Clip each model's replica gradients, as ``clip_grad_norm_`` on synced gradients does;
@@ -279,7 +260,7 @@ class Oracle:
             norms[name] = norm
             coefficient = min(1.0, max_norm / (norm + 1e-6))
             # the norm is off by at most the norm of the allowances, and the coefficient with it
-            carried = float(torch.linalg.vector_norm(_flat(self.allowed[name].values()), norm_type))
+            carried = float(torch.linalg.vector_norm(flat(self.allowed[name].values()), norm_type))
             relative = carried / norm if norm > 0 else 0.0
             for pname, magnitude in before.items():
                 grad = ps[pname].grad
@@ -301,6 +282,7 @@ class Oracle:
             self.allowed[name] = {p: a * inverse for p, a in self.allowed[name].items()}
             for local in self.local[name].values():
                 local.mul_(inverse)
+        self._synced.clear()
         self._unscaled = True
 
     def step(self, point: MicroStep | bool) -> None:
@@ -332,6 +314,7 @@ class Oracle:
             }
             for name, ps in self.params.items()
         }
+        self._synced.clear()
         for name, ps in self.params.items():
             for pname, p in ps.items():
                 p.grad = None
@@ -343,12 +326,16 @@ class Oracle:
 
     # collectives and what the contract expects now (read by harness/checks.py)
 
-    def rank0_copy(self, name: str, actual_params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Rank 0's copy of the model's parameters (DDP keeps every rank's equal to it)."""
-        reference = _flat(actual_params[p].detach() for p in self.params[name])
-        if self.world_size > 1:
-            dist.broadcast(reference, src=0)
-        return _pieces(reference, self.params[name])
+    def rank0_copy(self, name: str, actual_params: Mapping[str, torch.Tensor],
+                   deliver: Callable[[dict[str, torch.Tensor]], None]) -> None:
+        """Rank 0's copy of the model's parameters as they are now (DDP keeps every rank's equal to
+        it), given to ``deliver`` by name: with the oracle's next all-reduce when it defers, or now."""
+        self.collectives.later({p: actual_params[p] for p in self.params[name]}, deliver)  # type: ignore[arg-type]
+
+    def finish(self) -> None:
+        """The case has ended: judge the checks still waiting for rank 0's copies (a collective when
+        any wait). Every rank calls it, after the case returned."""
+        self.collectives.finish()
 
     def expected_grads(self, name: str) -> dict[str, Expectation]:
         return {
@@ -361,8 +348,17 @@ class Oracle:
         return {pname: Expectation(t.clone(), rounding_allowance(t)) for pname, t in self.local[name].items()}
 
     def synced_grads(self, name: str) -> dict[str, Expectation]:
-        """The all-rank average of the local gradients: what a sync now would leave (a collective)."""
-        return self.reduce(self.local[name])
+        """The all-rank average of the local gradients: what a sync now would leave (a collective,
+        unless a sync's average made it already; ``prepare_synced`` makes several models' in one)."""
+        self.prepare_synced([name])
+        return self._synced[name]
+
+    def prepare_synced(self, names: Iterable[str]) -> None:
+        """The synced hypotheses of ``names``, those not made yet in one all-reduce."""
+        wanted = [name for name in dict.fromkeys(names) if name not in self._synced]
+        if wanted:
+            reduced = self.collectives.reduce_all([Reduction(self.local[name]) for name in wanted])
+            self._synced.update(zip(wanted, reduced))  # type: ignore[arg-type]
 
     def previous_grad(self, name: str, pname: str) -> Expectation | None:
         """The last window's final gradient, which a missed zero_grad would leave behind."""
@@ -394,6 +390,7 @@ class Oracle:
         for pname, grad in grads.items():
             if pname in self.local[name] and (grad is None or not bool(grad.any())):
                 self.local[name][pname].zero_()
+                self._synced.pop(name, None)
 
     def adopt_optimizer_state(self, name: str, optimizers: Any) -> None:
         """The case's optimizer state (moments, step counts), after a parameter mismatch:

@@ -149,6 +149,7 @@ def run_cell(spec: CellSpec, rank: int, device: Any) -> RankResult:
     from harness.catalogue import find_case, locate
     from harness.context import RankContext
     from harness.decorator import SkipCell, Unsupported
+    from harness.models import seed_rng
     from harness.probe import reset_accelerate
 
     started = time.perf_counter()
@@ -164,9 +165,10 @@ def run_cell(spec: CellSpec, rank: int, device: Any) -> RankResult:
             case=spec.case, variant=spec.variant, params=spec.variant_params, rank=rank,
             world_size=spec.world_size, seed=spec.seed, device=device,
         )
-        torch.manual_seed(ctx.seed + rank)
+        seed_rng(ctx.seed + rank, device)
         with _planted_fault(spec.fault, rank):
             body(ctx)
+            ctx.finish()
         outcome, detail = RankOutcome.OK, ""
     except Unsupported as exc:
         outcome, detail = RankOutcome.UNSUPPORTED, str(exc)

@@ -1,0 +1,125 @@
+"""The oracle's collectives (harness/collectives.py) on real gloo ranks: one all-reduce carries several
+reductions and rank 0's waiting copies, bit for bit what they would be alone; a copy waits for the
+next all-reduce of its dtype or for ``finish``; digests name the ranks that differ. And the flight
+recorder's reading of a backward (harness/accounting.py) from its records' own times."""
+
+from __future__ import annotations
+
+import torch
+from distributed import run_on_ranks
+
+from harness.accounting import _issued_since
+
+
+def _issued() -> int:
+    import torch.distributed as dist
+
+    return int(dist.distributed_c10d._get_default_group()._get_sequence_number_for_group())
+
+
+def _tensors(rank: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + rank)
+    return {"w": torch.randn(3, 4, generator=generator, dtype=dtype),
+            "b": torch.randn(4, generator=generator, dtype=dtype)}
+
+
+def _reductions(rank: int, world_size: int) -> dict[str, object]:
+    from harness.collectives import Collectives, Reduction
+
+    collectives = Collectives(rank=rank, world_size=world_size, defer=False)
+    a, b = _tensors(rank), _tensors(rank + 10)
+    carried = {k: v.abs().double() * 1e-7 for k, v in a.items()}
+    wide = _tensors(rank, torch.float64)
+    alone = [collectives.reduce_all([r])[0] for r in (Reduction(a, carried), Reduction(b), Reduction(wide))]
+    before = _issued()
+    together = collectives.reduce_all([Reduction(a, carried), Reduction(b), Reduction(wide)])
+    issued = _issued() - before
+    same = all(torch.equal(x[k].value, y[k].value) and torch.equal(x[k].allowed, y[k].allowed)
+               for x, y in zip(alone, together) for k in x)
+    expected = sum(_tensors(r)["w"] for r in range(world_size)) / world_size
+    return {"same": same, "issued": issued, "dtypes": [str(together[i]["w"].value.dtype) for i in range(3)],
+            "average": torch.allclose(together[0]["w"].value, expected, rtol=1e-6)}
+
+
+def test_one_all_reduce_per_dtype_carries_several_reductions_each_bit_for_bit_as_alone():
+    for result in run_on_ranks(_reductions, 2):
+        assert result["same"] and result["average"]
+        assert result["issued"] == 2  # float32 (two reductions) and float64 (one)
+        assert result["dtypes"] == ["torch.float32", "torch.float32", "torch.float64"]
+
+
+def _waiting(rank: int, world_size: int) -> dict[str, object]:
+    from harness.collectives import Collectives, Reduction
+
+    collectives = Collectives(rank=rank, world_size=world_size, defer=True)
+    got: dict[str, dict] = {}
+    collectives.later(_tensors(rank), lambda copy: got.setdefault("first", copy))
+    collectives.later(_tensors(rank, torch.float64), lambda copy: got.setdefault("wide", copy))
+    waited = sorted(got)
+    before = _issued()
+    collectives.reduce_all([Reduction(_tensors(rank + 10))])  # float32: the first copy rides along
+    after_reduce = (_issued() - before, sorted(got))
+    collectives.finish()  # the float64 copy alone
+    after_finish = (_issued() - before, sorted(got))
+    collectives.finish()  # nothing waits: no collective
+    rank0, rank0_wide = _tensors(0), _tensors(0, torch.float64)
+    return {"waited": waited, "after_reduce": after_reduce, "after_finish": after_finish,
+            "last": _issued() - before,
+            "rank0": all(torch.equal(got["first"][k], rank0[k]) and torch.equal(got["wide"][k], rank0_wide[k])
+                         for k in rank0)}
+
+
+def test_rank0_copies_wait_for_the_next_all_reduce_of_their_dtype_or_finish_and_are_rank0s_bit_for_bit():
+    for result in run_on_ranks(_waiting, 3):
+        assert result["waited"] == []
+        assert result["after_reduce"] == (1, ["first"])
+        assert result["after_finish"] == (2, ["first", "wide"])
+        assert result["last"] == 2
+        assert result["rank0"]
+
+
+def _at_once(rank: int, world_size: int) -> bool:
+    from harness.collectives import Collectives
+
+    got = []
+    Collectives(rank=rank, world_size=world_size, defer=False).later(_tensors(rank), got.append)
+    return len(got) == 1 and all(torch.equal(got[0][k], v) for k, v in _tensors(0).items())
+
+
+def test_without_deferring_a_copy_of_rank0s_comes_at_once():
+    assert run_on_ranks(_at_once, 2) == [True, True]
+
+
+def _digests(rank: int, world_size: int) -> tuple[list[int], list[int]]:
+    from harness.collectives import Collectives
+
+    collectives = Collectives(rank=rank, world_size=world_size, defer=True)
+    alike = [torch.arange(6.0).reshape(2, 3), torch.ones(2, dtype=torch.bfloat16)]
+    apart = [t.clone() for t in alike]
+    if rank == 2:
+        apart[1][0] += 2.0**-7  # bfloat16's next value after 1: one bit
+    return collectives.same_everywhere(alike), collectives.same_everywhere(apart)
+
+
+def test_digests_name_every_rank_that_differs_from_rank0_on_every_rank():
+    assert run_on_ranks(_digests, 3) == [([], [2])] * 3
+
+
+def _entry(record_id: int, at_ns: int, name: str = "gloo:all_reduce") -> dict:
+    return {"record_id": record_id, "time_created_ns": at_ns, "profiling_name": name, "input_sizes": [[4]]}
+
+
+def test_a_backward_is_read_from_the_records_made_since_it_began():
+    ring = [_entry(7, 100), _entry(8, 200, "gloo:broadcast"), _entry(9, 300), _entry(10, 301)]
+    backward = _issued_since(ring, 250)
+    assert backward.complete and backward.reductions == [("gloo:all_reduce", 4), ("gloo:all_reduce", 4)]
+    assert _issued_since(ring, 400).reductions == [] and _issued_since(ring, 400).complete
+
+
+def test_a_backward_whose_records_the_ring_may_have_lost_is_not_claimed_complete():
+    full_of_new = [_entry(7, 300), _entry(8, 301)]  # nothing from before the backward is left
+    assert not _issued_since(full_of_new, 250).complete
+    never_wrapped = [_entry(0, 300), _entry(1, 301)]  # the first record ever made: nothing was lost
+    assert _issued_since(never_wrapped, 250).complete
+    assert not _issued_since(None, 250).complete
+    assert not _issued_since([{"record_id": 3, "profiling_name": "gloo:all_reduce"}], 250).complete
