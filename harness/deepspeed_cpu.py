@@ -13,7 +13,9 @@ Where the gradients are (what ``observe`` reads):
   attribute) to take them whole, with ``safe_get_full_grad``, before it steps.
 - ``safe_get_full_grad`` and ``safe_get_full_fp32_param`` are collectives (all-reduce under
   ZeRO-1/2, all-gather under ZeRO-3): every rank calls them for every parameter in the same order,
-  as the checks call ``observe`` on every rank. Whether a read happens depends only on state that
+  as the checks call ``observe`` on every rank. One collective a parameter, a hundred a cell at
+  half a millisecond each: the harness reads them all at once (``coalesced``), one collective a
+  group. Whether a read happens depends only on state that
   is the same on every rank (the engine's boundary flag, the check's ``sync``).
 - Between sync points ZeRO-1 leaves each rank's own accumulated gradient in ``param.grad`` (it
   reduces at the boundary only): compared with the oracle's local gradient as under DDP. ZeRO-2/3
@@ -26,10 +28,11 @@ Where the gradients are (what ``observe`` reads):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -202,10 +205,9 @@ def capture_boundary_gradients(engine: Any) -> None:
     def step_capturing(*args: Any, **kwargs: Any) -> Any:
         if engine.is_gradient_accumulation_boundary():
             with uncounted():
-                grads = {}
-                for name, p in engine.module.named_parameters():
-                    g = safe_get_full_grad(p)
-                    grads[name] = None if g is None else g.detach().clone()
+                with coalesced():
+                    views = {name: safe_get_full_grad(p) for name, p in engine.module.named_parameters()}
+                grads = {name: None if g is None else g.detach().clone() for name, g in views.items()}
             setattr(engine, _CAPTURED, grads)
         return step(*args, **kwargs)
 
@@ -227,7 +229,9 @@ def observe(engine: Any, names: list[str], *, sync: bool) -> Observed:
 
     module = engine.module
     named = list(module.named_parameters())
-    params = {n: safe_get_full_fp32_param(p).detach().clone() for n, p in named}
+    with coalesced():
+        views = {n: safe_get_full_fp32_param(p) for n, p in named}
+    params = {n: v.detach().clone() for n, v in views.items()}
     stage = int(engine.zero_optimization_stage())
     captured = getattr(engine, _CAPTURED, None)
     if sync and captured is not None:
@@ -236,3 +240,71 @@ def observe(engine: Any, names: list[str], *, sync: bool) -> Observed:
         return Observed(params=params, grads={n: None if p.grad is None else p.grad.detach().clone() for n, p in named})
     grads: dict[str, torch.Tensor | None] = {n: None for n, _ in named}
     return Observed(params=params, grads=grads, sharded=True, hidden=True)
+
+
+@contextlib.contextmanager
+def coalesced() -> Iterator[None]:
+    """DeepSpeed's readers of a whole parameter or gradient (``get_full_hp_param``, ZeRO-3's
+    ``_fp32_state_allgather``) each fill a fresh buffer and sum it (ZeRO-1/2: every element has one
+    owner, the other ranks give zeros) or gather it (ZeRO-3) over the group, and return a view of
+    it. In the block those collectives are only noted; after it they are issued together, one per
+    group and dtype, and each buffer gets its own part back: the same values, bit for bit (a sum with
+    one non-zero term is exact in any order). Read the views after the block, never in it."""
+    import deepspeed.comm as ds_comm
+    import torch.distributed as dist
+
+    reduces: list[tuple[torch.Tensor, Any]] = []
+    gathers: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
+    all_reduce, all_gather_into_tensor = ds_comm.all_reduce, ds_comm.all_gather_into_tensor
+
+    def note_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False,
+                    **kwargs: Any) -> Any:
+        if async_op or kwargs or op not in (dist.ReduceOp.SUM, getattr(ds_comm, "ReduceOp", dist.ReduceOp).SUM):
+            return all_reduce(tensor, op=op, group=group, async_op=async_op, **kwargs)
+        reduces.append((tensor, group))
+        return None
+
+    def note_gather(output: torch.Tensor, tensor: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
+        if async_op:
+            return all_gather_into_tensor(output, tensor, group=group, async_op=async_op)
+        gathers.append((output, tensor, group))
+        return None
+
+    ds_comm.all_reduce, ds_comm.all_gather_into_tensor = note_reduce, note_gather
+    try:
+        yield
+    finally:
+        ds_comm.all_reduce, ds_comm.all_gather_into_tensor = all_reduce, all_gather_into_tensor
+    for (group, _), batch in _batches(reduces, lambda r: (r[1], r[0].dtype)):
+        buffer = torch.cat([t.reshape(-1) for t, _ in batch])
+        all_reduce(buffer, group=group)
+        _scatter_back(buffer, [t for t, _ in batch])
+    for (group, _), batch in _batches(gathers, lambda g: (g[2], g[1].dtype)):
+        mine = torch.cat([t.reshape(-1) for _, t, _ in batch])
+        world = dist.get_world_size(group=group)
+        everyone = torch.empty(world * mine.numel(), dtype=mine.dtype, device=mine.device)
+        all_gather_into_tensor(everyone, mine, group=group)
+        for rank, part in enumerate(everyone.chunk(world)):  # rank r's inputs, one after another
+            _scatter_back(part, [out.reshape(-1).chunk(world)[rank] for out, _, _ in batch])
+
+
+def _batches(calls: list[Any], key: Any) -> list[tuple[Any, list[Any]]]:
+    """``calls`` grouped by ``key`` (a group compared by identity), in the order first seen: every rank
+    made the same calls in the same order, so every rank issues the same collectives."""
+    groups: list[tuple[Any, list[Any]]] = []
+    for call in calls:
+        k = key(call)
+        for seen, batch in groups:
+            if seen[0] is k[0] and seen[1] == k[1]:
+                batch.append(call)
+                break
+        else:
+            groups.append((k, [call]))
+    return groups
+
+
+def _scatter_back(flat: torch.Tensor, targets: list[torch.Tensor]) -> None:
+    offset = 0
+    for target in targets:
+        target.copy_(flat[offset : offset + target.numel()].view_as(target))
+        offset += target.numel()
