@@ -21,7 +21,7 @@ RANK_SIDE = {
     "harness.diagnosis", "harness.replica", "harness.schedule", "harness.models", "harness.render",
     "harness.render.failures", "harness.render.text", "harness.faults", "harness.faults_fsdp",
     "harness.wrappers", "harness.sharding", "harness.accounting", "harness.faults_deepspeed", "harness.deepspeed_cpu",
-    "harness.tokens", "harness.faults_tokens", "harness.weighting", "harness.timeline",
+    "harness.tokens", "harness.faults_tokens", "harness.weighting", "harness.timeline", "harness.collectives",
 }
 
 
