@@ -69,6 +69,7 @@ class RankRuntime:
         """Join the launcher's rendezvous and pay the one-time costs (imports, a first collective)."""
         if self.backend == "gloo":
             rank_side.limit_threads()
+        rank_side.keep_large_allocations()
         import torch
         import torch.distributed as dist
 

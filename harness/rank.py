@@ -80,6 +80,29 @@ def limit_threads() -> None:
     os.environ["MKL_NUM_THREADS"] = "1"
 
 
+# glibc's mallopt parameters, and how large an allocation the rank's heap keeps (see below)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+HEAP_KEEPS_BYTES = 1 << 30
+
+
+def keep_large_allocations() -> None:
+    """Let the rank's heap keep large allocations instead of mapping fresh pages for each.
+
+    glibc serves an allocation above its mmap threshold (at most 32 MiB by default) with pages
+    straight from the kernel, zeroed, and unmaps them on free; and it gives the top of the heap back
+    beyond its trim threshold. A check of a model of 1e7 parameters makes a few dozen temporaries of
+    40 to 80 MB (float64 differences, allowances): each paid its page faults again, and such a cell
+    took 23 s. With both thresholds at 1 GiB the pages are reused (a loop of 80 MB float64
+    temporaries here: 500 -> 105 ms an iteration); the rank holds its peak heap until it exits.
+    Elsewhere than glibc this does nothing."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, HEAP_KEEPS_BYTES)
+        libc.mallopt(_M_TRIM_THRESHOLD, HEAP_KEEPS_BYTES)
+    except (OSError, AttributeError):
+        pass
+
+
 def record_collectives() -> None:
     """Have torch's flight recorder keep each collective this rank issues (before its process group
     is made), for the collective accounting (harness/accounting.py)."""
@@ -102,6 +125,7 @@ def _set_environment(rank: int, world_size: int, backend: str) -> None:
         os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
         os.environ["MASTER_ADDR"] = "127.0.0.1"
     limit_threads()
+    keep_large_allocations()
     drop_launcher_settings()
     record_collectives()
     if backend == "nccl":
