@@ -109,6 +109,8 @@ def _unravel(flat_index: int, shape: torch.Size) -> tuple[int, ...]:
 def _abs_diff(actual: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """|actual - value| in float64, infinite where either is not finite and they differ."""
     abs_diff = (actual - value).abs()
+    if bool(torch.isfinite(abs_diff).all()):  # then both are finite everywhere (inf - inf is nan)
+        return abs_diff
     nonfinite = ~torch.isfinite(actual) | ~torch.isfinite(value)
     abs_diff = torch.where(nonfinite & (actual != value), torch.full_like(abs_diff, math.inf), abs_diff)
     return torch.nan_to_num(abs_diff, nan=math.inf)
