@@ -342,7 +342,7 @@ class Checks:
                 self._judge_updates(index, at, name, updates, wrong, dict(observed.params), None)
             else:
                 actual = {p: observed.params[p].detach().clone() for p in oracle.params[name]}
-                oracle.rank0_copy(name, actual, functools.partial(self._judge_updates, index, at, name, updates,
+                oracle.rank0_copy(step, name, actual, functools.partial(self._judge_updates, index, at, name, updates,
                                                                   wrong, actual))
             oracle.adopt_params(name, observed.full_params())
             # a sharded model's full gradients are a collective: every rank reads them, or none

@@ -10,10 +10,13 @@ collective rides along with it:
   carried into them) in one all-reduce per dtype. Elements are summed one by one, so each reduces
   exactly as it would alone at world size 2; at 3 and more ranks the backend may order an element's
   additions by its place in the buffer, which the reduction's allowance covers (harness/closeness.py).
-- ``later``: rank 0's copy of a tensor, wanted for a check whose verdict can wait: every rank adds
-  it to the next all-reduce of its dtype (rank 0 gives its values, the others zeros: x + 0 is exact),
-  or sends it at ``finish``, and the check is judged when it comes. The checks that wait are the
-  same on every rank, so every rank issues the same collectives.
+- ``later``: rank 0's copy of a tensor, wanted for a check whose verdict can wait because another
+  check is sure to follow: every rank adds it to the next all-reduce of its dtype (rank 0 gives its
+  values, the others zeros: x + 0 is exact), and the check is judged when it comes. The checks that
+  wait are the same on every rank, so every rank issues the same collectives. A copy that could be
+  the case's last is sent at once: a collective of the harness's after the case returned could meet
+  a rank's stray collective (one rank hung in a collective no other joins must stay a hang).
+  ``finish`` sends what still waits when a case stops early.
 - ``same_everywhere``: whether every rank holds the same bytes, from one all-reduce of digests.
 """
 
@@ -60,13 +63,11 @@ class _Waiting:
 
 
 class Collectives:
-    """One oracle's collectives on one rank. ``defer``: rank 0's copies wait for the next all-reduce
-    (the caller then calls ``finish`` before the cell ends); else each is sent at once."""
+    """One oracle's collectives on one rank."""
 
-    def __init__(self, *, rank: int, world_size: int, defer: bool) -> None:
+    def __init__(self, *, rank: int, world_size: int) -> None:
         self.rank = rank
         self.world_size = world_size
-        self.defer = defer and world_size > 1
         self._waiting: list[_Waiting] = []
 
     def _all_reduce(self, buffer: torch.Tensor) -> None:
@@ -107,13 +108,14 @@ class Collectives:
         return results
 
     def later(self, tensors: Mapping[Hashable, torch.Tensor],
-              deliver: Callable[[dict[Hashable, torch.Tensor]], None]) -> None:
+              deliver: Callable[[dict[Hashable, torch.Tensor]], None], *, wait: bool) -> None:
         """Rank 0's copy of ``tensors`` (as they are now), given to ``deliver`` by key: with the next
-        all-reduce of their dtype, at ``finish``, or at once when not deferring."""
+        all-reduce of their dtype when ``wait`` (the caller then calls ``finish`` before the cell
+        ends), else at once."""
         mine = flat(t.detach() for t in tensors.values())
         like = {k: t.detach() for k, t in tensors.items()}
         waiting = _Waiting(mine, lambda received: deliver(pieces(received, like)))
-        if not self.defer:
+        if not wait or self.world_size < 2:
             received = mine.clone()
             if self.world_size > 1:
                 dist.broadcast(received, src=0)

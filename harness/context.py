@@ -76,6 +76,7 @@ class RankContext:
         self.accumulation: Accumulation | None = None
         self._scaler_kwargs: dict[str, Any] = {}
         self._oracles: list[Oracle] = []
+        self._last_point = 0  # the last micro-step of the schedules made here
 
     # what the installed accelerate offers (harness/probe.py): the API, or Unsupported naming it
 
@@ -299,10 +300,15 @@ class RankContext:
             scaler_kwargs=scaler,
             wrapper=self.wrapper,
             accounting=self.accounting,
-            defer=True,
+            more_checks=self._more_checks,
         )
         self._oracles.append(oracle)
         return oracle
+
+    def _more_checks(self, step: MicroStep | int) -> bool:
+        """Whether a check surely follows one at ``step``: a micro-step of a schedule made here, not
+        its last (a step given as a number could be the case's last)."""
+        return isinstance(step, MicroStep) and step.index < self._last_point
 
     def finish(self) -> None:
         """After the case returned, on every rank: the checks its oracles still hold for rank 0's
@@ -324,7 +330,7 @@ class RankContext:
         (``harness.schedule.accumulation_schedule``). The accumulation settings come from
         ``accelerator`` when not given."""
         given = self._accumulation()
-        return accumulation_schedule(
+        schedule = accumulation_schedule(
             batches_per_epoch,
             epochs=epochs,
             num_steps=self._given_once("num_steps", num_steps, given.num_steps),
@@ -332,6 +338,8 @@ class RankContext:
                                                   given.sync_with_dataloader),
             sync_each_batch=self._given_once("sync_each_batch", sync_each_batch, given.sync_each_batch),
         )
+        self._last_point = max([self._last_point, *(p.index for p in schedule)])
+        return schedule
 
     def _accumulation(self) -> Accumulation:
         return self.accumulation if self.accumulation is not None else Accumulation()

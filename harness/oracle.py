@@ -57,7 +57,7 @@ class Oracle:
         scaler_kwargs: Mapping[str, Any] | None = None,
         wrapper: str = "ddp",
         accounting: Accounting | None = None,
-        defer: bool = False,
+        more_checks: Callable[[MicroStep | int], bool] | None = None,
     ) -> None:
         if not models:
             raise ValueError("the oracle needs at least one model")
@@ -73,9 +73,11 @@ class Oracle:
         self.precision = precision
         self.num_steps = num_steps
         self.replay_rng = replay_rng
-        # ``defer``: rank 0's copies wait for the next all-reduce (harness/collectives.py); whoever
-        # made the oracle calls ``finish`` when the case ends (RankContext does)
-        self.collectives = Collectives(rank=rank, world_size=world_size, defer=defer)
+        # ``more_checks(step)``: whether another check surely follows this step's: rank 0's copies
+        # then wait for the next all-reduce (harness/collectives.py), and whoever made the oracle
+        # calls ``finish`` when the case ends (RankContext does); without it each is sent at once
+        self.more_checks = more_checks
+        self.collectives = Collectives(rank=rank, world_size=world_size)
         self.replicas = {name: copy.deepcopy(unwrap(m)) for name, m in models.items()}
         self._require_equal_on_every_rank()
         self.models = forward_as(self.replicas, precision)
@@ -326,11 +328,14 @@ class Oracle:
 
     # collectives and what the contract expects now (read by harness/checks.py)
 
-    def rank0_copy(self, name: str, actual_params: Mapping[str, torch.Tensor],
+    def rank0_copy(self, step: MicroStep | int, name: str, actual_params: Mapping[str, torch.Tensor],
                    deliver: Callable[[dict[str, torch.Tensor]], None]) -> None:
         """Rank 0's copy of the model's parameters as they are now (DDP keeps every rank's equal to
-        it), given to ``deliver`` by name: with the oracle's next all-reduce when it defers, or now."""
-        self.collectives.later({p: actual_params[p] for p in self.params[name]}, deliver)  # type: ignore[arg-type]
+        it), given to ``deliver`` by name: with the oracle's next all-reduce when another check
+        surely follows ``step``'s, else now."""
+        wait = self.more_checks is not None and self.more_checks(step)
+        self.collectives.later({p: actual_params[p] for p in self.params[name]}, deliver,  # type: ignore[arg-type]
+                               wait=wait)
 
     def finish(self) -> None:
         """The case has ended: judge the checks still waiting for rank 0's copies (a collective when

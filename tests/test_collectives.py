@@ -26,7 +26,7 @@ def _tensors(rank: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.T
 def _reductions(rank: int, world_size: int) -> dict[str, object]:
     from harness.collectives import Collectives, Reduction
 
-    collectives = Collectives(rank=rank, world_size=world_size, defer=False)
+    collectives = Collectives(rank=rank, world_size=world_size)
     a, b = _tensors(rank), _tensors(rank + 10)
     carried = {k: v.abs().double() * 1e-7 for k, v in a.items()}
     wide = _tensors(rank, torch.float64)
@@ -51,10 +51,10 @@ def test_one_all_reduce_per_dtype_carries_several_reductions_each_bit_for_bit_as
 def _waiting(rank: int, world_size: int) -> dict[str, object]:
     from harness.collectives import Collectives, Reduction
 
-    collectives = Collectives(rank=rank, world_size=world_size, defer=True)
+    collectives = Collectives(rank=rank, world_size=world_size)
     got: dict[str, dict] = {}
-    collectives.later(_tensors(rank), lambda copy: got.setdefault("first", copy))
-    collectives.later(_tensors(rank, torch.float64), lambda copy: got.setdefault("wide", copy))
+    collectives.later(_tensors(rank), lambda copy: got.setdefault("first", copy), wait=True)
+    collectives.later(_tensors(rank, torch.float64), lambda copy: got.setdefault("wide", copy), wait=True)
     waited = sorted(got)
     before = _issued()
     collectives.reduce_all([Reduction(_tensors(rank + 10))])  # float32: the first copy rides along
@@ -82,18 +82,18 @@ def _at_once(rank: int, world_size: int) -> bool:
     from harness.collectives import Collectives
 
     got = []
-    Collectives(rank=rank, world_size=world_size, defer=False).later(_tensors(rank), got.append)
+    Collectives(rank=rank, world_size=world_size).later(_tensors(rank), got.append, wait=False)
     return len(got) == 1 and all(torch.equal(got[0][k], v) for k, v in _tensors(0).items())
 
 
-def test_without_deferring_a_copy_of_rank0s_comes_at_once():
+def test_a_copy_that_need_not_wait_comes_at_once():
     assert run_on_ranks(_at_once, 2) == [True, True]
 
 
 def _digests(rank: int, world_size: int) -> tuple[list[int], list[int]]:
     from harness.collectives import Collectives
 
-    collectives = Collectives(rank=rank, world_size=world_size, defer=True)
+    collectives = Collectives(rank=rank, world_size=world_size)
     alike = [torch.arange(6.0).reshape(2, 3), torch.ones(2, dtype=torch.bfloat16)]
     apart = [t.clone() for t in alike]
     if rank == 2:
@@ -123,3 +123,16 @@ def test_a_backward_whose_records_the_ring_may_have_lost_is_not_claimed_complete
     assert _issued_since(never_wrapped, 250).complete
     assert not _issued_since(None, 250).complete
     assert not _issued_since([{"record_id": 3, "profiling_name": "gloo:all_reduce"}], 250).complete
+
+
+def test_only_a_check_before_its_schedules_last_point_waits_for_the_next_collective():
+    """A check that could be the case's last sends rank 0's copy at once: a collective of the
+    harness's after the case returned could meet a rank's stray one (tests/test_rank_faults.py's
+    hang_in_collective must stay a hang)."""
+    from harness.context import RankContext
+
+    ctx = RankContext(case="c", variant="fp32", params={"precision": "fp32"}, rank=0, world_size=2, seed=1,
+                      device=torch.device("cpu"))
+    schedule = ctx.schedule(5, epochs=2, num_steps=2)
+    assert [ctx._more_checks(p) for p in schedule] == [True] * (len(schedule) - 1) + [False]
+    assert not ctx._more_checks(1)  # a step given as a number: the case may end after it
