@@ -9,11 +9,15 @@ import os
 import tempfile
 import textwrap
 from pathlib import Path
+from typing import Iterable
 
 from harness.matrix import Cell, Matrix
 from harness.render.matrix import render_html, render_markdown
+from harness.render.matrix_page import CellFragments
 
 REPORT_NAMES = ("matrix.json", "matrix.md", "matrix.html")
+# A report is written in parts (matrix.json: one per cell): buffered, in a few large writes.
+WRITE_BUFFER = 1 << 20
 
 # JSON has no infinity or NaN, and `diff` refuses a file that holds them: a difference that is
 # infinite (a NaN or an infinity in a gradient) is written as this, as a failure's ratios are (harness/checks.py).
@@ -30,21 +34,20 @@ def _finite_json(value: object) -> object:
     return value
 
 
-class CellTexts:
-    """Each judged cell's JSON text, made once. A run rewrites its reports after every cell, so
-    without this the whole matrix would be serialised again each time (quadratic in the cells); a
-    text is reused only for the very cell object it was made from, which the plugin never changes."""
-
-    def __init__(self) -> None:
-        self._texts: dict[int, tuple[Cell, str]] = {}
+class CellTexts(CellFragments):
+    """Each judged cell's pieces of the three reports (its JSON text, its heatmap square, its page
+    data, its Markdown lines...), each made once: see CellFragments. A run rewrites its reports after
+    every cell, so without this every cell would be rendered again each time (quadratic in the
+    cells); a piece is reused only for the very cell object it was made from, which the plugin never
+    changes (its cells are read back from each test's report and only read after)."""
 
     def text(self, cell: Cell) -> str:
-        known = self._texts.get(id(cell))
-        if known is not None and known[0] is cell:
-            return known[1]
-        text = textwrap.indent(_dumps(cell.to_dict()), "    ")
-        self._texts[id(cell)] = (cell, text)
-        return text
+        """The cell's text in matrix.json: json.dumps's (indent 2) of its dict, indented as a list item."""
+        return self.get(cell, "json", _cell_json)
+
+
+def _cell_json(cell: Cell) -> str:
+    return textwrap.indent(_dumps(cell.to_dict()), "    ")
 
 
 def _dumps(data: object) -> str:
@@ -54,22 +57,31 @@ def _dumps(data: object) -> str:
 def render_json(matrix: Matrix, texts: CellTexts | None = None) -> str:
     """The schema-1 JSON form of the matrix: strict JSON, which `diff` and `compare` read back. The
     text is json.dumps's (indent 2) of ``matrix.to_dict()``, put together from each cell's own."""
-    texts = texts or CellTexts()
+    return "".join(_json_parts(matrix, texts if texts is not None else CellTexts()))
+
+
+def _json_parts(matrix: Matrix, texts: CellTexts) -> list[str]:
+    """render_json's text in parts: written as they are, a file of many megabytes is never copied whole."""
     data = matrix.to_dict(with_cells=False)
-    cells = [texts.text(cell) for cell in matrix.sorted_cells()]
     head = _dumps({**data, "cells": []})
+    cells = matrix.sorted_cells()
     if not cells:
-        return head + "\n"
+        return [head, "\n"]
     assert head.endswith('"cells": []\n}')
-    return head[: -len("[]\n}")] + "[\n" + ",\n".join(cells) + "\n  ]\n}\n"
+    parts = [head[: -len("[]\n}")], "[\n"]
+    for n, cell in enumerate(cells):
+        parts += [",\n", texts.text(cell)] if n else [texts.text(cell)]
+    parts.append("\n  ]\n}\n")
+    return parts
 
 
 def write_reports(matrix: Matrix, report_dir: str | os.PathLike[str], *, texts: CellTexts | None = None) -> list[Path]:
     """Write matrix.json, matrix.md and matrix.html into report_dir; return their paths. ``texts``:
-    the cells' JSON texts kept from an earlier write of the same run."""
+    the cells' pieces kept from an earlier write of the same run (without it, each is made anew)."""
     directory = Path(report_dir)
     directory.mkdir(parents=True, exist_ok=True)
-    renderers = (lambda m: render_json(m, texts), render_markdown, render_html)
+    kept = texts if texts is not None else CellTexts()
+    renderers = (lambda m: _json_parts(m, kept), lambda m: render_markdown(m, kept), lambda m: render_html(m, kept))
     paths = []
     for name, render in zip(REPORT_NAMES, renderers):
         path = directory / name
@@ -102,16 +114,20 @@ def _current_umask() -> int:
     return mask
 
 
-def write_atomically(path: str | os.PathLike[str], text: str) -> None:
+def write_atomically(path: str | os.PathLike[str], text: str | Iterable[str]) -> None:
     """Write through a temporary file and rename, so that a reader never sees half a file.
+    ``text``: the text, or its parts in order.
 
     The file gets the mode any new file would (0o666 less the umask), not mkstemp's 0o600.
     """
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
+        with os.fdopen(fd, "w", encoding="utf-8", buffering=WRITE_BUFFER) as handle:
+            if isinstance(text, str):
+                handle.write(text)
+            else:
+                handle.writelines(text)
         os.chmod(tmp, 0o666 & ~_current_umask())
         os.replace(tmp, path)
     except BaseException:

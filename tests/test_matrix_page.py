@@ -1,17 +1,22 @@
 """Tests for matrix.html as markup (harness/render/matrix_page.py): one heatmap square and one
-permalink per cell, failures first and grouped, the timeline's data, and the page's size. What the
-page does in a browser is tests/test_report_pages.py's."""
+permalink per cell, failures first and grouped, the timeline's data, and the page's size; and the
+cells' pieces of the three reports that each rewrite reuses. What the page does in a browser is
+tests/test_report_pages.py's."""
 
 from __future__ import annotations
 
 import json
 import re
 from html.parser import HTMLParser
+from pathlib import Path
 
-from harness.matrix import Cell, Matrix
+import pytest
+
+from harness.matrix import Cell, Matrix, merge_cells
 from harness.records import Failure
-from harness.render.matrix import render_html
-from harness.render.page import cell_anchor
+from harness.render.matrix import render_html, render_markdown
+from harness.render.page import cell_anchor, data_json
+from harness.report import CellTexts, render_json, write_reports
 from harness.timeline import Timeline, TimelineMark, TimelineStep
 
 
@@ -39,19 +44,20 @@ class Elements(HTMLParser):
         return [a for t, a in self.tags if t == tag and css in a.get("class", "").split()]
 
 
-def timeline(ranks: int = 2, steps: int = 4, failing_rank: int = 1) -> Timeline:
+def timeline(ranks: int = 2, steps: int = 4, failing_rank: int = 1, kind: str = "not_synced",
+             checks: tuple[str, ...] = ("flag", "grad", "param")) -> Timeline:
     return Timeline(
         steps=[TimelineStep(step=s, epoch=0, batch=s - 1, sync=s % 2 == 0, optimizer_step=s % 2 == 0)
                for s in range(1, steps + 1)],
-        marks=[TimelineMark(rank=r, step=s, check=c, kind="not_synced" if r == failing_rank and c == "grad" else None)
-               for s in range(1, steps + 1) for r in range(ranks) for c in ("flag", "grad", "param")],
+        marks=[TimelineMark(rank=r, step=s, check=c, kind=kind if r == failing_rank and c == "grad" else None)
+               for s in range(1, steps + 1) for r in range(ranks) for c in checks],
     )
 
 
-def failing(case: str, variant: str, ws: int, kinds=("not_synced",)) -> Cell:
+def failing(case: str, variant: str, ws: int, kinds=("not_synced",), steps=(2, 4)) -> Cell:
     failures = [Failure(rank=1, step=s, model="model", param="w", kind=k, max_abs_diff=0.5,
                         message=f"gradient of 'model.w' on rank 1 at step {s}: {k}\nMismatched elements: 3 / 4 (75.0%)")
-                for s in (2, 4) for k in kinds]
+                for s in steps for k in kinds]
     return Cell(case, variant, ws, "fail", summary="2 mismatches on rank 1", failures=failures,
                 rerun=f"pytest 'cases/x.py::{case}[{variant}-ws{ws}]'", timeline=timeline(ranks=ws))
 
@@ -139,3 +145,104 @@ def test_a_thousand_cells_fit_in_about_a_megabyte():
     page = render_html(Matrix(environment={"world_sizes": [1, 2, 3]}, cells=cells))
     assert len(Elements(page).having("a", "m")) == 1000
     assert len(page.encode("utf-8")) < 1_000_000
+
+
+# A run rewrites its reports after every cell, reusing each cell's pieces (CellTexts): the files
+# are byte for byte those made afresh whatever arrives, and a rewrite remakes only what changed.
+
+HOSTILE = "<!-- x --> <b>&amp; | `t` \x1b[31m\u202e\nnext"
+
+
+def run_cells() -> list[Cell]:
+    """Cells in the order a run finishes them, largest world size first: every status; failing and
+    canary cells with timelines, failures of several kinds and more of them than are shown; errors
+    with tracebacks; text that needs escaping; an infinite difference; a check and a kind no page knows."""
+    outcomes = ("pass", "fail", "skip", "detected", "error", "pass", "unsupported", "missed")
+    cells = []
+    for ws in (4, 2, 1):
+        names = [(c, v) for c in ("no_sync", "accumulate", HOSTILE, "zz_last") for v in ("fp32", "bf16-fsdp2", "a|b <i>&")]
+        for n, (case, variant) in enumerate(names):
+            status = outcomes[(n + ws) % len(outcomes)]
+            cell = Cell(case, variant, ws, status, summary=f"{status}: 60 checks on {ws} ranks <{HOSTILE}>",
+                        duration_s=0.1 * n, checks=60, grad_checks=20, comm_checks=4,
+                        rerun=f"pytest 'cases/x.py::{case}[{variant}-ws{ws}]'")
+            if status in ("fail", "detected"):
+                kinds = ("not_synced", "stale", "mismatch", "weird_kind")[: 1 + n % 4]
+                cell.failures = failing(case, variant, ws, kinds, steps=range(1, 3 + n % 5)).failures
+                cell.timeline = timeline(ranks=ws, failing_rank=min(1, ws - 1), kind=kinds[-1],
+                                         checks=("flag", "grad", "param") + (("sharding",) if n % 3 == 0 else ()))
+                cell.max_abs_diff = float("inf") if n == 5 else 0.5
+            elif status == "error":
+                cell.detail = f"--- rank 1 raised ---\nTraceback\n\t{HOSTILE}\n" + "x" * 5000
+            cells.append(cell)
+    return cells
+
+
+def test_rewrites_with_the_kept_pieces_are_byte_for_byte_fresh_ones(tmp_path: Path) -> None:
+    cells = run_cells()
+    # a case that sorts before others arrives late (their places move), with a check and a kind that
+    # sort first too (every timeline's marks are numbered anew); a rerun's result replaces an earlier
+    # cell's; and a cell already written has a field set anew (None: that step)
+    late = failing("aaa_first", "fp32", 2, kinds=("odd_kind",))
+    late.timeline = timeline(kind="odd_kind", checks=("flag", "grad", "a_check"))
+    rerun = Cell(cells[3].case, cells[3].variant, cells[3].world_size, "error", summary="rerun", detail="boom")
+    written = cells[10]
+    steps: list[Cell | None] = cells[:20] + [late] + cells[20:25] + [rerun] + cells[25:30] + [None] + cells[30:]
+    texts, arrived = CellTexts(), []
+    for n, new in enumerate(steps):
+        if new is None:
+            written.status, written.summary = "missed", "set anew after it was written"
+        else:
+            arrived.append(new)
+        matrix = Matrix(environment={"world_sizes": [1, 2, 4], "seed": 1}, cells=merge_cells(arrived),
+                        created="2025-01-01T00:00:00+00:00", complete=n == len(steps) - 1)
+        paths = write_reports(matrix, tmp_path, texts=texts)
+        fresh = {"matrix.json": render_json(matrix), "matrix.md": render_markdown(matrix), "matrix.html": render_html(matrix)}
+        for path in paths:
+            assert path.read_bytes() == fresh[path.name].encode("utf-8"), (n, path.name)
+    assert len(matrix.cells) == len(cells) + 1 and rerun in matrix.cells and written.status == "missed"
+    page = paths[2].read_text(encoding="utf-8")
+    text = re.search(r'<script type="application/json" id="harness-data">(.*?)</script>', page).group(1)
+    data = json.loads(text)
+    assert data["checks"][-2:] == ["a_check", "sharding"] and data["kinds"][-2:] == ["odd_kind", "weird_kind"]
+    assert data["cases"][:2] == [HOSTILE, "aaa_first"]
+    # put together from each cell's own, the page's data is data_json's text of the whole
+    assert text == data_json(data)
+
+
+def test_a_rewrite_remakes_only_the_pieces_of_what_changed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import harness.render.matrix as matrix_md
+    import harness.render.matrix_page as matrix_page
+    import harness.report as report
+
+    made: list[str] = []
+
+    def counted(module, name):
+        make = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *args: (made.append(name), make(*args))[1])
+
+    for module, name in ((report, "_cell_json"), (matrix_md, "_md_entries"), (matrix_page, "_square"),
+                         (matrix_page, "_cell_data"), (matrix_page, "_failure_entry")):
+        counted(module, name)
+    cells = [c for c in run_cells() if c.case != "zz_last"]
+    texts = CellTexts()
+    write_reports(Matrix(environment={}, cells=cells), tmp_path, texts=texts)
+    made.clear()
+    write_reports(Matrix(environment={}, cells=list(cells)), tmp_path, texts=texts)
+    assert made == []
+    new = failing("zz_last", "fp32", 2)
+    write_reports(Matrix(environment={}, cells=cells + [new]), tmp_path, texts=texts)
+    assert sorted(made) == ["_cell_data", "_cell_json", "_failure_entry", "_md_entries", "_square"]
+    # a case sorted before others moves their index in the page's data: only that is made again
+    made.clear()
+    first = Cell("aaa", "fp32", 2, "pass")
+    write_reports(Matrix(environment={}, cells=cells + [new, first]), tmp_path, texts=texts)
+    moved = [c for c in cells if c.case > "aaa"]
+    assert 0 < len(moved) < len(cells)
+    assert made.count("_cell_data") == len(moved) + 2
+    assert made.count("_cell_json") == made.count("_md_entries") == 1
+    # a field set anew on a cell already written: its pieces are made again
+    made.clear()
+    new.status = "error"
+    write_reports(Matrix(environment={}, cells=cells + [new, first]), tmp_path, texts=texts)
+    assert made.count("_cell_json") == made.count("_md_entries") == made.count("_cell_data") == 1

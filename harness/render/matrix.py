@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from harness.matrix import Cell, Matrix
 from harness.records import Status
-from harness.render.matrix_page import render_matrix_page
+from harness.render.matrix_page import CellFragments, render_matrix_page
 from harness.render.style import ABSENT, STATUS_SYMBOLS, md_status, verdict
 from harness.render.text import md_code, md_text
 
@@ -21,8 +21,10 @@ WORLD_SIZE_ONE_NOTE = (
     "its cells check the loss scaling, the optimizer steps, the flags and the learning rates only."
 )
 
-def render_markdown(matrix: Matrix) -> str:
-    """A Markdown summary that fits a GitHub CI step summary."""
+def render_markdown(matrix: Matrix, fragments: CellFragments | None = None) -> str:
+    """A Markdown summary that fits a GitHub CI step summary. ``fragments``: the cells' pieces kept
+    from an earlier rendering of the same run (each cell's are made once)."""
+    fragments = fragments if fragments is not None else CellFragments()
     world_sizes = _world_sizes(matrix)
     good, words = verdict(matrix.counts())
     symbol = STATUS_SYMBOLS[Status.PASS if good else Status.FAIL]
@@ -37,11 +39,10 @@ def render_markdown(matrix: Matrix) -> str:
     header = ["case", "variant"] + [f"ws={ws}" for ws in world_sizes]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + " --- |" * len(header))
-    for (case, variant), by_ws in _pivot(matrix).items():
-        entries = [md_text(case), md_text(variant)]
-        for ws in world_sizes:
-            cell = by_ws.get(ws)
-            entries.append(md_status(cell.status) if cell else ABSENT)
+    for by_ws in _pivot(matrix).values():
+        row = {ws: fragments.get(cell, "md", _md_entries) for ws, cell in by_ws.items()}
+        entries = [next(iter(row.values()))[0]]  # a row's case and variant are those of any of its cells
+        entries += [row[ws][1] if ws in row else ABSENT for ws in world_sizes]
         lines.append("| " + " | ".join(entries) + " |")
     if 1 in world_sizes:
         lines += ["", f"_{md_text(WORLD_SIZE_ONE_NOTE)}_"]
@@ -49,16 +50,17 @@ def render_markdown(matrix: Matrix) -> str:
     if explained:
         lines += ["", "## Failures", ""]
         for cell in explained:
-            lines += _md_cell_failures(cell)
+            lines += fragments.get(cell, "md-failures", _md_cell_failures)
     return "\n".join(lines) + "\n"
 
 
-def render_html(matrix: Matrix) -> str:
-    """One self-contained page (harness/render/matrix_page.py): inline CSS and script, no network."""
+def render_html(matrix: Matrix, fragments: CellFragments | None = None) -> str:
+    """One self-contained page (harness/render/matrix_page.py): inline CSS and script, no network.
+    ``fragments``: the cells' pieces kept from an earlier page of the same run."""
     world_sizes = _world_sizes(matrix)
     notes = [WORLD_SIZE_ONE_NOTE] if 1 in world_sizes else []
     return render_matrix_page(matrix, world_sizes=world_sizes, environment_line=_plain_environment_line(matrix),
-                              notes=notes)
+                              notes=notes, fragments=fragments)
 
 
 def render_table(matrix: Matrix) -> str:
@@ -153,7 +155,12 @@ def _needs_explaining(cell: Cell) -> bool:
     return cell.status not in QUIET_STATUSES and bool(cell.summary or cell.failures)
 
 
-def _md_cell_failures(cell: Cell) -> list[str]:
+def _md_entries(cell: Cell) -> tuple[str, str]:
+    """The case and variant entries of a cell's row in the Markdown table, and its own entry."""
+    return f"{md_text(cell.case)} | {md_text(cell.variant)}", md_status(cell.status)
+
+
+def _md_cell_failures(cell: Cell) -> tuple[str, ...]:
     title = f"{md_text(cell.case)} / {md_text(cell.variant)} / ws={md_text(cell.world_size)}: {md_status(cell.status)}"
     if cell.summary:
         title += f" — {md_text(cell.summary)}"
@@ -169,4 +176,4 @@ def _md_cell_failures(cell: Cell) -> list[str]:
         lines.append(f"  - … and {hidden} more")
     if cell.rerun:
         lines.append(f"  - rerun: {md_code(cell.rerun)}")
-    return lines
+    return tuple(lines)

@@ -4,7 +4,8 @@ failing cell's timeline, in one self-contained page (its script: harness/render/
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from operator import is_
+from typing import Any, Callable, TypeVar
 
 from harness.matrix import Cell, Matrix
 from harness.records import BAD_STATUSES, STATUSES, Failure
@@ -12,6 +13,7 @@ from harness.render.page import (
     KIND_COLOURS,
     STATUS_MEANINGS,
     cell_anchor,
+    data_json,
     kind_chip,
     legend,
     page_head,
@@ -59,24 +61,71 @@ a.m.sel { outline: 2px solid #1f2328; outline-offset: 1px; }
 
 
 
-def render_matrix_page(matrix: Matrix, *, world_sizes: list[int], environment_line: str, notes: list[str]) -> str:
-    """The page; ``world_sizes``: those run or asked for (a requested one with no cell still shows)."""
+T = TypeVar("T")
+
+
+class CellFragments:
+    """The pieces of the reports that are one cell's own (its heatmap square, its Failures entry, its
+    JSON texts, its Markdown lines), each made once. A run rewrites its reports after every cell, and
+    remaking every cell's pieces each time would be quadratic in the cells.
+
+    A piece is reused only for the very cell object it was made from (held here, so its id cannot
+    pass to another object) whose fields are still the very objects they were then (a field set
+    anew, ``cell.status = ...``, drops the cell's pieces); and, for a piece that depends on the rest
+    of the matrix too (its case's index), only in the same ``context``. What is not seen is a change
+    inside a field's object (a failure appended to ``cell.failures``): a cell is not to be changed
+    after it is rendered, and the plugin never does (its cells are read back from each test's report)."""
+
+    def __init__(self) -> None:
+        self._cells: dict[int, tuple[Cell, tuple[Any, ...], dict[str, tuple[Any, Any]]]] = {}
+
+    def get(self, cell: Cell, name: str, make: Callable[[Cell], T], context: Any = None) -> T:
+        """``make(cell)``, the piece called ``name``, made anew only where it cannot be reused."""
+        entry = self._cells.get(id(cell))
+        fields = vars(cell)
+        if entry is None or entry[0] is not cell or len(entry[1]) != len(fields) or not all(
+                map(is_, entry[1], fields.values())):
+            entry = (cell, tuple(fields.values()), {})
+            self._cells[id(cell)] = entry
+        known = entry[2].get(name)
+        if known is None or known[0] != context:
+            known = entry[2][name] = (context, make(cell))
+        return known[1]
+
+
+def render_matrix_page(matrix: Matrix, *, world_sizes: list[int], environment_line: str, notes: list[str],
+                       fragments: CellFragments | None = None) -> str:
+    """The page; ``world_sizes``: those run or asked for (a requested one with no cell still shows);
+    ``fragments``: the cells' pieces kept from an earlier page of the same run."""
+    fragments = fragments if fragments is not None else CellFragments()
     cells = matrix.sorted_cells()
     cases = sorted({c.case for c in cells})
     counts = matrix.counts()
+    # each cell's square and page data; the data is made again where what it indexes into changed
+    # (its case's place among the cases, the checks and kinds its timeline's marks are numbered by)
+    case_index = {case: n for n, case in enumerate(cases)}
+    checks, kinds = _checks_and_kinds(cells, fragments)
+    indexed = (tuple(checks), tuple(kinds))
+    made = [fragments.get(c, "html", lambda cell: _cell_pieces(cell, case_index, checks, kinds),
+                          (case_index[c.case], indexed if c.timeline is not None else None)) for c in cells]
     out = page_head("Gradient-sync matrix", MATRIX_CSS) + ["<body>", "<h1>Gradient-sync matrix</h1>"]
     out += verdict_banner(counts, complete=matrix.complete)
     out.append(f'<p class="env">{html_text(environment_line)}</p>')
     out += _filters(cases, world_sizes, counts)
-    out += _failures(cells)
+    out += _failures(cells, fragments)
     out.append('<section id="panel" hidden tabindex="-1" aria-live="polite"></section>')
-    out += _heatmap(cells, cases, world_sizes)
+    out += _heatmap(cells, cases, world_sizes, {id(c): square for c, (square, _) in zip(cells, made)})
     out.append("<h2>Legend</h2>")
     out.append(legend(STATUS_MEANINGS))
     out.append(_kinds_legend())
     out += [f'<p class="ws1 muted">{html_text(note)}</p>' for note in notes]
-    out += page_tail(_page_data(cells, cases))
+    out += page_tail(None, text=_page_data_text(cases, checks, kinds, [text for _, text in made]))
     return "\n".join(out) + "\n"
+
+
+def _cell_pieces(cell: Cell, case_index: dict[str, int], checks: list[str], kinds: list[str]) -> tuple[str, str]:
+    """A cell's square in the heatmap, and its entry in the page's data as data_json's text."""
+    return _square(cell), data_json(_cell_data(cell, case_index, checks, kinds))
 
 
 def _filters(cases: list[str], world_sizes: list[int], counts: dict[str, int]) -> list[str]:
@@ -97,7 +146,7 @@ def _filters(cases: list[str], world_sizes: list[int], counts: dict[str, int]) -
     ]
 
 
-def _failures(cells: list[Cell]) -> list[str]:
+def _failures(cells: list[Cell], fragments: CellFragments) -> list[str]:
     bad = [c for c in cells if c.status in BAD_STATUSES]
     out = [f'<section id="failures"><h2>Failures ({len(bad)})</h2>', '<div id="failure-list">']
     if not bad:
@@ -108,7 +157,7 @@ def _failures(cells: list[Cell]) -> list[str]:
     for case, group in by_case.items():
         out.append(f'<div class="group" data-case="{html_text(case)}"><h3>{html_text(case)} '
                    f'<span class="muted">({len(group)})</span></h3>')
-        out += [_failure_entry(cell) for cell in group]
+        out += [fragments.get(cell, "html-failure", _failure_entry) for cell in group]
         out.append("</div>")
     out.append("</div></section>")
     return out
@@ -168,16 +217,21 @@ def _pre_text(text: str, limit: int) -> str:
     return html_block(shown)
 
 
-def _heatmap(cells: list[Cell], cases: list[str], world_sizes: list[int]) -> list[str]:
+def _heatmap(cells: list[Cell], cases: list[str], world_sizes: list[int], squares: dict[int, str]) -> list[str]:
+    """The cards of squares; ``squares``: each cell's, by the cell's id."""
     out = ['<section id="matrix"><h2>Matrix</h2>',
            '<p class="muted">One square per cell: a card per case, a row per world size, a column per variant. '
            "Hover for its name, click (or Enter) for its summary; the arrow keys move between cells.</p>",
            '<div class="heatmap" id="heatmap">']
+    by_case: dict[str, list[Cell]] = {}
+    for cell in cells:
+        by_case.setdefault(cell.case, []).append(cell)
     for case in cases:
-        mine = [c for c in cells if c.case == case]
+        mine = by_case.get(case, [])
         variants = list(dict.fromkeys(c.variant for c in mine))
         at = {(c.variant, c.world_size): c for c in mine}
-        sizes = [ws for ws in world_sizes if any(c.world_size == ws for c in mine)] or world_sizes
+        present = {c.world_size for c in mine}
+        sizes = [ws for ws in world_sizes if ws in present] or world_sizes
         grid = [f'<div class="card" data-case="{html_text(case)}"><h3>{html_text(case)}</h3>'
                 f'<div class="grid" style="grid-template-columns: auto repeat({len(variants)}, 12px)">']
         for ws in sizes:
@@ -186,17 +240,19 @@ def _heatmap(cells: list[Cell], cases: list[str], world_sizes: list[int]) -> lis
                 cell = at.get((variant, ws))
                 if cell is None:
                     grid.append(f'<span class="m gap" title="{html_text(variant)} · ws={ws}: no cell"></span>')
-                    continue
-                anchor = cell_anchor(case, variant, ws)
-                # the script gives each square its status, case and world size from the page's data
-                grid.append(
-                    f'<a class="m s-{html_text(cell.status)}" id="{html_text(anchor)}" href="#{html_text(anchor)}" '
-                    f'title="{html_text(variant)} · ws={ws}: {html_text(cell.status)}"></a>'
-                )
+                else:
+                    grid.append(squares[id(cell)])
         grid.append("</div></div>")
         out.append("".join(grid))
     out += ["</div>", "</section>"]
     return out
+
+
+def _square(cell: Cell) -> str:
+    """A cell's square in the heatmap; the script gives it its status, case and world size from the page's data."""
+    anchor = cell_anchor(cell.case, cell.variant, cell.world_size)
+    return (f'<a class="m s-{html_text(cell.status)}" id="{html_text(anchor)}" href="#{html_text(anchor)}" '
+            f'title="{html_text(cell.variant)} · ws={cell.world_size}: {html_text(cell.status)}"></a>')
 
 
 def _kinds_legend() -> str:
@@ -205,17 +261,29 @@ def _kinds_legend() -> str:
             f"with the oracle; otherwise the diagnosis: {chips}</p>")
 
 
-def _page_data(cells: list[Cell], cases: list[str]) -> dict[str, Any]:
-    """What the script draws from, in short (the matrix.json cells hold it all). A cell with an
-    entry under Failures has its messages there only: its panel shows that entry's."""
-    checks = list(CHECKS) + sorted({m.check for c in cells if c.timeline for m in c.timeline.marks} - set(CHECKS))
-    kinds = list(KIND_COLOURS) + sorted({m.kind for c in cells if c.timeline for m in c.timeline.marks
-                                         if m.kind and m.kind not in KIND_COLOURS})
-    case_index = {case: n for n, case in enumerate(cases)}
-    return {
-        "cases": cases, "checks": checks, "check_words": CHECK_WORDS, "kinds": kinds, "coloured": len(KIND_COLOURS),
-        "cells": [_cell_data(c, case_index, checks, kinds) for c in cells],
-    }
+def _checks_and_kinds(cells: list[Cell], fragments: CellFragments) -> tuple[list[str], list[str]]:
+    """The checks and the kinds the page's timelines number their marks by: the known ones, then any other."""
+    named = [fragments.get(c, "marks", _marks_named) for c in cells if c.timeline]
+    checks = list(CHECKS) + sorted(set().union(*(n[0] for n in named)) - set(CHECKS))
+    kinds = list(KIND_COLOURS) + sorted(set().union(*(n[1] for n in named)))
+    return checks, kinds
+
+
+def _page_data_text(cases: list[str], checks: list[str], kinds: list[str], cell_texts: list[str]) -> str:
+    """What the script draws from, in short (the matrix.json cells hold it all), as data_json's text
+    of the whole, put together from each cell's own (_cell_data's). A cell with an entry under
+    Failures has its messages there only: its panel shows that entry's."""
+    head = data_json({"cases": cases, "checks": checks, "check_words": CHECK_WORDS, "kinds": kinds,
+                      "coloured": len(KIND_COLOURS), "cells": []})
+    assert head.endswith('"cells":[]}')
+    return head[: -len("[]}")] + "[" + ",".join(cell_texts) + "]}"
+
+
+def _marks_named(cell: Cell) -> tuple[frozenset[str], frozenset[str]]:
+    """The checks a cell's timeline names, and the kinds it names that have no colour of their own."""
+    marks = cell.timeline.marks if cell.timeline else []
+    return (frozenset(m.check for m in marks),
+            frozenset(m.kind for m in marks if m.kind and m.kind not in KIND_COLOURS))
 
 
 def _cell_data(cell: Cell, case_index: dict[str, int], checks: list[str], kinds: list[str]) -> dict[str, Any]:

@@ -91,11 +91,19 @@ def cell_anchor(case: str, variant: str, world_size: int) -> str:
     return "cell-" + "/".join(parts)
 
 
-def data_script(element_id: str, data: Any) -> str:
-    """Data for the page's script, inert and safe in HTML: no ``<``, ``>`` or ``&`` survives into
-    the element (each is a JSON escape), so nothing in it can end the script or start a tag."""
+def data_json(data: Any) -> str:
+    """``data`` as the JSON text of a data_script: no ``<``, ``>`` or ``&`` survives (each is a JSON
+    escape). The text of a list or object is its items' texts joined, so it can be put together
+    from parts made apart (matrix.html's is, from each cell's own)."""
     text = json.dumps(data, ensure_ascii=True, separators=(",", ":"), allow_nan=False)
-    text = text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def data_script(element_id: str, data: Any, *, text: str | None = None) -> str:
+    """Data for the page's script, inert and safe in HTML: no ``<``, ``>`` or ``&`` survives into
+    the element (each is a JSON escape), so nothing in it can end the script or start a tag.
+    ``text``: data_json's text of the data, made already (``data`` is then not read)."""
+    text = data_json(data) if text is None else text
     return f'<script type="application/json" id="{html_text(element_id)}">{text}</script>'
 
 
@@ -143,9 +151,9 @@ def page_head(title: str, extra_css: str = "") -> list[str]:
     ]
 
 
-def page_tail(data: Mapping[str, Any], script: str = "report.js") -> list[str]:
-    """The data and the script, last, so that the page reads before they run."""
-    return [data_script("harness-data", data), f"<script>{page_script(script)}</script>", "</body>", "</html>"]
+def page_tail(data: Mapping[str, Any] | None, script: str = "report.js", *, text: str | None = None) -> list[str]:
+    """The data (or ``text``, data_json's text of it) and the script, last, so that the page reads before they run."""
+    return [data_script("harness-data", data, text=text), f"<script>{page_script(script)}</script>", "</body>", "</html>"]
 
 
 def legend(meanings: Mapping[str, str], statuses: Sequence[str] = STATUSES) -> str:
