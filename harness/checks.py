@@ -148,6 +148,16 @@ def _param_kind(actual: torch.Tensor, rank0: torch.Tensor, *, moved: bool, due: 
 
 
 @dataclass(frozen=True)
+class WrongUpdate:
+    """A parameter's update that is not the oracle's: how far off, whether it moved at all, and
+    whether a step was due."""
+
+    diff: Difference
+    moved: bool
+    due: bool
+
+
+@dataclass(frozen=True)
 class Reweighing:
     """A token-weighted gradient explained with other weights: the contributions since the last check
     (``TokenWeighting.parts``, harness/weighting.py: this rank's own, or after a sync every rank's share, by rank) fitted
@@ -238,15 +248,12 @@ class Checks:
             expectations = oracle.expected_grads(name)
             parts = oracle.weighting.parts(name)
             reweighing: Reweighing | None = None
-            pairs = [(_grad_or_zeros(observed, pname), observed.piece_of(pname, full)) for pname, full in expectations.items()]
-            close, max_abs = all_close(pairs)
+            pairs = {pname: (_grad_or_zeros(observed, pname), observed.piece_of(pname, full))
+                     for pname, full in expectations.items()}
+            close, max_abs = all_close(list(pairs.values()))
             self.recorder.observe(max_abs)
-            for pname, full in ({} if close else expectations).items():
-                expected = observed.piece_of(pname, full)
-                grad = observed.grads[pname]
-                actual = grad if grad is not None else torch.zeros_like(observed.params[pname])
+            for pname, (actual, expected) in ({} if close else pairs).items():
                 diff = difference(actual, expected)
-                self.recorder.observe(diff.max_abs)
                 if diff.close:
                     continue
                 if parts and reweighing is None:
@@ -335,15 +342,15 @@ class Checks:
                                   Expectation(after.double() - before.double(), allowed))
             close, max_abs = all_close(list(updates.values()))
             self.recorder.observe(max_abs)
-            # the parameters that moved wrongly: (moved, due), their kind judged against rank 0's copy
+            # the parameters that moved wrongly, their kind judged against rank 0's copy
             wrong = {} if close else {p: self._wrong_update(u, e, stepped) for p, (u, e) in updates.items()}
             wrong = {p: w for p, w in wrong.items() if w is not None}
             if observed.sharded:  # each rank holds another part: there is no copy to compare with rank 0's
-                self._judge_updates(index, at, name, updates, wrong, dict(observed.params), None)
+                self._judge_updates(index, at, name, wrong, {p: observed.params[p] for p in oracle.params[name]}, None)
             else:
                 actual = {p: observed.params[p].detach().clone() for p in oracle.params[name]}
-                oracle.rank0_copy(step, name, actual, functools.partial(self._judge_updates, index, at, name, updates,
-                                                                  wrong, actual))
+                oracle.rank0_copy(step, name, actual, functools.partial(self._judge_updates, index, at, name, wrong,
+                                                                        actual))
             oracle.adopt_params(name, observed.full_params())
             # a sharded model's full gradients are a collective: every rank reads them, or none
             grads = observed.full_grads() if wrong or observed.sharded else {}
@@ -355,30 +362,31 @@ class Checks:
         oracle.end_step()
 
     @staticmethod
-    def _wrong_update(update: torch.Tensor, expected: Expectation, stepped: bool) -> tuple[bool, bool] | None:
-        """None when the update is the oracle's; else whether it moved, and whether a step was due."""
-        if difference(update, expected).close:
+    def _wrong_update(update: torch.Tensor, expected: Expectation, stepped: bool) -> WrongUpdate | None:
+        """None when the update is the oracle's."""
+        diff = difference(update, expected)
+        if diff.close:
             return None
         moved = bool((update.abs() > expected.allowed).any())
         due = stepped and bool((expected.value.abs() > expected.allowed).any())
-        return moved, due
+        return WrongUpdate(diff, moved, due)
 
-    def _judge_updates(self, index: int, at: str, name: str, updates: Mapping[str, tuple[torch.Tensor, Expectation]],
-                       wrong: Mapping[str, tuple[bool, bool]], actual: Mapping[str, torch.Tensor],
-                       rank0: Mapping[str, torch.Tensor] | None) -> None:
+    def _judge_updates(self, index: int, at: str, name: str, wrong: Mapping[str, WrongUpdate],
+                       actual: Mapping[str, torch.Tensor], rank0: Mapping[str, torch.Tensor] | None) -> None:
         """The failures of a parameter check, once rank 0's copy is known (None: sharded, none)."""
         if rank0 is not None and not wrong and all_close(
                 [(actual[p], Expectation.rounded(rank0[p])) for p in actual])[0]:
             return
-        for pname, (update, expected) in updates.items():
+        for pname in actual:
             if pname not in wrong:
                 if rank0 is not None:
                     self._equal_to_rank0(index, at, name, pname, actual[pname], rank0[pname])
                 continue
-            moved, due = wrong[pname]
-            kind = _param_kind(actual[pname], rank0[pname] if rank0 is not None else actual[pname], moved=moved, due=due)
+            update = wrong[pname]
+            kind = _param_kind(actual[pname], rank0[pname] if rank0 is not None else actual[pname], moved=update.moved,
+                               due=update.due)
             self.recorder.add(make_failure(rank=self.rank, step=index, where=at, model=name, param=pname,
-                                           checked="param", kind=kind, factor=None, diff=difference(update, expected)))
+                                           checked="param", kind=kind, factor=None, diff=update.diff))
 
     def _equal_to_rank0(self, index: int, at: str, name: str, pname: str, actual: torch.Tensor,
                         rank0: torch.Tensor) -> None:
