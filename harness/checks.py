@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 from torch import nn
@@ -436,20 +436,3 @@ class Checks:
                                          actual=float(actual["lr"]), expected=float(expected["lr"])),
                 ))
 
-
-def count_batches(recorder: Recorder, loader: Iterable[Any], expected: int, *, what: str,
-                  epoch: int = 0) -> Iterator[Any]:
-    """Iterate ``loader`` to its end, yielding at most ``expected`` batches; a different count is a
-    failure of kind ``schedule`` (the loader is still exhausted, as a user's loop would)."""
-    seen = 0
-    for batch in loader:
-        seen += 1
-        if seen <= expected:
-            yield batch
-    recorder.timeline.mark(0, "schedule")
-    if seen != expected:
-        recorder.add(Failure(
-            rank=recorder.rank, step=0, model="dataloader", param="len", kind=FailureKind.SCHEDULE,
-            max_abs_diff=float(abs(seen - expected)), checked="schedule",
-            message=text.batch_count_text(rank=recorder.rank, what=what, epoch=epoch, seen=seen, expected=expected),
-        ))

@@ -13,10 +13,12 @@ from torch.utils.data import DataLoader, Dataset
 
 from harness import probe, wrappers
 from harness.accounting import Accounting
-from harness.checks import Recorder, count_batches
+from harness.checks import Recorder
 from harness.decorator import SkipCell
 from harness.models import derive_seed, make_model, rank_batch, regression_dataset, seeded
 from harness.oracle import ModelOptimizers, OptimizerFactory, Oracle, SchedulerFactory
+from harness.records import Failure, FailureKind
+from harness.render import failures as text
 from harness.schedule import MicroStep, accumulation_schedule, batches_per_rank, dispatched_batches_per_rank
 from harness.wrappers import DDP, WRAPPERS
 
@@ -388,7 +390,20 @@ class RankContext:
     def batches(self, loader: Iterable[Any], expected: int, *, what: str, epoch: int = 0) -> Iterator[Any]:
         """Iterate ``loader`` to its end, yielding at most ``expected`` batches; a different count is a
         failure of kind ``schedule`` (the loader is still exhausted, as a user's loop would)."""
-        return count_batches(self.recorder, loader, expected, what=what, epoch=epoch)
+        recorder = self.recorder
+        seen = 0
+        for batch in loader:
+            seen += 1
+            if seen <= expected:
+                yield batch
+        recorder.timeline.mark(0, "schedule")
+        if seen != expected:
+            recorder.add(Failure(
+                rank=recorder.rank, step=0, model="dataloader", param="len", kind=FailureKind.SCHEDULE,
+                max_abs_diff=float(abs(seen - expected)), checked="schedule",
+                message=text.batch_count_text(rank=recorder.rank, what=what, epoch=epoch, seen=seen,
+                                              expected=expected),
+            ))
 
 
 def _accumulation_of(kwargs: Mapping[str, Any]) -> Accumulation:
