@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -57,6 +59,30 @@ def wait_for_no_processes(token: str, timeout: float = 10.0) -> list[int]:
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.2)
+
+
+def wait_until(condition, process: subprocess.Popen, what: str, timeout: float = 300.0) -> None:
+    """Poll ``condition`` until it holds: the moment to act on is one the run signals (a file it
+    writes, a report it updates), never one a sleep guesses. Fails if the run ends first or
+    ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, f"the run ended before {what}:\n{process.communicate()[0][-3000:]}"
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:g} s"
+        time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def killed_if_failing(process: subprocess.Popen):
+    """If the block fails (a wait or ``communicate`` timing out), the session and every process in
+    its group are killed: a failing test leaves no run behind."""
+    try:
+        yield
+    except BaseException:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+        raise
 
 
 def session_env(token: str, **extra: str) -> dict[str, str]:

@@ -2,10 +2,8 @@
 and each gives the same merged matrix as a serial run."""
 
 import json
-import subprocess
-import time
 
-from conftest import PLANTED, start_pytest, wait_for_no_processes
+from conftest import PLANTED, killed_if_failing, start_pytest, wait_for_no_processes, wait_until
 
 # Passing cells and one that must fail (a model left out of no_sync, planted): a harness that said
 # pass to everything, or lost a failure on its way from a worker, would not give the same matrix.
@@ -61,16 +59,12 @@ def test_no_rank_outlives_a_session_that_is_killed_outright(tmp_path):
     """SIGKILL gives pytest no chance to clean up: the ranks must still go (parent-death signal)."""
     progress = tmp_path / "progress"
     progress.mkdir()
-    process, token = start_pytest(["tests/planted/planted_cases.py", "-k", "planted_slow", "--world-sizes", "2"],
-                                  tmp_path / "r", PLANTED_PROGRESS_DIR=str(progress))
-    try:
-        deadline = time.monotonic() + 300
-        while not list(progress.iterdir()):
-            assert process.poll() is None and time.monotonic() < deadline
-            time.sleep(0.1)
+    # only the cell that blocks until the run ends, with a timeout that cannot end it first
+    process, token = start_pytest([PLANTED, "-k", "planted_blocks_half_way and not finishes", "--world-sizes", "2",
+                                   "--case-timeout", "3600"], tmp_path / "r", PLANTED_PROGRESS_DIR=str(progress))
+    with killed_if_failing(process):
+        # rank 0 is in that cell: the ranks are there, and the run cannot finish before the kill
+        wait_until(lambda: (progress / "blocks").exists(), process, "the run blocked in its cell")
         process.kill()
         process.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        raise
     assert wait_for_no_processes(token) == []

@@ -8,12 +8,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
 
-from conftest import PLANTED, ROOT, session_env, start_pytest, wait_for_no_processes
+from conftest import PLANTED, ROOT, killed_if_failing, session_env, start_pytest, wait_for_no_processes, wait_until
 
 
 def test_a_perturbed_rank_fails_the_cell_naming_rank_step_model_and_kind(run_pytest):
@@ -186,23 +185,29 @@ def cells_in(report_dir):
         return []
 
 
+FINISHED = [("finishes1", "pass"), ("finishes2", "pass")]  # the cells before the blocked one
+
+
 def interrupt_half_way(tmp_path, how, extra):
+    """Start a run whose third cell blocks until the run is ended, and end it ``how`` once the run
+    says it is there: the outcome cannot depend on the machine's speed."""
     progress = tmp_path / "progress"
     progress.mkdir()
     report_dir = tmp_path / "reports"
     temp = tmp_path / "tmp"
     temp.mkdir()
-    process, token = start_pytest([*extra, PLANTED, "-k", "planted_slow", "--world-sizes", "2"], report_dir,
+    # a case timeout longer than any wait here: the blocked cell ends by the signal, never by its timeout
+    process, token = start_pytest([*extra, PLANTED, "-k", "planted_blocks_half_way", "--world-sizes", "2",
+                                   "--case-timeout", "3600"], report_dir,
                                   PLANTED_PROGRESS_DIR=str(progress), TMPDIR=str(temp))
-    deadline = time.monotonic() + 300
-    # the third cell has started: two have finished (under xdist their reports may still be on their
-    # way from the worker to the controller, so wait until the controller has written them too)
-    while len(list(progress.iterdir())) < 3 or (extra and len(cells_in(report_dir)) < 2):
-        assert process.poll() is None, process.communicate()
-        assert time.monotonic() < deadline, "the planted cells never started"
-        time.sleep(0.1)
-    how(process)
-    stdout, stderr = process.communicate(timeout=60)
+    with killed_if_failing(process):
+        # rank 0 has started the blocking cell, so the two before it have finished (under xdist their
+        # reports may still be on their way from the worker to the controller, so wait until the
+        # controller has written them too)
+        wait_until(lambda: (progress / "blocks").exists() and (not extra or len(cells_in(report_dir)) == 2),
+                   process, "the run blocked in its third cell")
+        how(process)
+        stdout, _ = process.communicate(timeout=60)
     return process.returncode, stdout, report_dir, token, temp
 
 
@@ -222,8 +227,7 @@ def test_an_interrupted_run_writes_the_finished_cells_marks_the_matrix_incomplet
     assert returncode == pytest.ExitCode.INTERRUPTED, stdout
     matrix = json.loads((report_dir / "matrix.json").read_text())
     assert matrix["complete"] is False
-    assert len(matrix["cells"]) >= 2
-    assert all(c["status"] == "pass" for c in matrix["cells"])
+    assert sorted((c["variant"], c["status"]) for c in matrix["cells"]) == FINISHED
     assert "Incomplete run" in (report_dir / "matrix.md").read_text()
     assert "gradient-sync matrix (INCOMPLETE)" in stdout
     assert wait_for_no_processes(token) == []
@@ -236,8 +240,8 @@ def test_a_run_killed_outright_keeps_every_finished_cell_in_its_reports(tmp_path
     assert returncode == -signal.SIGKILL
     matrix = json.loads((report_dir / "matrix.json").read_text())
     assert matrix["complete"] is False
-    assert len(matrix["cells"]) >= 2 and all(c["status"] == "pass" for c in matrix["cells"])
-    assert "planted_slow" in (report_dir / "matrix.html").read_text()
+    assert sorted((c["variant"], c["status"]) for c in matrix["cells"]) == FINISHED
+    assert "planted_blocks_half_way" in (report_dir / "matrix.html").read_text()
     assert wait_for_no_processes(token) == []
 
 

@@ -104,14 +104,19 @@ def test_planted_left_out_of_no_sync(ctx):
         oracle.check_grads(step, models)
 
 
-@case("planted_slow", wrappers=DDP_ONLY, variants=[Variant(f"n{i}", {}) for i in range(6)])
-def test_planted_slow(ctx):
-    """A correct cell that takes a while: lets a test interrupt a run half-way. Rank 0 leaves a
-    file in $PLANTED_PROGRESS_DIR as each cell starts, so the test knows when to interrupt."""
+@case("planted_blocks_half_way", wrappers=DDP_ONLY,
+      variants=[Variant("finishes1", {"blocks": False}), Variant("finishes2", {"blocks": False}),
+                Variant("blocks", {"blocks": True})])
+def test_planted_blocks_half_way(ctx):
+    """Two correct cells, then one that blocks until the run is ended: lets a test interrupt a run
+    half-way whatever the machine's speed. Rank 0 leaves a file named after the variant in
+    $PLANTED_PROGRESS_DIR as each cell starts: the file ``blocks`` says the two cells before it have
+    finished (and, in a run without xdist, are in the reports) and that the run cannot finish."""
     progress = os.environ.get("PLANTED_PROGRESS_DIR")
     if progress and ctx.rank == 0:
         open(os.path.join(progress, ctx.variant_name), "w").close()
-    time.sleep(1.0)
+    if ctx.variant["blocks"]:
+        time.sleep(3600)  # the ranks ignore Ctrl-C: the controller ends them when it is interrupted
     accelerator, model, optimizer, oracle = prepared_regressor(ctx)
     synced_steps(ctx, accelerator, model, optimizer, oracle, [1])
 
