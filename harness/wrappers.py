@@ -114,11 +114,27 @@ def accelerator_kwargs(wrapper: str, kwargs: Mapping[str, Any], *, device_type: 
         plugin = probe.require(accelerate.utils, "FullyShardedDataParallelPlugin", "FullyShardedDataParallelPlugin")
         if wrapper == "fsdp2":
             probe.require_parameter(plugin, "fsdp_version", "FullyShardedDataParallelPlugin(fsdp_version=2)")
-            return {"fsdp_plugin": plugin(fsdp_version=2)}
+            from harness import capabilities
+
+            missing = capabilities.fsdp2_missing(device_type)
+            if missing:
+                raise SkipCell(f"wrapper=fsdp2 cannot run here: {missing}")
+            try:
+                return {"fsdp_plugin": plugin(fsdp_version=2)}
+            except ImportError as exc:  # accelerate's own word on this torch ("FSDP2 requires PyTorch >= 2.6.0")
+                raise SkipCell(f"wrapper=fsdp2 cannot run here: accelerate refuses it: {exc}") from None
         # FSDP1 with the user's parameters kept (their names, and full gradients when summoned);
-        # releases before FSDP2 have no fsdp_version and are FSDP1
-        version = {"fsdp_version": 1} if "fsdp_version" in probe.parameters(plugin) else {}
-        return {"fsdp_plugin": plugin(use_orig_params=True, **version)}
+        # releases before FSDP2 have no fsdp_version and are FSDP1. sync_module_states=False: the
+        # harness builds the same weights on every rank (and checks so at start-up), so the sync is
+        # not needed; releases before 1.x default it to True and then insist on a GPU for it ("There
+        # are currently no available devices found", 0.31; FSDP1's "CPU parameters or buffers when
+        # sync_module_states=True", 0.22). From 1.x it is False by default: the same FSDP1 as before.
+        options: dict[str, Any] = {"use_orig_params": True}
+        if "fsdp_version" in probe.parameters(plugin):
+            options["fsdp_version"] = 1
+        if "sync_module_states" in probe.parameters(plugin):
+            options["sync_module_states"] = False
+        return {"fsdp_plugin": plugin(**options)}
     return _deepspeed_kwargs(wrapper, device_type=device_type, num_steps=num_steps)
 
 
