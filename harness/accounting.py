@@ -30,11 +30,19 @@ from typing import Any
 # a backward of the harness's models issues a few. One that issues more than this is not judged.
 BUFFER_ENTRIES = 64
 ENV = "TORCH_FR_BUFFER_SIZE"
+# torch before the recorder was made backend-neutral sized it with this name (torch 2.6: NCCL only)
+ENV_BEFORE = "TORCH_NCCL_TRACE_BUFFER_SIZE"
+# The readers torch has had: backend-neutral, then the NCCL-only one of earlier releases.
+READERS = ("_dump_fr_trace", "_dump_nccl_trace")
+# The check this module performs, by the name the reports give it (CONTRACT.md, "Checks that cannot
+# run"), and the failure kinds only it can give.
+CHECK = "collective_accounting"  # harness/records.py, UNCHECKED_KINDS
 
 
 def enable() -> None:
     """Ask torch to record collectives; call before the process group is made."""
     os.environ.setdefault(ENV, str(BUFFER_ENTRIES))
+    os.environ.setdefault(ENV_BEFORE, os.environ[ENV])
 
 
 def _is_reduction(profiling_name: str) -> bool:
@@ -42,15 +50,68 @@ def _is_reduction(profiling_name: str) -> bool:
     return "reduce" in profiling_name.split(":", 1)[-1]
 
 
-def _dump() -> Any:
-    """torch's reader of the flight recorder, or None where this torch has none or it is off."""
+def _reader() -> tuple[str, Any] | tuple[None, None]:
     try:
         import torch._C._distributed_c10d as c10d
+    except ImportError:
+        return None, None
+    for name in READERS:
+        dump = getattr(c10d, name, None)
+        if dump is not None:
+            return name, dump
+    return None, None
 
-        dump = c10d._dump_fr_trace
-    except (ImportError, AttributeError):
+
+# Why this rank's collectives cannot be counted, found once the process group has issued its first
+# collective (``probe``); None while they can be, or before the probe.
+_unavailable: str | None = None
+
+
+def _dump() -> Any:
+    """torch's reader of the flight recorder, or None where this torch has none, it is off, or the
+    probe found that it does not record this process group's collectives."""
+    if _unavailable is not None:
         return None
+    _, dump = _reader()
     return dump if int(os.environ.get(ENV, "0") or 0) > 0 else None
+
+
+def probe(backend: str) -> str | None:
+    """Whether the flight recorder holds the collective the process group just issued (the rank's
+    start-up all-reduce): asked of torch, never inferred from its version. Returns, and keeps for
+    every later cell of the process, the reason the accounting cannot run here, or None when it can.
+    torch 2.6 has only ``_dump_nccl_trace``, which records NCCL's collectives and not gloo's."""
+    global _unavailable
+    import torch
+
+    _unavailable = None
+    name, dump = _reader()
+    if dump is None:
+        _unavailable = (f"torch {torch.__version__} has no flight recorder reader "
+                        f"({' or '.join('torch._C._distributed_c10d.' + n for n in READERS)})")
+    elif int(os.environ.get(ENV, "0") or 0) <= 0:
+        _unavailable = f"the flight recorder is off ({ENV} is not set above 0)"
+    else:
+        records = _records(dump)
+        if not any("all_reduce" in str(e.get("profiling_name", "")) or "allreduce" in str(e.get("profiling_name", ""))
+                   for e in records or ()):
+            _unavailable = (f"torch {torch.__version__}'s flight recorder ({name}) records no {backend} "
+                            "collective (the rank's start-up all-reduce is not in it)")
+        elif any("time_created_ns" not in e for e in records or ()):
+            _unavailable = (f"torch {torch.__version__}'s flight recorder ({name}) gives no creation time "
+                            "(time_created_ns) to tell a backward's collectives from the others")
+    return _unavailable
+
+
+def unavailable() -> str | None:
+    """Why the collectives of this rank cannot be counted (``probe``'s finding), or None."""
+    if _unavailable is not None:
+        return _unavailable
+    if _reader()[1] is None:
+        import torch
+
+        return f"torch {torch.__version__} has no flight recorder reader"
+    return None
 
 
 def recording() -> bool:
@@ -58,9 +119,10 @@ def recording() -> bool:
     return _dump() is not None
 
 
-def _records() -> list[dict[str, Any]] | None:
-    """The flight recorder's entries, or None where this torch has none or it is off."""
-    dump = _dump()
+def _records(dump: Any = None) -> list[dict[str, Any]] | None:
+    """The flight recorder's entries (read with ``dump``, else with ``_dump()``), or None where this
+    torch has none, it is off, or it does not record this process group."""
+    dump = dump or _dump()
     if dump is None:
         return None
     try:

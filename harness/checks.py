@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 from torch import nn
 
-from harness.accounting import Accounting, judge
+from harness.accounting import CHECK, Accounting, judge
+from harness.accounting import unavailable as accounting_unavailable
 from harness.closeness import Difference, Expectation, all_close, difference, distinguishable, rounding_allowance
 from harness.diagnosis import Hypotheses, diagnose, fitted_weights
 from harness.records import Failure, FailureKind
@@ -47,6 +48,9 @@ class Recorder:
     vacuous_checks: int = 0  # gradient checks where synced and local could not be told apart
     comm_checks: int = 0  # backwards whose collectives were judged (harness/accounting.py)
     max_abs_diff: float = 0.0
+    # the checks that could not run here, by name, each with its reason (CONTRACT.md, "Checks that
+    # cannot run"): recorded where one would have run, so that the cell says so
+    unchecked: dict[str, str] = field(default_factory=dict)
     timeline: TimelineRecorder = field(init=False)
 
     def __post_init__(self) -> None:
@@ -302,6 +306,9 @@ class Checks:
             return
         backwards = self.accounting.take()
         if oracle.world_size < 2:
+            return
+        if not self.accounting.available:
+            self.recorder.unchecked.setdefault(CHECK, accounting_unavailable() or "the flight recorder is off")
             return
         for verdict in judge(backwards, syncs, reduces_every_micro_batch=oracle.wrapper in REDUCES_EVERY_MICRO_BATCH):
             self.recorder.comm_checks += 1

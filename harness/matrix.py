@@ -38,6 +38,9 @@ class Cell:
     # every check by rank and micro-step, kept for a cell with failures (harness/timeline.py);
     # written only where present, so that the JSON of every other cell is as before
     timeline: Timeline | None = None
+    # the checks that could not run in this cell, by name (``collective_accounting``), each with its
+    # reason (CONTRACT.md, "Checks that cannot run"); written only where there is one
+    unchecked: dict[str, str] = field(default_factory=dict)
 
     @property
     def key(self) -> tuple[str, str, int]:
@@ -51,6 +54,8 @@ class Cell:
             del data["timeline"]
         else:
             data["timeline"] = self.timeline.to_dict()
+        if not self.unchecked:
+            del data["unchecked"]
         return data
 
     @classmethod
@@ -99,6 +104,27 @@ class Matrix:
         from harness.matrixfile import parse_matrix
 
         return parse_matrix(data, source=source)
+
+
+UNAVAILABLE_CHECKS = "unavailable_checks"  # the environment key (CONTRACT.md, "Checks that cannot run")
+
+
+def unavailable_checks(environment: dict[str, Any]) -> dict[str, str]:
+    """The checks a matrix's cells could not run, with the reasons (empty for a complete check)."""
+    value = environment.get(UNAVAILABLE_CHECKS)
+    return {str(k): str(v) for k, v in value.items()} if isinstance(value, dict) else {}
+
+
+def with_unavailable_checks(environment: dict[str, Any], cells: Iterable[Cell]) -> dict[str, Any]:
+    """``environment`` with ``unavailable_checks``: each check some cell could not run, with the
+    reason (the first cell's, in cell order), where there is one; the same dict otherwise."""
+    unavailable: dict[str, str] = dict(environment.get(UNAVAILABLE_CHECKS) or {})
+    for cell in sorted(cells, key=lambda c: c.key):
+        for check, reason in cell.unchecked.items():
+            unavailable.setdefault(check, reason)
+    if not unavailable:
+        return environment
+    return {**environment, UNAVAILABLE_CHECKS: dict(sorted(unavailable.items()))}
 
 
 def merge_cells(cells: Iterable[Cell]) -> list[Cell]:

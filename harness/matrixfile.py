@@ -211,6 +211,9 @@ _CELL_CHECKS: dict[str, Check] = {
     "rerun": TEXT,
     "detail": TEXT,
     "timeline": _optional(_timeline),
+    "unchecked": _kind(lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(t, str)
+                                                           for k, t in v.items()),
+                       "an object of check names to reasons"),
 }
 _ANNOTATION_CHECKS: dict[str, Check] = {"str": TEXT, "int": INT, "float": NUMBER, "bool": BOOL}
 

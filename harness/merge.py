@@ -7,7 +7,7 @@ import datetime
 import json
 from typing import Any, Sequence
 
-from harness.matrix import Matrix, MatrixError, merge_cells
+from harness.matrix import UNAVAILABLE_CHECKS, Matrix, MatrixError, merge_cells, with_unavailable_checks
 from harness.render.text import escape_unprintable, printable_line
 from harness.strictjson import SHOWN_CHARS
 
@@ -141,9 +141,11 @@ def merge_matrices(inputs: list[tuple[str, Matrix]], *, created: str | None = No
     environment.setdefault("world_sizes", sorted(by_world_size))
     environment["merged_from"] = [str(source) for source, _ in inputs]
     environment["environments"] = {str(ws): by_world_size[ws][1] for ws in sorted(by_world_size)}
+    cells = merge_cells(cell for _, matrix in inputs for cell in matrix.cells)
+    environment.pop(UNAVAILABLE_CHECKS, None)  # each input's own; the merged cells say it again
     return Matrix(
-        environment=environment,
-        cells=merge_cells(cell for _, matrix in inputs for cell in matrix.cells),
+        environment=with_unavailable_checks(environment, cells),
+        cells=cells,
         created=now_utc() if created is None else created,
         complete=all(matrix.complete for _, matrix in inputs),
     )

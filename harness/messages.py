@@ -84,6 +84,7 @@ class RankResult:
     max_abs_diff: float = 0.0
     duration_s: float = 0.0
     timeline: TimelineRecorder | None = None  # every check by micro-step (harness/timeline.py)
+    unchecked: dict[str, str] = field(default_factory=dict)  # checks that could not run here: their reasons
 
 
 def expect(message: Any, *types: type) -> Any:

@@ -16,7 +16,7 @@ import pytest
 from harness.catalogue import CaseRef
 from harness.cells import cell_id, run_cell
 from harness.decorator import case_info
-from harness.matrix import Cell, Matrix, merge_cells
+from harness.matrix import Cell, Matrix, merge_cells, with_unavailable_checks
 from harness.options import DEFAULT_CASE_TIMEOUT_S, DEFAULT_SEED, OptionError, Settings, resolve
 from harness.pool import PoolSet
 from harness.progress import Progress, terminal_writer
@@ -104,8 +104,9 @@ class HarnessState:
         """(Re)write the three reports from the cells so far, each file replaced atomically."""
         if not self.created:
             self.created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        matrix = Matrix(environment=self.environment(), cells=merge_cells(self.cells), created=self.created,
-                        complete=complete)
+        cells = merge_cells(self.cells)
+        matrix = Matrix(environment=with_unavailable_checks(self.environment(), cells), cells=cells,
+                        created=self.created, complete=complete)
         self.reports_written = [str(p) for p in write_reports(matrix, self.settings.report_dir, texts=self.cell_texts)]
         self.matrix = matrix
 

@@ -226,6 +226,7 @@ def run_cell(spec: CellSpec, rank: int, device: Any) -> RankResult:
         comm_checks=recorder.comm_checks if recorder else 0,
         max_abs_diff=recorder.max_abs_diff if recorder else 0.0,
         timeline=recorder.timeline if recorder else None,
+        unchecked=dict(recorder.unchecked) if recorder else {},
         duration_s=time.perf_counter() - started,
     )
 
@@ -263,6 +264,9 @@ def _warm_up(device: Any) -> None:
     dist.all_reduce(probe)
     if int(probe.item()) != dist.get_world_size():
         raise RuntimeError(f"all_reduce of ones gave {probe.item()}, expected the world size {dist.get_world_size()}")
+    from harness import accounting
+
+    accounting.probe(str(dist.get_backend()))  # does the flight recorder hold that all-reduce?
     _freeze_imports()
 
 

@@ -66,6 +66,15 @@ SYNC_KINDS = frozenset({FailureKind.NOT_SYNCED, FailureKind.SYNCED_EARLY, Failur
                         FailureKind.COMM_MISSING})
 
 
+# The checks that can be unavailable on some installations (CONTRACT.md, "Checks that cannot run"),
+# by the name the reports give them, with the failure kinds only they can give: a cell where one
+# did not run says so, and a canary that must show one of those kinds there is ``skip``.
+UNCHECKED_KINDS: dict[str, frozenset[str]] = {
+    "collective_accounting": frozenset({FailureKind.COMM_UNEXPECTED, FailureKind.COMM_MISSING}),
+}
+CHECK_TITLES = {"collective_accounting": "collective accounting (comm_unexpected, comm_missing)"}
+
+
 class RankOutcome(_Name):
     """How a rank's part of a cell ended."""
 

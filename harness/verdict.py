@@ -6,25 +6,33 @@ from typing import Sequence
 
 from harness.decorator import Diagnosis
 from harness.matrix import Cell
-from harness.records import CellOutcome, Failure, RankOutcome, Status
+from harness.records import UNCHECKED_KINDS, CellOutcome, Failure, RankOutcome, Status
 from harness.render import failures as text
 from harness.timeline import Timeline
 
 
 def _judge_canary(cell: Cell, detects: Sequence[Diagnosis], omitted: int) -> Cell:
-    """A canary is detected when every declared diagnosis that this world size can show was found."""
+    """A canary is detected when every declared diagnosis that this world size can show was found.
+    One that must show a kind only a check that could not run here gives is ``skip``, saying why."""
     required = [d for d in detects if d.observable(cell.world_size)]
     if not required:
         cell.status = Status.SKIP
         cell.summary = text.canary_unobservable_summary(detects, cell.world_size)
         return cell
+    blind = {check: reason for check, reason in cell.unchecked.items()
+             if any(d.kind in UNCHECKED_KINDS.get(check, ()) for d in required)}
+    if blind:
+        cell.status = Status.SKIP
+        cell.summary = text.canary_unchecked_summary(required, blind)
+        return cell
     found = [d for d in required if any(d.matches(f.kind, f.model) for f in cell.failures)]
     if len(found) == len(required):
         cell.status = Status.DETECTED
-        cell.summary = text.canary_detected_summary(required, cell.failures, omitted)
+        cell.summary = text.canary_detected_summary(required, cell.failures, omitted) + text.unchecked_suffix(cell.unchecked)
         return cell
     cell.status = Status.MISSED
-    cell.summary = text.canary_missed_summary([d for d in required if d not in found], cell.failures, omitted)
+    cell.summary = (text.canary_missed_summary([d for d in required if d not in found], cell.failures, omitted)
+                    + text.unchecked_suffix(cell.unchecked))
     return cell
 
 
@@ -82,6 +90,7 @@ def judge(
     cell.comm_checks = sum(r.comm_checks for r in results)
     cell.max_abs_diff = max((r.max_abs_diff for r in results), default=0.0)
     cell.failures = failures
+    cell.unchecked = dict(sorted({k: v for r in results for k, v in r.unchecked.items()}.items()))
     if failures or omitted:  # where the ranks parted from the oracle, drawn by the HTML report
         cell.timeline = Timeline.join(r.timeline for r in results if r.timeline is not None)
     if cell.grad_checks == 0:
@@ -95,7 +104,7 @@ def judge(
         return _judge_canary(cell, detects, omitted)
     if failures:
         cell.status = Status.FAIL
-        cell.summary = text.failures_summary(failures, omitted)
+        cell.summary = text.failures_summary(failures, omitted) + text.unchecked_suffix(cell.unchecked)
         return cell
     cell.status = Status.PASS
     cell.summary = text.evidence_summary(cell)

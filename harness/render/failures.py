@@ -8,9 +8,9 @@ reruns it. The rank side imports this module (a failure's message is written whe
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
-from harness.records import CAUSES, Failure, FaultKind, RankFault, RankOutcome, Status
+from harness.records import CAUSES, CHECK_TITLES, Failure, FaultKind, RankFault, RankOutcome, Status
 
 if TYPE_CHECKING:
     from harness.closeness import Difference
@@ -184,7 +184,18 @@ def evidence_summary(cell: Cell) -> str:
         text += f", {cell.vacuous_checks} vacuous for sync"
     if cell.comm_checks:
         text += f"; collectives of {cell.comm_checks} backwards checked"
-    return f"{text}; max |diff| {cell.max_abs_diff:.3g}"
+    return f"{text}; max |diff| {cell.max_abs_diff:.3g}" + unchecked_suffix(cell.unchecked)
+
+
+def unchecked_suffix(unchecked: Mapping[str, str]) -> str:
+    """What a cell did not check and why (CONTRACT.md, "Checks that cannot run"), or nothing."""
+    return "".join(f"; NOT CHECKED: {CHECK_TITLES.get(check, check)}: {reason}" for check, reason in unchecked.items())
+
+
+def canary_unchecked_summary(required: Sequence[object], unchecked: Mapping[str, str]) -> str:
+    checks = "; ".join(f"{CHECK_TITLES.get(check, check)}: {reason}" for check, reason in unchecked.items())
+    return (f"this canary must show {', '.join(map(str, required))}, and a check it needs cannot run "
+            f"here: {checks}")
 
 
 def all_vacuous_summary(cell: Cell) -> str:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from harness.matrix import Cell, Matrix
-from harness.records import Status
+from harness.matrix import Cell, Matrix, unavailable_checks
+from harness.records import CHECK_TITLES, Status
 from harness.render.matrix_page import CellFragments, render_matrix_page
 from harness.render.style import ABSENT, STATUS_SYMBOLS, md_status, verdict
 from harness.render.text import md_code, md_text
@@ -32,6 +32,8 @@ def render_markdown(matrix: Matrix, fragments: CellFragments | None = None) -> s
              f"{symbol} **{md_text(words)}** · {md_text(_counts_line(matrix))}"]
     if not matrix.complete:
         lines += ["", "**Incomplete run**: only the cells that finished are shown."]
+    for check, reason in unavailable_checks(matrix.environment).items():
+        lines += ["", f"**Not checked in this run: {md_text(CHECK_TITLES.get(check, check))}**: {md_text(reason)}"]
     lines += [""]
     if not matrix.cells:
         lines += ["No cells ran."]

@@ -7,7 +7,7 @@ from collections import Counter
 from operator import is_
 from typing import Any, Callable, TypeVar
 
-from harness.matrix import Cell, Matrix
+from harness.matrix import Cell, Matrix, unavailable_checks
 from harness.records import BAD_STATUSES, STATUSES, Failure
 from harness.render.page import (
     KIND_COLOURS,
@@ -109,7 +109,7 @@ def render_matrix_page(matrix: Matrix, *, world_sizes: list[int], environment_li
     made = [fragments.get(c, "html", lambda cell: _cell_pieces(cell, case_index, checks, kinds),
                           (case_index[c.case], indexed if c.timeline is not None else None)) for c in cells]
     out = page_head("Gradient-sync matrix", MATRIX_CSS) + ["<body>", "<h1>Gradient-sync matrix</h1>"]
-    out += verdict_banner(counts, complete=matrix.complete)
+    out += verdict_banner(counts, complete=matrix.complete, unchecked=unavailable_checks(matrix.environment))
     out.append(f'<p class="env">{html_text(environment_line)}</p>')
     out += _filters(cases, world_sizes, counts)
     out += _failures(cells, fragments)

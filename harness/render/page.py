@@ -12,7 +12,7 @@ from importlib import resources
 from typing import Any, Mapping, Sequence
 from urllib.parse import quote
 
-from harness.records import STATUSES, FailureKind
+from harness.records import CHECK_TITLES, STATUSES, FailureKind
 from harness.render.style import PAGE_STYLE, status_style, verdict
 from harness.render.text import html_text
 
@@ -118,9 +118,11 @@ def kind_chip(kind: str, count: int = 0) -> str:
     return f'<span class="kind {css}">{html_text(text)}</span>'
 
 
-def verdict_banner(counts: Mapping[str, int], *, complete: bool, noun: str = "cells") -> list[str]:
+def verdict_banner(counts: Mapping[str, int], *, complete: bool, noun: str = "cells",
+                   unchecked: Mapping[str, str] | None = None) -> list[str]:
     """The banner a page opens with: red when any cell is fail, error or missed, else green; the
-    counts per status; and, loudly, a run that did not finish."""
+    counts per status; and, loudly, a run that did not finish and each check that could not run
+    (``unchecked``: the matrix's ``unavailable_checks``)."""
     good, words = verdict(counts, noun)
     css = "good" if good else "bad"
     shown = [s for s in STATUSES if counts.get(s)]
@@ -135,6 +137,9 @@ def verdict_banner(counts: Mapping[str, int], *, complete: bool, noun: str = "ce
         lines.append('<div id="incomplete" class="incomplete" role="alert">INCOMPLETE RUN: the run did not '
                      "finish (interrupted, or cells were lost). Only the cells that finished are shown; "
                      "a cell that is not here was never judged.</div>")
+    for check, reason in (unchecked or {}).items():
+        lines.append(f'<div class="unchecked incomplete" role="alert" data-check="{html_text(check)}">NOT CHECKED '
+                     f"in this run: {html_text(CHECK_TITLES.get(check, check))}: {html_text(reason)}</div>")
     return lines
 
 
