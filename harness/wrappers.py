@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-from harness.decorator import SkipCell, Variant
+from harness.decorator import SkipCell, Unsupported, Variant
 
 DDP = "ddp"
 # The public names, in report order (CONTRACT.md).
@@ -129,12 +129,24 @@ def accelerator_kwargs(wrapper: str, kwargs: Mapping[str, Any], *, device_type: 
         # not needed; releases before 1.x default it to True and then insist on a GPU for it ("There
         # are currently no available devices found", 0.31; FSDP1's "CPU parameters or buffers when
         # sync_module_states=True", 0.22). From 1.x it is False by default: the same FSDP1 as before.
+        # Older releases (0.22.0 and 0.31.0 here) overwrite these fields from the environment whatever
+        # the plugin is given (FSDP_USE_ORIG_PARAMS, FSDP_SYNC_MODULE_STATES, as `accelerate launch` sets them):
+        # the same values are set there too, for this cell only (harness/rank.py puts the
+        # environment back after each cell).
         options: dict[str, Any] = {"use_orig_params": True}
         if "fsdp_version" in probe.parameters(plugin):
             options["fsdp_version"] = 1
         if "sync_module_states" in probe.parameters(plugin):
             options["sync_module_states"] = False
-        return {"fsdp_plugin": plugin(**options)}
+        import os
+
+        os.environ["FSDP_USE_ORIG_PARAMS"] = "true"
+        os.environ["FSDP_SYNC_MODULE_STATES"] = "false"
+        made = plugin(**options)
+        if getattr(made, "use_orig_params", None) is not True:
+            raise Unsupported("FullyShardedDataParallelPlugin(use_orig_params=True)",
+                              f"the plugin made has use_orig_params={getattr(made, 'use_orig_params', None)!r}")
+        return {"fsdp_plugin": made}
     return _deepspeed_kwargs(wrapper, device_type=device_type, num_steps=num_steps)
 
 
