@@ -229,6 +229,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     harness_items = [i for i in items if _cell_world_size(i)]
     if not harness_items:
         return
+    _stop_below_range(config)
     order = {id(item): n for n, item in enumerate(items)}
     items.sort(key=lambda i: (0 if _cell_world_size(i) else 1, -_cell_world_size(i), order[id(i)]))
     for item in harness_items:
@@ -273,8 +274,22 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return WorldSizeScheduling(config, log)
 
 
+def _stop_below_range(config: pytest.Config) -> None:
+    """A run with cells on a torch or accelerate below the supported range stops here, with one line
+    naming the range (harness/versions.py). A run without cells is left alone."""
+    if _is_worker(config):
+        return  # the controller says it, once, when the workers' collections come in
+    from harness.versions import below_range
+
+    problem = below_range()
+    if problem is not None:
+        raise pytest.UsageError(problem)
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
+    if any(_CELL_ID.search(i) for i in ids):
+        _stop_below_range(node.config)
     state = node.config.stash.get(STATE, None)
     if state is not None and not state.expected_ids:
         state.expected_ids = {i for i in ids if _CELL_ID.search(i)}

@@ -1,0 +1,68 @@
+"""The supported range (CONTRACT.md, "Supported versions"): pyproject.toml and harness/versions.py
+declare the same lowest releases, and below them a run with cells stops at start with one line.
+
+No torch below the range can be installed here (the registry serves 2.4 and later), so the runs
+below raise the range above what is installed instead, in the controller's process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from harness import versions
+from tests.conftest import ROOT, session_env
+
+RAISED = "import sys, pytest, harness.versions as v; v.MINIMUM['torch'] = '99.1'; sys.exit(pytest.main(sys.argv[1:]))"
+
+
+def test_pyproject_declares_the_range_the_harness_enforces():
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    declared = {d.split(">=")[0]: d.split(">=")[1] for d in dependencies if d.split(">=")[0] in versions.MINIMUM}
+    assert declared == versions.MINIMUM
+
+
+def test_inside_the_range_nothing_is_said():
+    assert versions.below_range() is None
+
+
+@pytest.mark.parametrize("text, release", [("2.6.0+cu124", (2, 6, 0)), ("2.14.0a0+git12", (2, 14, 0)),
+                                           ("0.19.0", (0, 19, 0)), ("1.15", (1, 15))])
+def test_a_release_is_compared_by_its_numbers(text, release):
+    assert versions._release(text) == release
+
+
+def test_below_the_range_one_line_names_the_range_and_what_is_installed():
+    line = versions.below_range({"torch": "99.1", "accelerate": "0.19", "no-such-package-here": "1"})
+    assert "\n" not in line
+    assert line.startswith("gradsync-harness supports torch >= 99.1 and accelerate >= 0.19 and no-such-package-here >= 1;")
+    assert f"torch {versions.installed('torch')} is installed" in line and "no-such-package-here is not installed" in line
+    assert "accelerate " + versions.installed("accelerate") not in line
+
+
+def run(tmp_path, *args):
+    process = subprocess.run([sys.executable, "-c", RAISED, "-p", "no:cacheprovider", "--report-dir",
+                              str(tmp_path / "reports"), *args], cwd=ROOT, env=session_env("versions"),
+                             capture_output=True, text=True, timeout=600)
+    return process.returncode, process.stdout + process.stderr
+
+
+@pytest.mark.parametrize("jobs", [[], ["-n", "2"]], ids=["serial", "xdist"])
+def test_a_run_with_cells_below_the_range_stops_at_start_with_one_line(tmp_path, jobs):
+    returncode, output = run(tmp_path, "cases/test_fused_loss.py", "-k", "fp32-ws", "--world-sizes", "2", *jobs)
+    assert returncode == pytest.ExitCode.USAGE_ERROR, output[-2000:]
+    errors = [line for line in output.splitlines() if line.startswith("ERROR:")]
+    assert errors == [f"ERROR: gradsync-harness supports torch >= 99.1 and accelerate >= 0.19; torch "
+                      f"{versions.installed('torch')} is installed: install a release in the range to run the "
+                      "gradient-sync matrix"]
+    assert "Traceback" not in output
+    assert not (tmp_path / "reports").exists()
+
+
+def test_a_run_without_cells_is_left_alone(tmp_path):
+    (tmp_path / "test_mine.py").write_text("def test_mine():\n    assert True\n")
+    returncode, output = run(tmp_path, str(tmp_path / "test_mine.py"))
+    assert returncode == 0, output[-2000:]
+    assert "1 passed" in output
