@@ -27,6 +27,13 @@ import torch
 # - A sync under a wrapper that reduces terms apart and adds them (FSDP after an earlier sync,
 #   ZeRO-2/3 every micro-batch; harness/wrappers.py ADDS_AFTER_REDUCING): the reduction's bound from
 #   the sizes of the terms (|adopted gradient| + each |backward's contribution|), not of their sum.
+# - A clip's coefficient max_norm / (norm + 1e-6): the rank's total norm sums the squares of the
+#   gradients in an order of its own (FSDP's and ZeRO's over each rank's shard, then across the
+#   ranks; DDP's foreach kernel), the oracle's in another. n squares and n-1 additions of
+#   non-negative terms in any order round the sum by at most n·u relative (first order); the square
+#   root halves that and rounds once, the +1e-6 and the division round once each: each side's
+#   coefficient is within n·u/2 + 3u of the exact one, the two within (n + 6)·u relative
+#   (norm_rounding), which scales every clipped gradient.
 # Under bf16 autocast the forward rounds to bf16, but it does so identically on both sides (same
 # inputs, same anchored parameters): only the fp32 arithmetic above differs.
 REDUCTION_FACTOR = 2.0
@@ -51,6 +58,12 @@ def rounding_allowance(value: torch.Tensor, *others: torch.Tensor, dtype: torch.
     for other in others:
         largest = torch.maximum(largest, other.detach().double().abs())
     return ROUNDING_ULPS * eps(dtype) * largest + floor(dtype)
+
+
+def norm_rounding(count: int, dtype: torch.dtype) -> float:
+    """How far two computations of a clip coefficient from the same ``count`` gradient elements of
+    ``dtype`` may differ, relative, when they sum the squares in different orders: (n + 6)·u."""
+    return (count + 6) * eps(dtype) / 2
 
 
 def reduction_allowance(magnitude: torch.Tensor, *, dtype: torch.dtype) -> torch.Tensor:

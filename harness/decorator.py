@@ -44,13 +44,32 @@ class Diagnosis:
     model: str | None = None
     when: Mapping[str, Any] | tuple[tuple[str, Any], ...] = ()
     ranks: int = 1
+    # a defect of some releases only: the first release of each package that no longer has it
+    # (``{"torch": "2.11"}``); on a later installed release the cell is judged as any other
+    fixed_in: Mapping[str, str] | tuple[tuple[str, str], ...] = ()
+    upstream: str = ""  # where the defect is reported (``pytorch/pytorch#149768``), named in the summary
 
     def __post_init__(self) -> None:
         items = self.when.items() if isinstance(self.when, Mapping) else self.when
         object.__setattr__(self, "when", tuple(sorted((str(k), v) for k, v in items)))
+        fixed = self.fixed_in.items() if isinstance(self.fixed_in, Mapping) else self.fixed_in
+        object.__setattr__(self, "fixed_in", tuple(sorted((str(k), str(v)) for k, v in fixed)))
 
     def applies_to(self, params: Mapping[str, Any]) -> bool:
-        return all(params.get(key) == value for key, value in self.when)  # type: ignore[misc]
+        """Whether a cell of these variant parameters must show it (with the installed releases)."""
+        return all(params.get(key) == value for key, value in self.when) and self.present()  # type: ignore[misc]
+
+    def present(self) -> bool:
+        """Whether the installed releases still have it: below every ``fixed_in`` release."""
+        from harness.versions import below
+
+        return all(below(package, release) for package, release in self.fixed_in)  # type: ignore[misc]
+
+    def described(self) -> str:
+        """The diagnosis with where it is reported and the release that fixed it, for a summary."""
+        where = [self.upstream] if self.upstream else []
+        where += [f"fixed in {package} {release}" for package, release in self.fixed_in]  # type: ignore[misc]
+        return str(self) + (f" ({', '.join(where)})" if where else "")
 
     def matches(self, kind: str, model: str) -> bool:
         return kind == self.kind and (self.model is None or model == self.model)

@@ -11,7 +11,7 @@ from torch import nn
 
 from harness.accounting import Accounting
 from harness.checks import Checks, Recorder, as_optimizers
-from harness.closeness import Expectation, rounding_allowance
+from harness.closeness import Expectation, norm_rounding, rounding_allowance
 from harness.collectives import Collectives, Reduction, flat
 from harness.decorator import ALL_PRECISIONS
 from harness.replica import forward_as, unwrap
@@ -261,9 +261,14 @@ class Oracle:
             norm = float(torch.nn.utils.clip_grad_norm_(replica.parameters(), max_norm, norm_type=norm_type))
             norms[name] = norm
             coefficient = min(1.0, max_norm / (norm + 1e-6))
-            # the norm is off by at most the norm of the allowances, and the coefficient with it
+            # the norm is off by at most the norm of the allowances, and the coefficient with it; the
+            # rank's norm sums the squares in another order (its shards, then across the ranks), which
+            # rounds the coefficient apart by up to norm_rounding (harness/closeness.py), where it clips
             carried = float(torch.linalg.vector_norm(flat(self.allowed[name].values()), norm_type))
             relative = carried / norm if norm > 0 else 0.0
+            if coefficient < 1.0:
+                relative += norm_rounding(sum(g.numel() for g in before.values()),
+                                          next(iter(ps.values())).grad.dtype)
             for pname, magnitude in before.items():
                 grad = ps[pname].grad
                 self.allowed[name][pname] = (
@@ -381,6 +386,11 @@ class Oracle:
         """The rank's gradients (whole), by name, with nothing left to allow for."""
         for pname, replica_param in self.params[name].items():
             grad = grads.get(pname)
+            if grad is not None and grad.shape != replica_param.shape:
+                # only this rank's shard is shown (FSDP1 after a sync the schedule did not expect,
+                # reported as synced_early): the whole gradient cannot be read without a collective
+                # the other ranks may not make, so the replica keeps its own
+                continue
             replica_param.grad = None if grad is None else grad.detach().clone()
             if self.terms is not None:
                 # the adopted gradient enters the wrapper's sum once, where the reduction adds every

@@ -29,6 +29,12 @@ def installed(package: str) -> str | None:
         return None
 
 
+def below(package: str, release: str) -> bool:
+    """Whether the installed ``package`` is a release before ``release`` (False when not installed)."""
+    version = installed(package)
+    return version is not None and _release(version) < _release(release)
+
+
 def below_range(minimum: dict[str, str] | None = None) -> str | None:
     """One line naming the range and what is installed below it (or missing), or None inside it."""
     minimum = MINIMUM if minimum is None else minimum

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from harness.closeness import Expectation, difference, distinguishable, reduction_allowance, rounding_allowance
+from harness.closeness import Expectation, difference, distinguishable, reduction_allowance, rounding_allowance, norm_rounding
 
 EPS32 = torch.finfo(torch.float32).eps
 
@@ -93,3 +93,36 @@ def test_distinguishable_needs_a_margin_far_beyond_both_allowances():
     a = torch.tensor([1.0, 1.0])
     assert not distinguishable(Expectation.rounded(a), Expectation.rounded(a * (1 + 8 * EPS32)))
     assert distinguishable(Expectation.rounded(a), Expectation.rounded(a * (1 + 1e-4)))
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3, 4])
+def test_the_clip_coefficient_bound_holds_for_norms_summed_in_any_order_and_shard_split(shards):
+    """A clip's coefficient max_norm / (norm + 1e-6) computed from the squares summed in two orders
+    (the oracle's whole gradient, a rank's shards then across the ranks) stays within
+    norm_rounding of each other: derived from the arithmetic, and met by real orders."""
+    rng = random.Random(shards)
+    worst = 0.0
+    for _ in range(300):
+        count = rng.randint(8, 64)
+        grads = torch.tensor([rng.choice([-1, 1]) * rng.uniform(0.5, 2.0) * 10.0 ** rng.randint(-6, -3)
+                              for _ in range(count)], dtype=torch.float32)
+        norm = float(torch.linalg.vector_norm(grads.double()))
+        max_norm = norm / 3
+
+        def coefficient(order, pieces):
+            squares = [grads[i] * grads[i] for i in order]
+            cut = [len(order) * k // pieces for k in range(pieces + 1)]
+            partials = [torch.stack(squares[a:b]).sum() if b > a else torch.zeros(()) for a, b in zip(cut, cut[1:])]
+            total = torch.zeros(())
+            for p in rng.sample(partials, len(partials)):
+                total = total + p
+            return float(torch.tensor(max_norm, dtype=torch.float32) / (total.sqrt() + 1e-6))
+
+        whole = coefficient(list(range(count)), 1)
+        sharded = coefficient(rng.sample(range(count), count), shards)
+        allowed = norm_rounding(count, torch.float32)
+        gap = abs(whole - sharded) / whole
+        assert gap <= allowed
+        worst = max(worst, gap / allowed)
+    assert worst > 0.0  # the orders did differ: the bound was tested
+    print(f"{shards} shards: worst difference {worst:.3f} of the allowance")

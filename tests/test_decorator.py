@@ -40,3 +40,26 @@ def test_a_case_name_is_one_function():
             pass
 
     assert case_info(first).name == "decorator_test_twice"
+
+
+def test_a_defect_of_some_releases_is_expected_only_while_the_installed_release_has_it():
+    from harness import versions
+
+    torch_version = versions.installed("torch")
+    still = Diagnosis("wrong_scale", model="model", fixed_in={"torch": "999.0"}, upstream="pytorch/pytorch#149768")
+    gone = Diagnosis("wrong_scale", model="model", fixed_in={"torch": "2.0"})
+    assert still.applies_to({}) and still.present() and not gone.applies_to({}) and not gone.present()
+    assert still.described() == "wrong_scale in model (pytorch/pytorch#149768, fixed in torch 999.0)"
+    assert still == Diagnosis("wrong_scale", model="model", fixed_in=(("torch", "999.0"),),
+                              upstream="pytorch/pytorch#149768")
+    # the catalogue's own: torch before 2.11 adds clip_grad_norm_'s epsilon on every rank under FSDP2
+    from pathlib import Path
+
+    from harness.catalogue import find_case
+
+    root = Path(__file__).resolve().parent.parent
+    info = find_case(root / "cases" / "test_accumulate_optim.py", "test_accumulate_clip_grad")
+    fsdp2 = Variant("steps=2-fp32-wrapper=fsdp2", {"steps": 2, "precision": "fp32", "wrapper": "fsdp2"})
+    declared = info.detects_for(fsdp2)
+    assert bool(declared) == (versions._release(torch_version) < (2, 11))
+    assert [d.upstream for d in info.defects["fsdp2"]] == ["pytorch/pytorch#149768"]

@@ -22,7 +22,7 @@ RANK_SIDE = {
     "harness.render.failures", "harness.render.text", "harness.faults", "harness.faults_fsdp",
     "harness.wrappers", "harness.sharding", "harness.accounting", "harness.faults_deepspeed", "harness.deepspeed_cpu",
     "harness.tokens", "harness.faults_tokens", "harness.weighting", "harness.timeline", "harness.collectives",
-    "harness.capabilities",
+    "harness.capabilities", "harness.versions",
 }
 
 

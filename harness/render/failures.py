@@ -241,12 +241,17 @@ def canary_unobservable_summary(detects: Sequence[object], world_size: int) -> s
 
 
 def canary_detected_summary(required: Sequence[object], failures: Sequence[Failure], omitted: int) -> str:
-    return f"diagnosed as declared ({', '.join(map(str, required))}): " + failures_summary(failures, omitted)
+    return f"diagnosed as declared ({', '.join(map(_described, required))}): " + failures_summary(failures, omitted)
+
+
+def _described(diagnosis: object) -> str:
+    described = getattr(diagnosis, "described", None)
+    return described() if callable(described) else str(diagnosis)
 
 
 def canary_missed_summary(missing: Sequence[object], failures: Sequence[Failure], omitted: int) -> str:
     seen = failures_summary(failures, omitted) if failures else "no failure at all"
-    return (f"the known-wrong pattern was not diagnosed as declared: no {', '.join(map(str, missing))}; "
+    return (f"the known-wrong pattern was not diagnosed as declared: no {', '.join(map(_described, missing))}; "
             f"found {seen}")
 
 
