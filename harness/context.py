@@ -126,6 +126,12 @@ class RankContext:
         except ValueError as exc:
             if kwargs["mixed_precision"] == "fp16" and "fp16" in str(exc):
                 self.skip(f"accelerate refuses fp16 on {self.device.type}: {exc}")
+            if self.wrapper in wrappers.DEEPSPEED:
+                self._no_deepspeed_here(exc)
+            raise
+        except (AttributeError, KeyError, AssertionError, RuntimeError) as exc:
+            if self.wrapper in wrappers.DEEPSPEED:
+                self._no_deepspeed_here(exc)
             raise
         if kwargs["mixed_precision"] == "fp16" and getattr(accelerator, "scaler", None) is None:
             self.skip(f"accelerate makes no fp16 gradient scaler on {self.device.type} "
@@ -133,6 +139,16 @@ class RankContext:
         wrappers.after_construction(self.wrapper, accelerator, kwargs)
         self.accounting.watch(accelerator)
         return accelerator
+
+    def _no_deepspeed_here(self, exc: Exception) -> None:
+        """An Accelerator that cannot even be built for DeepSpeed on this device (before any training:
+        old releases' DeepSpeed path calls ``torch.cuda.set_device`` on a CPU host, or reads config
+        keys their own plugin left out) is a wrapper this release cannot run here: ``skip``, naming it."""
+        import accelerate
+
+        words = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
+        self.skip(f"wrapper={self.wrapper} cannot run here: accelerate {accelerate.__version__} cannot build "
+                  f"an Accelerator for DeepSpeed on {self.device.type} ({type(exc).__name__}: {words})")
 
     def gradient_accumulation(self, num_steps: int, **options: Any) -> dict[str, Any]:
         """``Accelerator`` keyword arguments for ``GradientAccumulationPlugin(num_steps=..., **options)``
