@@ -128,17 +128,21 @@ def diff_matrices(base: Matrix, candidate: Matrix) -> MatrixDiff:
     return diff
 
 
-def label_matrix(matrix: Matrix, source: str | Path) -> str:
-    """What a person calls this run: its accelerate version when recorded, else its file name."""
+def label_matrix(matrix: Matrix, source: str | Path, *, with_torch: bool = False) -> str:
+    """What a person calls this run: its accelerate version when recorded (and its torch's, with
+    ``with_torch``), else its file name."""
     version = matrix.environment.get("accelerate")
+    torch = matrix.environment.get("torch") if with_torch else None
     if version:
-        return f"accelerate {version}"
+        return (f"torch {torch}, " if torch else "") + f"accelerate {version}"
     return Path(source).name or str(source)
 
 
 def label_matrices(matrices: Sequence[tuple[str | Path, Matrix]]) -> list[str]:
-    """One distinct label per input: equal labels get the file name, then the whole path, appended."""
-    labels = [label_matrix(matrix, source) for source, matrix in matrices]
+    """One distinct label per input: the torch release is named too where the inputs ran different
+    ones (a sweep across torch releases); equal labels get the file name, then the whole path."""
+    torches = {str(matrix.environment.get("torch")) for _, matrix in matrices}
+    labels = [label_matrix(matrix, source, with_torch=len(torches) > 1) for source, matrix in matrices]
     names = [Path(source).name or str(source) for source, _ in matrices]
     paths = [str(source) for source, _ in matrices]
     for suffixes in (names, paths):

@@ -430,3 +430,13 @@ def test_python_dash_m_harness_missing_file(tmp_path):
     assert "missing.json" in result.stderr
     assert "Traceback" not in result.stderr
     assert result.stdout == ""
+
+
+def test_labels_name_the_torch_release_where_the_inputs_ran_different_ones():
+    old, new = make_matrix([], accelerate="1.15.0"), make_matrix([], accelerate="1.15.0")
+    old.environment["torch"], new.environment["torch"] = "2.9.1", "2.13.0+cpu"
+    assert label_matrices([("a/matrix.json", old), ("b/matrix.json", new)]) == [
+        "torch 2.9.1, accelerate 1.15.0", "torch 2.13.0+cpu, accelerate 1.15.0"]
+    new.environment["torch"] = "2.9.1"
+    assert label_matrices([("a/x.json", old), ("b/y.json", new)]) == [
+        "accelerate 1.15.0 (x.json)", "accelerate 1.15.0 (y.json)"]
