@@ -4,7 +4,7 @@ gradient clipping at sync points, and an optimizer with state."""
 import torch
 from torch.utils.data import DataLoader
 
-from harness import PRECISIONS, Diagnosis, Unsupported, case, grid
+from harness import PRECISIONS, Diagnosis, case, grid
 from harness.models import regression_loss
 
 EPOCHS = 2
@@ -44,16 +44,7 @@ def setup(ctx, *, steps, optimizer_factory, split_batches=False, scheduler=None,
     objects = [model, optimizer, DataLoader(dataset, batch_size=batch_size)]
     if scheduler is not None:
         objects.append(scheduler(optimizer))
-    try:
-        prepared = accelerator.prepare(*objects)
-    except TypeError as exc:
-        # old accelerate releases (0.22.0 here) remake the optimizer on the FSDP1 parameters as
-        # ``type(optimizer)(params, **optimizer.defaults)``; torch 2.13's AdamW (a subclass of Adam)
-        # keeps a ``decoupled_weight_decay`` default that its own constructor does not take
-        if ctx.wrapper == "fsdp1" and "unexpected keyword argument" in str(exc):
-            raise Unsupported(f"re-creating {type(optimizer).__name__} from its defaults under FSDP1 "
-                              "with this torch", str(exc)) from None
-        raise
+    prepared = accelerator.prepare(*objects)
     schedule = ctx.schedule(per_rank, epochs=EPOCHS, num_steps=steps)
     return accelerator, prepared, oracle, schedule
 

@@ -162,10 +162,39 @@ def after_construction(wrapper: str, accelerator: Any, kwargs: Mapping[str, Any]
     """What the Accelerator needs once built for ``wrapper`` to be what ``prepare`` applies."""
     if wrapper in FSDP:
         fsdp_on_cpu(accelerator, kwargs["fsdp_plugin"])
+        if wrapper == "fsdp1":
+            _prepare_names_what_torch_no_longer_takes(accelerator)
     elif wrapper in DEEPSPEED:
         from harness import deepspeed_cpu
 
         deepspeed_cpu.after_construction(accelerator, stage=DEEPSPEED[wrapper])
+
+
+def _prepare_names_what_torch_no_longer_takes(accelerator: Any) -> None:
+    """Old accelerate releases call torch's FSDP1 with arguments a later torch no longer takes
+    (0.21.0: ``FullyShardedDataParallel(ignored_parameters=...)``; 0.22.0 remakes the optimizer as
+    ``type(optimizer)(params, **optimizer.defaults)``, and torch 2.13's AdamW keeps a default its own
+    constructor does not take). Asked by trying: such a TypeError from ``prepare`` makes the cell
+    ``skip``, naming the release and the call, instead of a harness error. (An instance attribute:
+    the class and every other Accelerator are untouched.)"""
+    import functools
+
+    original = accelerator.prepare
+
+    @functools.wraps(original)
+    def prepare(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(*args, **kwargs)
+        except TypeError as exc:
+            if "unexpected keyword argument" not in str(exc):
+                raise
+            import accelerate
+            import torch
+
+            raise SkipCell(f"wrapper=fsdp1 cannot run here: accelerate {accelerate.__version__}'s FSDP1 prepare "
+                           f"calls torch {torch.__version__} with an argument it does not take ({exc})") from None
+
+    accelerator.prepare = prepare
 
 
 def fsdp_on_cpu(accelerator: Any, plugin: Any) -> None:
