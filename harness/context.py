@@ -129,7 +129,7 @@ class RankContext:
             if self.wrapper in wrappers.DEEPSPEED:
                 self._no_deepspeed_here(exc)
             raise
-        except (AttributeError, KeyError, AssertionError, RuntimeError) as exc:
+        except (AttributeError, KeyError, AssertionError, RuntimeError, ImportError) as exc:
             if self.wrapper in wrappers.DEEPSPEED:
                 self._no_deepspeed_here(exc)
             raise
@@ -143,7 +143,9 @@ class RankContext:
     def _no_deepspeed_here(self, exc: Exception) -> None:
         """An Accelerator that cannot even be built for DeepSpeed on this device (before any training:
         old releases' DeepSpeed path calls ``torch.cuda.set_device`` on a CPU host, or reads config
-        keys their own plugin left out) is a wrapper this release cannot run here: ``skip``, naming it."""
+        keys their own plugin left out; before 1.1 ZeRO-3's ``HfDeepSpeedConfig`` comes from a
+        transformers that requires accelerate >= 1.1) is a wrapper this release cannot run here:
+        ``skip``, naming it."""
         import accelerate
 
         words = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
