@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from harness import PRECISIONS, Diagnosis, case, grid
+from harness.capabilities import transformers_torch_missing
 from harness.probe import takes_parameter
 from harness.tokens import causal_loss_sum, pad_tokens, token_loss_mean, token_loss_sum, valid_tokens
 
@@ -138,6 +139,9 @@ def test_accumulate_token_loss_transformers(ctx):
         import transformers
     except ImportError:
         ctx.skip("transformers is not installed (pip install 'gradsync-harness[transformers]')")
+    missing = transformers_torch_missing()
+    if missing:
+        ctx.skip(missing)
     accelerator = token_accelerator(ctx)
     model = ctx.model(tiny_llama)
     if not takes_parameter(model.forward, "num_items_in_batch"):

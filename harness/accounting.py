@@ -35,8 +35,8 @@ ENV_BEFORE = "TORCH_NCCL_TRACE_BUFFER_SIZE"
 # The readers torch has had: backend-neutral, then the NCCL-only one of earlier releases.
 READERS = ("_dump_fr_trace", "_dump_nccl_trace")
 # The check this module performs, by the name the reports give it (CONTRACT.md, "Checks that cannot
-# run"), and the failure kinds only it can give.
-CHECK = "collective_accounting"  # harness/records.py, UNCHECKED_KINDS
+# run"); harness/records.py, UNCHECKED_KINDS, holds the failure kinds only it can give.
+CHECK = "collective_accounting"
 
 
 def enable() -> None:

@@ -37,3 +37,22 @@ def fsdp2_missing(device_type: str) -> str | None:
         return (f"torch {torch.__version__}'s FSDP2 waits on events its {device_type} streams record, and "
                 f"a {device_type} Stream here has no record_event")
     return None
+
+
+def transformers_torch_missing() -> str | None:
+    """Why the installed transformers will not use the installed torch, or None when it does (or is
+    not installed: its absence is said by whoever needs it). A transformers newer than the torch
+    turns its torch side off ("PyTorch was not found"): its models do not load, and its
+    ``HfDeepSpeedConfig``, which accelerate's DeepSpeed path builds, is a bare ``object``."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        return None
+    import torch
+    import transformers
+    from transformers.utils import is_torch_available
+
+    if is_torch_available():
+        return None
+    return (f"transformers {transformers.__version__} does not use torch {torch.__version__} "
+            "(it reports PyTorch as not found: the torch is older than it supports)")

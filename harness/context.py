@@ -129,7 +129,7 @@ class RankContext:
             if self.wrapper in wrappers.DEEPSPEED:
                 self._no_deepspeed_here(exc)
             raise
-        except (AttributeError, KeyError, AssertionError, RuntimeError, ImportError) as exc:
+        except (AttributeError, KeyError, AssertionError, RuntimeError, ImportError, TypeError) as exc:
             if self.wrapper in wrappers.DEEPSPEED:
                 self._no_deepspeed_here(exc)
             raise

@@ -59,6 +59,11 @@ def require(wrapper: str) -> None:
         if importlib.util.find_spec(package) is None:
             raise SkipCell(f"wrapper={wrapper} needs {package}, which is not installed "
                            "(pip install 'gradsync-harness[deepspeed]')")
+    from harness.capabilities import transformers_torch_missing
+
+    missing = transformers_torch_missing()
+    if missing:
+        raise SkipCell(f"wrapper={wrapper} needs transformers' DeepSpeed integration: {missing}")
 
 
 def plugin(stage: int, *, num_steps: int, device_type: str) -> Any:
