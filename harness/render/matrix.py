@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from harness.matrix import Cell, Matrix, unavailable_checks
+from harness.matrix import UNAVAILABLE_CHECKS, Cell, Matrix, unavailable_checks
 from harness.records import CHECK_TITLES, Status
 from harness.render.matrix_page import CellFragments, render_matrix_page
 from harness.render.style import ABSENT, STATUS_SYMBOLS, md_status, verdict
@@ -128,7 +128,8 @@ def _plain(value: object) -> str:
 
 def _environment_items(matrix: Matrix) -> list[tuple[str, str]]:
     env = matrix.environment
-    keys = list(ENVIRONMENT_KEYS) + [k for k in env if k not in ENVIRONMENT_KEYS]
+    # the checks a run could not perform have a banner line each (matrix.md, matrix.html) instead
+    keys = list(ENVIRONMENT_KEYS) + [k for k in env if k not in ENVIRONMENT_KEYS and k != UNAVAILABLE_CHECKS]
     # a merged matrix keeps what its runs differ in per world size (`environments`)
     absent = "(per world size)" if "environments" in env else "?"
     items = []
