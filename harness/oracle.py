@@ -411,7 +411,13 @@ class Oracle:
         """The case's optimizer state (moments, step counts), after a parameter mismatch:
         ``optimizers`` is one optimizer or several, in the order of the oracle's for that model."""
         for mine, theirs in zip(self.optimizers.get(name, ()), as_optimizers(optimizers)):
-            mine.load_state_dict(copy.deepcopy(theirs.state_dict()))
+            state = theirs.state_dict()
+            if not isinstance(state, dict) or set(state) != {"state", "param_groups"}:
+                # not a torch optimizer's state (DeepSpeed's ZeRO optimizer keeps its own flat
+                # partitions): there is nothing to adopt, and later steps are judged against the
+                # oracle's own state
+                continue
+            mine.load_state_dict(copy.deepcopy(_detached(state)))
 
     def end_step(self) -> None:
         """The parameters were checked: the next check judges the next optimizer step."""
@@ -439,3 +445,15 @@ class Oracle:
         """Compare each optimizer's learning rates with the oracle's schedulers' (``optimizers`` by
         model name, one optimizer or a list)."""
         self.checks.lr(step, optimizers)
+
+
+def _detached(value: Any) -> Any:
+    """An optimizer's state dict with every tensor detached (a copy of a non-leaf tensor that a
+    wrapper's optimizer keeps in its state cannot be deep-copied)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_detached(v) for v in value)
+    return value
