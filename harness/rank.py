@@ -177,6 +177,7 @@ def run_cell(spec: CellSpec, rank: int, device: Any) -> RankResult:
     from harness.decorator import SkipCell, Unsupported
     from harness.models import seed_rng
     from harness.probe import reset_accelerate
+    from harness.wrappers import refusal
 
     started = time.perf_counter()
     ctx = None
@@ -200,8 +201,12 @@ def run_cell(spec: CellSpec, rank: int, device: Any) -> RankResult:
         outcome, detail = RankOutcome.UNSUPPORTED, str(exc)
     except SkipCell as exc:
         outcome, detail = RankOutcome.SKIPPED, str(exc)
-    except Exception:
-        outcome, detail = RankOutcome.RAISED, traceback.format_exc()
+    except Exception as exc:
+        refused = refusal(ctx.wrapper, exc) if ctx is not None else None
+        if refused is not None:
+            outcome, detail = RankOutcome.UNSUPPORTED, str(refused)
+        else:
+            outcome, detail = RankOutcome.RAISED, traceback.format_exc()
     finally:
         _restore_environment(environment)
         torch.nn.functional.linear = linear

@@ -8,6 +8,7 @@ between sync points (harness/accounting.py judges that).
 
 from __future__ import annotations
 
+import traceback
 from typing import Any, Iterable, Mapping
 
 from harness.decorator import SkipCell, Unsupported, Variant
@@ -231,6 +232,27 @@ def fsdp_on_cpu(accelerator: Any, plugin: Any) -> None:
         import torch
 
         state.device = partial.device = torch.device("cpu")
+
+
+def refusal(wrapper: str, exc: BaseException) -> Unsupported | None:
+    """A case's exception that is the library refusing what the pattern asks under ``wrapper`` (the
+    pair of releases has no such support), as ``Unsupported`` naming it; None for anything else,
+    which stays a raise of the case (an ``error`` cell).
+
+    accelerate before PR #3656 enters the DeepSpeed engine's ``no_sync`` inside
+    ``accumulate``, and DeepSpeed (0.19.8 here) refuses it: under ZeRO-2/3 ("no_sync context manager
+    is incompatible with gradient partitioning"), under ZeRO-1 at the engine's step inside it ("It is
+    illegal to call Engine.step() inside no_sync context manager"). A user's loop fails as loudly."""
+    if wrapper not in DEEPSPEED or not isinstance(exc, AssertionError) or "no_sync" not in str(exc):
+        return None
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames or "deepspeed" not in frames[-1].filename.replace("\\", "/").split("/"):
+        return None
+    import accelerate
+    import deepspeed
+
+    return Unsupported(f"accumulate under ZeRO-{DEEPSPEED[wrapper]} with deepspeed {deepspeed.__version__}",
+                       f"accelerate {accelerate.__version__} enters the engine's no_sync, which it refuses: {exc}")
 
 
 # what the prepared model is
