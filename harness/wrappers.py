@@ -164,20 +164,25 @@ def after_construction(wrapper: str, accelerator: Any, kwargs: Mapping[str, Any]
     if wrapper in FSDP:
         fsdp_on_cpu(accelerator, kwargs["fsdp_plugin"])
         if wrapper == "fsdp1":
-            _prepare_names_what_torch_no_longer_takes(accelerator)
+            _prepare_says_what_it_cannot_do(accelerator)
     elif wrapper in DEEPSPEED:
         from harness import deepspeed_cpu
 
         deepspeed_cpu.after_construction(accelerator, stage=DEEPSPEED[wrapper])
 
 
-def _prepare_names_what_torch_no_longer_takes(accelerator: Any) -> None:
-    """Old accelerate releases call torch's FSDP1 with arguments a later torch no longer takes
-    (0.21.0: ``FullyShardedDataParallel(ignored_parameters=...)``; 0.22.0 remakes the optimizer as
-    ``type(optimizer)(params, **optimizer.defaults)``, and torch 2.13's AdamW keeps a default its own
-    constructor does not take). Asked by trying: such a TypeError from ``prepare`` makes the cell
-    ``skip``, naming the release and the call, instead of a harness error. (An instance attribute:
-    the class and every other Accelerator are untouched.)"""
+def _prepare_says_what_it_cannot_do(accelerator: Any) -> None:
+    """What an accelerate release's FSDP1 ``prepare`` cannot do, asked by trying, named in the cell
+    instead of a harness error (an instance attribute: the class and every other Accelerator are
+    untouched):
+
+    - Old releases call torch's FSDP1 with arguments a later torch no longer takes (0.21.0:
+      ``FullyShardedDataParallel(ignored_parameters=...)``; 0.22.0 remakes the optimizer as
+      ``type(optimizer)(params, **optimizer.defaults)``, and torch 2.13's AdamW keeps a default its
+      own constructor does not take): a TypeError naming the argument, ``skip``.
+    - accelerate 1.1.1 reads transformers' ``_tied_weights_keys`` from every model it wraps in
+      FSDP1, which a plain ``nn.Module`` has not: an AttributeError raised inside accelerate,
+      ``unsupported`` (FSDP1 with a module that is not a transformers model), naming it."""
     import functools
 
     original = accelerator.prepare
@@ -194,6 +199,13 @@ def _prepare_names_what_torch_no_longer_takes(accelerator: Any) -> None:
 
             raise SkipCell(f"wrapper=fsdp1 cannot run here: accelerate {accelerate.__version__}'s FSDP1 prepare "
                            f"calls torch {torch.__version__} with an argument it does not take ({exc})") from None
+        except AttributeError as exc:
+            if _raised_in(exc, skipping="torch") != "accelerate":
+                raise
+            import accelerate
+
+            raise Unsupported("FSDP1 prepare of a module that is not a transformers model",
+                              f"accelerate {accelerate.__version__} raised AttributeError: {exc}") from None
 
     accelerator.prepare = prepare
 
@@ -245,14 +257,30 @@ def refusal(wrapper: str, exc: BaseException) -> Unsupported | None:
     illegal to call Engine.step() inside no_sync context manager"). A user's loop fails as loudly."""
     if wrapper not in DEEPSPEED or not isinstance(exc, AssertionError) or "no_sync" not in str(exc):
         return None
-    frames = traceback.extract_tb(exc.__traceback__)
-    if not frames or "deepspeed" not in frames[-1].filename.replace("\\", "/").split("/"):
+    if _raised_in(exc) != "deepspeed":
         return None
     import accelerate
     import deepspeed
 
     return Unsupported(f"accumulate under ZeRO-{DEEPSPEED[wrapper]} with deepspeed {deepspeed.__version__}",
                        f"accelerate {accelerate.__version__} enters the engine's no_sync, which it refuses: {exc}")
+
+
+def _raised_in(exc: BaseException, *, skipping: str = "") -> str:
+    """The package (``accelerate``, ``deepspeed``, ``torch``, ...) of the innermost frame that raised
+    ``exc``, passing over frames of ``skipping`` (an attribute lookup that torch's ``Module``
+    answers is raised there for its caller); "" when none is a package's."""
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        parts = frame.filename.replace("\\", "/").split("/")
+        if "site-packages" in parts or "dist-packages" in parts:
+            index = max(i for i, p in enumerate(parts) if p in ("site-packages", "dist-packages"))
+            package = parts[index + 1] if index + 1 < len(parts) else ""
+        else:
+            package = next((p for p in ("accelerate", "deepspeed", "torch") if p in parts), "")
+        if package and package == skipping:
+            continue
+        return package
+    return ""
 
 
 # what the prepared model is
