@@ -163,16 +163,15 @@ def after_construction(wrapper: str, accelerator: Any, kwargs: Mapping[str, Any]
     """What the Accelerator needs once built for ``wrapper`` to be what ``prepare`` applies."""
     if wrapper in FSDP:
         fsdp_on_cpu(accelerator, kwargs["fsdp_plugin"])
-        if wrapper == "fsdp1":
-            _prepare_says_what_it_cannot_do(accelerator)
+        _prepare_says_what_it_cannot_do(accelerator, wrapper)
     elif wrapper in DEEPSPEED:
         from harness import deepspeed_cpu
 
         deepspeed_cpu.after_construction(accelerator, stage=DEEPSPEED[wrapper])
 
 
-def _prepare_says_what_it_cannot_do(accelerator: Any) -> None:
-    """What an accelerate release's FSDP1 ``prepare`` cannot do, asked by trying, named in the cell
+def _prepare_says_what_it_cannot_do(accelerator: Any, wrapper: str) -> None:
+    """What an accelerate release's FSDP ``prepare`` cannot do, asked by trying, named in the cell
     instead of a harness error (an instance attribute: the class and every other Accelerator are
     untouched):
 
@@ -180,9 +179,13 @@ def _prepare_says_what_it_cannot_do(accelerator: Any) -> None:
       ``FullyShardedDataParallel(ignored_parameters=...)``; 0.22.0 remakes the optimizer as
       ``type(optimizer)(params, **optimizer.defaults)``, and torch 2.13's AdamW keeps a default its
       own constructor does not take): a TypeError naming the argument, ``skip``.
-    - accelerate 1.1.1 reads transformers' ``_tied_weights_keys`` from every model it wraps in
-      FSDP1, which a plain ``nn.Module`` has not: an AttributeError raised inside accelerate,
-      ``unsupported`` (FSDP1 with a module that is not a transformers model), naming it."""
+    - An AttributeError or KeyError raised inside accelerate's own code: accelerate 1.1.1 reads
+      transformers' ``_tied_weights_keys`` from every model it wraps in FSDP1, which a plain
+      ``nn.Module`` has not; 1.6.0's FSDP2 maps a compiled model's parameters by names that
+      ``torch.compile``'s wrapper prefixes (``KeyError: 'fc1.weight'``) and cannot switch two models'
+      optimizers to their shards ("A parameter in the optimizer couldn't be switched"):
+      ``unsupported``, naming what accelerate raised. A diff against a release that passes still
+      counts it a regression."""
     import functools
 
     original = accelerator.prepare
@@ -197,15 +200,15 @@ def _prepare_says_what_it_cannot_do(accelerator: Any) -> None:
             import accelerate
             import torch
 
-            raise SkipCell(f"wrapper=fsdp1 cannot run here: accelerate {accelerate.__version__}'s FSDP1 prepare "
+            raise SkipCell(f"wrapper={wrapper} cannot run here: accelerate {accelerate.__version__}'s prepare "
                            f"calls torch {torch.__version__} with an argument it does not take ({exc})") from None
-        except AttributeError as exc:
+        except (AttributeError, KeyError) as exc:
             if _raised_in(exc, skipping="torch") != "accelerate":
                 raise
             import accelerate
 
-            raise Unsupported("FSDP1 prepare of a module that is not a transformers model",
-                              f"accelerate {accelerate.__version__} raised AttributeError: {exc}") from None
+            raise Unsupported(f"a {wrapper} prepare that can wrap this case's models and optimizers",
+                              f"accelerate {accelerate.__version__} raised {type(exc).__name__}: {exc}") from None
 
     accelerator.prepare = prepare
 
