@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tomllib
 
 import pytest
 
@@ -19,6 +18,7 @@ RAISED = "import sys, pytest, harness.versions as v; v.MINIMUM['torch'] = '99.1'
 
 
 def test_pyproject_declares_the_range_the_harness_enforces():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
     dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     declared = {d.split(">=")[0]: d.split(">=")[1] for d in dependencies if d.split(">=")[0] in versions.MINIMUM}
     assert declared == versions.MINIMUM
