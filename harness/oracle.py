@@ -417,7 +417,7 @@ class Oracle:
                 # partitions): there is nothing to adopt, and later steps are judged against the
                 # oracle's own state
                 continue
-            mine.load_state_dict(copy.deepcopy(_detached(state)))
+            mine.load_state_dict(copy.deepcopy(state))
 
     def end_step(self) -> None:
         """The parameters were checked: the next check judges the next optimizer step."""
@@ -445,15 +445,3 @@ class Oracle:
         """Compare each optimizer's learning rates with the oracle's schedulers' (``optimizers`` by
         model name, one optimizer or a list)."""
         self.checks.lr(step, optimizers)
-
-
-def _detached(value: Any) -> Any:
-    """An optimizer's state dict with every tensor detached (a copy of a non-leaf tensor that a
-    wrapper's optimizer keeps in its state cannot be deep-copied)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach()
-    if isinstance(value, dict):
-        return {k: _detached(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_detached(v) for v in value)
-    return value
