@@ -17,7 +17,7 @@ from harness.matrix import Cell, Matrix, unavailable_checks, with_unavailable_ch
 from harness.matrixfile import parse_matrix
 from harness.merge import merge_matrices
 from harness.records import Status
-from tests.conftest import start_pytest, wait_for_no_processes
+from conftest import start_pytest, wait_for_no_processes
 
 SELECTION = ["cases/test_no_sync.py", "-k", "test_no_sync_trigger_sync_compiled or test_no_sync[fp32-ws2]",
              "--world-sizes", "2"]

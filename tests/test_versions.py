@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from harness import versions
-from tests.conftest import ROOT, session_env
+from conftest import ROOT, session_env
 
 RAISED = "import sys, pytest, harness.versions as v; v.MINIMUM['torch'] = '99.1'; sys.exit(pytest.main(sys.argv[1:]))"
 
