@@ -8,6 +8,7 @@ harness reads a version number to decide anything."""
 
 from __future__ import annotations
 
+import functools
 import re
 from importlib import metadata
 
@@ -22,7 +23,9 @@ def _release(text: str) -> tuple[int, ...]:
     return tuple(int(n) for n in numbers.group(0).split(".")) if numbers else ()
 
 
+@functools.lru_cache(maxsize=None)
 def installed(package: str) -> str | None:
+    """The installed release of ``package`` (read once a process: a declared defect asks per cell)."""
     try:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
