@@ -84,14 +84,9 @@ def probe(backend: str) -> str | None:
     global _unavailable
     import torch
 
-    _unavailable = None
+    _unavailable = _unrecorded()
     name, dump = _reader()
-    if dump is None:
-        _unavailable = (f"torch {torch.__version__} has no flight recorder reader "
-                        f"({' or '.join('torch._C._distributed_c10d.' + n for n in READERS)})")
-    elif int(os.environ.get(ENV, "0") or 0) <= 0:
-        _unavailable = f"the flight recorder is off ({ENV} is not set above 0)"
-    else:
+    if _unavailable is None:
         records = _records(dump)
         if not any("all_reduce" in str(e.get("profiling_name", "")) or "allreduce" in str(e.get("profiling_name", ""))
                    for e in records or ()):
@@ -103,15 +98,22 @@ def probe(backend: str) -> str | None:
     return _unavailable
 
 
-def unavailable() -> str | None:
-    """Why the collectives of this rank cannot be counted (``probe``'s finding), or None."""
-    if _unavailable is not None:
-        return _unavailable
+def _unrecorded() -> str | None:
+    """Why nothing is recorded here, as far as can be told without reading the ring, or None."""
     if _reader()[1] is None:
         import torch
 
-        return f"torch {torch.__version__} has no flight recorder reader"
+        return (f"torch {torch.__version__} has no flight recorder reader "
+                f"({' or '.join('torch._C._distributed_c10d.' + n for n in READERS)})")
+    if int(os.environ.get(ENV, "0") or 0) <= 0:
+        return f"the flight recorder is off ({ENV} is not set above 0)"
     return None
+
+
+def unavailable() -> str | None:
+    """Why the collectives of this rank cannot be counted: ``probe``'s finding, or before a probe
+    what can be told without one; None when they can be."""
+    return _unavailable if _unavailable is not None else _unrecorded()
 
 
 def recording() -> bool:
