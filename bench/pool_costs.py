@@ -16,9 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from harness.catalogue import load_case_file  # noqa: E402
-from harness.cells import run_cell  # noqa: E402
-from harness.options import resolve  # noqa: E402
-from harness.pool import PoolSet  # noqa: E402
+from harness.controller.cells import run_cell  # noqa: E402
+from harness.controller.options import resolve  # noqa: E402
+from harness.controller.pool import PoolSet  # noqa: E402
 from harness.records import Status  # noqa: E402
 
 # (case file, variant): a one-step cell and an accumulating one

@@ -32,20 +32,20 @@ SECTIONS = [
     ("accelerate", "Accelerator.backward", "accelerate backward (+DDP reduce)"),
     ("accelerate.optimizer", "AcceleratedOptimizer.step", "optimizer step, zero_grad"),
     ("accelerate.optimizer", "AcceleratedOptimizer.zero_grad", "optimizer step, zero_grad"),
-    ("harness.accounting", "_records", "collective accounting (flight recorder)"),
-    ("harness.oracle", "Oracle.__init__", "oracle replicas"),
-    ("harness.oracle", "Oracle.backward", "oracle backward"),
-    ("harness.oracle", "Oracle.step", "oracle step"),
-    ("harness.checks", "Checks.grads", "checks: compare, diagnose"),
-    ("harness.checks", "Checks.params", "checks: compare, diagnose"),
-    ("harness.checks", "Checks.sync_flag", "checks: compare, diagnose"),
-    ("harness.context", "RankContext.model", "models and data"),
-    ("harness.context", "RankContext.batch", "models and data"),
-    ("harness.context", "RankContext.dataset", "models and data"),
-    ("harness.context", "RankContext.schedule", "models and data"),
-    ("harness.probe", "reset_accelerate", "state reset"),
-    ("harness.rank", "_restore_environment", "state reset"),
-    ("harness.rank", "run_cell", "rank bookkeeping"),
+    ("harness.rank.accounting", "_records", "collective accounting (flight recorder)"),
+    ("harness.rank.oracle", "Oracle.__init__", "oracle replicas"),
+    ("harness.rank.oracle", "Oracle.backward", "oracle backward"),
+    ("harness.rank.oracle", "Oracle.step", "oracle step"),
+    ("harness.rank.checks", "Checks.grads", "checks: compare, diagnose"),
+    ("harness.rank.checks", "Checks.params", "checks: compare, diagnose"),
+    ("harness.rank.checks", "Checks.sync_flag", "checks: compare, diagnose"),
+    ("harness.rank.context", "RankContext.model", "models and data"),
+    ("harness.rank.context", "RankContext.batch", "models and data"),
+    ("harness.rank.context", "RankContext.dataset", "models and data"),
+    ("harness.rank.context", "RankContext.schedule", "models and data"),
+    ("harness.wrappers.probe", "reset_accelerate", "state reset"),
+    ("harness.rank.runner", "_restore_environment", "state reset"),
+    ("harness.rank.runner", "run_cell", "rank bookkeeping"),
 ]
 DIST_CALLS = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "barrier")
 ORACLE_SECTIONS = ("oracle", "checks")
@@ -98,7 +98,7 @@ class Sections:
 
 
 def _profile_job(rank: int, world_size: int, device: Any, spec: Any, runs: int) -> dict[str, Any]:
-    import harness.rank as rank_side
+    import harness.rank.runner as rank_side
     from harness.catalogue import find_case, locate
 
     for _ in range(3):  # import the case, warm every path

@@ -1,5 +1,5 @@
 """A bench's own ranks: N spawned processes joined in a gloo group exactly as a pool's ranks are
-(harness/rank.py: the same environment, one thread, the same warm-up), each running a job function
+(harness/rank/runner.py: the same environment, one thread, the same warm-up), each running a job function
 and returning plain data. For measurements a pool cannot make from outside: a breakdown of a warm
 cell by section on every rank (profile_cell.py), and the floor of a cell, its own collectives
 replayed bare (floor_ms).
@@ -24,7 +24,7 @@ RIG_TIMEOUT_S = 900.0
 def _rank_main(rank: int, world_size: int, store_path: str, queue: Any, env: dict[str, str],
                job: Callable[..., Any], args: tuple) -> None:
     os.environ.update(env)
-    from harness import rank as rank_side
+    from harness.rank import runner as rank_side
 
     rank_side._set_environment(rank, world_size, "gloo")
     try:
@@ -73,11 +73,12 @@ def run_ranks(world_size: int, job: Callable[..., Any], *args: Any, env: dict[st
 
 
 def cell_spec(case_file: str, variant_name: str, world_size: int, seed: int = 1234) -> Any:
-    """What a pool's controller would send its ranks for this cell (harness/cells.py)."""
+    """What a pool's controller would send its ranks for this cell (harness/controller/cells.py)."""
     from harness.catalogue import load_case_file
-    from harness.cells import cell_spec as spec_of
-    from harness.options import resolve
-    from harness.wrappers import WRAPPERS, cell_variants
+    from harness.controller.cells import cell_spec as spec_of
+    from harness.controller.options import resolve
+    from harness.wrappers.names import WRAPPERS
+    from harness.wrappers.prepare import cell_variants
 
     path = Path(case_file) if Path(case_file).is_absolute() else ROOT / case_file
     case = load_case_file(path)[0]
@@ -101,8 +102,8 @@ FLOOR_RING = "65536"
 
 def recorded(spec: Any, rank: int, device: Any) -> list[tuple[str, list[list[int]], str]]:
     """Run the cell once; the collectives it issued on this rank: (op, input sizes, dtype)."""
-    from harness.accounting import _records
-    from harness.rank import run_cell
+    from harness.rank.accounting import _records
+    from harness.rank.runner import run_cell
 
     before = max((e["record_id"] for e in _records() or []), default=-1)
     result = run_cell(spec, rank, device)
@@ -146,7 +147,7 @@ def replay(collectives: list[tuple[str, list[list[int]], str]], device: Any, rep
 
 
 def _floor_job(rank: int, world_size: int, device: Any, specs: list[Any], repeats: int) -> list[tuple[int, float]]:
-    from harness.rank import run_cell
+    from harness.rank.runner import run_cell
 
     out = []
     for spec in specs:

@@ -17,7 +17,7 @@ Run: python bench/scaling.py [--only world,cells,size] [--world-sizes 1,2,4,8] [
    --size-world-size: warm cell ms beside the floor. How does the harness's own work (the oracle's
    replicas and checks) compare with moving the gradients as the model grows? (At 1e7 parameters each
    40-80 MB temporary is above glibc's default mmap threshold: the ranks raise it, or every one would
-   be fresh zeroed pages: harness/rank.py keep_large_allocations.)
+   be fresh zeroed pages: harness/rank/runner.py keep_large_allocations.)
 
 Every measured cell must pass: one that does not is printed to stderr and the bench exits 1.
 Exit 2 on bad arguments. Machines are shared and noisy: read ratios and trends, not exact numbers.
@@ -44,13 +44,13 @@ import scaling_case  # noqa: E402
 from rig import floors  # noqa: E402
 
 from harness.catalogue import load_case_file  # noqa: E402
-from harness.cells import cell_spec, run_cell  # noqa: E402
+from harness.controller.cells import cell_spec, run_cell  # noqa: E402
+from harness.controller.options import resolve  # noqa: E402
+from harness.controller.pool import PoolSet  # noqa: E402
 from harness.decorator import grid  # noqa: E402
-from harness.matrix import Cell, Matrix, merge_cells  # noqa: E402
-from harness.options import resolve  # noqa: E402
-from harness.pool import PoolSet  # noqa: E402
+from harness.matrix.schema import Cell, Matrix, merge_cells  # noqa: E402
 from harness.records import Status  # noqa: E402
-from harness.report import CellTexts, write_reports  # noqa: E402
+from harness.render.reports import CellTexts, write_reports  # noqa: E402
 
 WORLD_CELLS = [("cases/test_fused_loss.py", "fused_loss", "fp32"),
                ("cases/test_accumulate.py", "accumulate", "steps=2-fp32")]

@@ -10,7 +10,7 @@ import math
 import torch
 
 from harness import case, grid
-from harness.models import Regressor, regression_loss
+from harness.rank.models import Regressor, regression_loss
 
 STEPS = 3
 PARAMS = [1_000, 10_000, 100_000, 1_000_000, 10_000_000]

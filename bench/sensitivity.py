@@ -18,8 +18,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from harness import catalogue, selfcheck  # noqa: E402
+from harness import catalogue  # noqa: E402
 from harness.records import Status  # noqa: E402
+from harness.selfcheck import run as selfcheck
 
 
 def _floats(text: str) -> list[float]:

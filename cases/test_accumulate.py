@@ -6,7 +6,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from harness import PRECISIONS, Diagnosis, Unsupported, case, compiled, grid
-from harness.models import adversarial_loss, regression_loss
+from harness.rank.models import adversarial_loss, regression_loss
 
 EPOCHS = 2
 BATCHES = 5  # per rank and epoch: a multiple of none of the accumulation steps

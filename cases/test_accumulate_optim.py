@@ -5,7 +5,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from harness import PRECISIONS, Diagnosis, case, grid
-from harness.models import regression_loss
+from harness.rank.models import regression_loss
 
 EPOCHS = 2
 BATCHES = 5  # per rank and epoch: a multiple of none of the accumulation steps

@@ -3,7 +3,7 @@
 import torch
 
 from harness import ALL_PRECISIONS, case, compiled, grid
-from harness.models import regression_loss
+from harness.rank.models import regression_loss
 
 STEPS = 3
 

@@ -3,7 +3,7 @@
 import torch
 
 from harness import PRECISIONS, Diagnosis, case, compiled, grid
-from harness.models import regression_loss
+from harness.rank.models import regression_loss
 
 WINDOWS = 2
 LOCAL_STEPS = 2

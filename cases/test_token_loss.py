@@ -1,5 +1,5 @@
 """Token-weighted losses: the mean over every valid token of an accumulation window on every rank,
-with padded batches of variable length (harness/tokens.py). The loss normalisation that Hugging
+with padded batches of variable length (harness/rank/tokens.py). The loss normalisation that Hugging
 Face's "Fixing Gradient Accumulation" (2024-10-16) and transformers PR #34191 were about: a mean per
 micro-batch, divided by the accumulation steps and averaged over the ranks, is not that mean when
 micro-batches and ranks hold different numbers of valid tokens. The oracle's expectation at a sync is
@@ -10,9 +10,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from harness import PRECISIONS, Diagnosis, case, grid
-from harness.capabilities import transformers_torch_missing
-from harness.probe import takes_parameter
-from harness.tokens import causal_loss_sum, pad_tokens, token_loss_mean, token_loss_sum, valid_tokens
+from harness.rank.tokens import causal_loss_sum, pad_tokens, token_loss_mean, token_loss_sum, valid_tokens
+from harness.wrappers.capabilities import transformers_torch_missing
+from harness.wrappers.probe import takes_parameter
 
 EPOCHS = 2
 STEPS = 2

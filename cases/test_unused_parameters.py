@@ -4,7 +4,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from harness import PRECISIONS, case, grid
-from harness.schedule import windows
+from harness.rank.schedule import windows
 
 EPOCHS = 2
 BATCHES = 5

@@ -11,19 +11,29 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from harness.decorator import ALL_PRECISIONS, PRECISIONS, Diagnosis, SkipCell, Unsupported, Variant, case, compiled, grid
-from harness.schedule import MicroStep
+from harness.decorator import (
+    ALL_PRECISIONS,
+    PRECISIONS,
+    Diagnosis,
+    SkipCell,
+    Unsupported,
+    Variant,
+    case,
+    compiled,
+    grid,
+)
+from harness.rank.schedule import MicroStep
 
 if TYPE_CHECKING:
-    from harness.context import RankContext
-    from harness.oracle import Oracle
+    from harness.rank.context import RankContext
+    from harness.rank.oracle import Oracle
 
 __version__ = "0.1.0"
 
 __all__ = ["ALL_PRECISIONS", "PRECISIONS", "Diagnosis", "MicroStep", "Oracle", "RankContext", "SkipCell",
            "Unsupported", "Variant", "case", "compiled", "grid", "__version__"]
 
-_LAZY = {"RankContext": "harness.context", "Oracle": "harness.oracle"}
+_LAZY = {"RankContext": "harness.rank.context", "Oracle": "harness.rank.oracle"}
 
 
 def __getattr__(name: str) -> Any:

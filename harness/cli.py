@@ -10,15 +10,15 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from harness.comparison import build_comparison
-from harness.diff import diff_matrices, label_matrices
-from harness.matrix import MatrixError
-from harness.matrixfile import load_matrix
-from harness.merge import merge_matrices, summary_line
+from harness.controller.options import DEFAULT_CASE_TIMEOUT_S, DEFAULT_SEED, OptionError, parse_case_timeout, parse_seed
+from harness.matrix.comparison import build_comparison
+from harness.matrix.diff import diff_matrices, label_matrices
+from harness.matrix.file import load_matrix
+from harness.matrix.merge import merge_matrices, summary_line
+from harness.matrix.schema import MatrixError
 from harness.render.comparison import render_comparison_html, render_comparison_markdown
 from harness.render.diff import render_diff_markdown, render_diff_text
-from harness.report import check_report_dir, write_atomically, write_reports
-from harness.options import DEFAULT_CASE_TIMEOUT_S, DEFAULT_SEED, OptionError, parse_case_timeout, parse_seed
+from harness.render.reports import check_report_dir, write_atomically, write_reports
 
 PROG = "harness"
 
@@ -222,9 +222,10 @@ def _world_size(text: str) -> int:
 
 def run_selfcheck(args: argparse.Namespace) -> int:
     # the rank pool and fault injection: imported only for this command
-    from harness import catalogue, selfcheck
-    from harness.faults import FAULTS
+    from harness import catalogue
     from harness.render.selfcheck import fault_list, progress_line, render
+    from harness.selfcheck import run as selfcheck
+    from harness.selfcheck.faults import FAULTS
 
     if args.list_faults:
         sys.stdout.write(fault_list(FAULTS.values()))
@@ -264,7 +265,7 @@ def add_selfcheck_parser(subparsers: argparse._SubParsersAction) -> None:
         help="run the catalogue under planted sync faults and count the ones it catches",
         description=(
             "Run the case catalogue (cases/test_*.py) on one live pool of ranks, once clean and once\n"
-            "under each injected sync fault (harness/faults.py: accelerate or DDP patched at run time\n"
+            "under each injected sync fault (harness/selfcheck/faults.py: accelerate or DDP patched at run time\n"
             "inside the ranks, never the cases). A fault is caught when some cell ends fail. Prints a\n"
             "fault x cell table, the kill rate (faults caught by at least one case / faults), and the\n"
             "smallest relative perturbation of one rank's gradients that the harness catches, for fp32\n"
@@ -356,7 +357,7 @@ def add_run_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_launch(args: argparse.Namespace) -> int:
-    from harness.launch import main as launch_main  # torch is imported only for this command
+    from harness.launch.main import main as launch_main  # torch is imported only for this command
 
     return launch_main(args.pytest_args)
 

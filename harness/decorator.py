@@ -97,7 +97,7 @@ class CaseInfo:
     body: Callable[..., None]
     detects: tuple[Diagnosis, ...]
     description: str
-    wrappers: tuple[str, ...] = ()  # the wrappers the case applies to (harness/wrappers.py)
+    wrappers: tuple[str, ...] = ()  # the wrappers the case applies to (harness/wrappers/names.py)
     # a known defect of the library under one wrapper: the diagnoses its cells must produce
     defects: Mapping[str, tuple[Diagnosis, ...]] = field(default_factory=dict)
 
@@ -194,7 +194,7 @@ def case(
     judged as a canary's, so the run stays green while the defect lasts and turns red (``missed``)
     when a release fixes it; say in the case why it is a defect.
     """
-    from harness.wrappers import WRAPPERS
+    from harness.wrappers.names import WRAPPERS
 
     applies = tuple(WRAPPERS if wrappers is None else wrappers)
     unknown = [w for w in applies if w not in WRAPPERS]

@@ -14,20 +14,20 @@ from typing import Any
 import pytest
 
 from harness.catalogue import CaseRef
-from harness.cells import cell_id, run_cell
+from harness.controller.cells import cell_id, run_cell
+from harness.controller.options import DEFAULT_CASE_TIMEOUT_S, DEFAULT_SEED, OptionError, Settings, resolve
+from harness.controller.pool import PoolSet
+from harness.controller.progress import Progress, terminal_writer
 from harness.decorator import case_info
-from harness.matrix import Cell, Matrix, merge_cells, with_unavailable_checks
-from harness.options import DEFAULT_CASE_TIMEOUT_S, DEFAULT_SEED, OptionError, Settings, resolve
-from harness.pool import PoolSet
-from harness.progress import Progress, terminal_writer
-from harness.rank import launcher_settings
+from harness.matrix.schema import Cell, Matrix, merge_cells, with_unavailable_checks
+from harness.rank.runner import launcher_settings
 from harness.records import BAD_STATUSES, GOOD_STATUSES
-from harness.render.failures import cell_message, skip_reason
 from harness.render.matrix import terminal_summary
-from harness.report import CellTexts, check_report_dir, write_reports
-from harness.wrappers import cell_variants
+from harness.render.reports import CellTexts, check_report_dir, write_reports
+from harness.wording import cell_message, skip_reason
+from harness.wrappers.prepare import cell_variants
 
-# the plugin object `python -m harness launch` gives rank 0's pytest (harness/launch.py)
+# the plugin object `python -m harness launch` gives rank 0's pytest (harness/launch/main.py)
 LAUNCH_PLUGIN = "harness-launch"
 SETTINGS = pytest.StashKey[Settings]()
 STATE = pytest.StashKey["HarnessState"]()
@@ -69,7 +69,7 @@ class HarnessState:
     def __init__(self, config: pytest.Config, settings: Settings, launch: Any = None) -> None:
         self.config = config
         self.settings = settings
-        self.launch = launch  # under a launcher (harness/launch.py): its ranks stand in for local pools
+        self.launch = launch  # under a launcher (harness/launch/main.py): its ranks stand in for local pools
         self.pools: Any = launch.pools if launch is not None else PoolSet(backend=settings.backend)
         self.cells: list[Cell] = []
         self.expected_ids: set[str] = set()
@@ -131,7 +131,7 @@ class HarnessState:
             environment["fault"] = self.settings.fault
         if self.launch is not None:  # the launcher, nodes, processes per node, hosts and devices
             environment.update(self.launch.environment())
-        # the ranks drop these (harness/rank.py): the matrix says that they were there
+        # the ranks drop these (harness/rank/runner.py): the matrix says that they were there
         ignored = self.launch.dropped if self.launch is not None else launcher_settings()
         if ignored:
             environment["ignored_launcher_settings"] = ignored
@@ -165,7 +165,7 @@ def pytest_configure(config: pytest.Config) -> None:
             settings = launch.adapt(config, settings)
         fault = settings.fault
         if fault is not None:  # fault injection is imported only when one is asked for
-            from harness.faults import resolve as resolve_fault
+            from harness.selfcheck.faults import resolve as resolve_fault
 
             try:
                 resolve_fault(fault)
@@ -261,7 +261,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     from xdist.scheduler import LoadScopeScheduling
 
     # With nccl a local pool's rank r uses GPU r, so pools must not overlap: every cell goes to one
-    # worker, which runs one world size's pool at a time (harness/pool.py).
+    # worker, which runs one world size's pool at a time (harness/controller/pool.py).
     one_scope = config.stash[SETTINGS].backend == "nccl"
 
     class WorldSizeScheduling(LoadScopeScheduling):
@@ -299,7 +299,7 @@ def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
 
 
 class CellRunner:
-    """The ``harness_cell`` fixture: runs its cell on the pool of its world size (harness/cells.py)."""
+    """The ``harness_cell`` fixture: runs its cell on the pool of its world size (harness/controller/cells.py)."""
 
     def __init__(self, request: pytest.FixtureRequest) -> None:
         info, self.variant, self.world_size = request.param

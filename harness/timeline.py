@@ -1,8 +1,8 @@
 """A cell's timeline: every check on every rank by micro-step, with the schedule's sync points and
 optimizer steps, so that a report can draw where and when the ranks parted from the oracle.
 
-Plain data, no torch: a rank records its own checks (``TimelineRecorder``, in harness/checks.py's
-Recorder), the controller joins the ranks' into one ``Timeline`` (harness/verdict.py), and the
+Plain data, no torch: a rank records its own checks (``TimelineRecorder``, in harness/rank/checks.py's
+Recorder), the controller joins the ranks' into one ``Timeline`` (harness/controller/verdict.py), and the
 matrix keeps it for a cell with failures (the ``timeline`` field of a cell in matrix.json).
 
 A mark is one kind of check on one rank at one micro-step (``grad``, ``param``, ``flag``, ``lr``,

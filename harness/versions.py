@@ -2,7 +2,7 @@
 "Supported versions"; pyproject.toml declares the same, and a test holds the two together).
 
 Inside the range a cell that a release cannot run is ``skip`` or ``unsupported``, found by asking
-the release (harness/capabilities.py, harness/probe.py); below it, a run with cells stops at start
+the release (harness/wrappers/capabilities.py, harness/wrappers/probe.py); below it, a run with cells stops at start
 with one line naming the range, never a matrix of harness errors. This is the one place where the
 harness reads a version number to decide anything."""
 

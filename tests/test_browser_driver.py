@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from browser import Browser, BrowserError, BrowserTimeout, JavaScriptError, find_chromium
 
 

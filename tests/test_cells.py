@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from harness.catalogue import CatalogueError, discover, find_case, load_case_file
-from harness.cells import cell_spec, nodeid, run_cell
-from harness.options import resolve
-from harness.pool import PoolSet
-from harness.selfcheck import Runner, Target
+from harness.controller.cells import cell_spec, nodeid, run_cell
+from harness.controller.options import resolve
+from harness.controller.pool import PoolSet
+from harness.selfcheck.run import Runner, Target
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -2,8 +2,8 @@
 
 import torch
 
-from harness.checks import make_failure
-from harness.closeness import Expectation, difference
+from harness.rank.checks import make_failure
+from harness.rank.closeness import Expectation, difference
 
 
 def exact(values):

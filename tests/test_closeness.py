@@ -6,7 +6,14 @@ import random
 import pytest
 import torch
 
-from harness.closeness import Expectation, difference, distinguishable, reduction_allowance, rounding_allowance, norm_rounding
+from harness.rank.closeness import (
+    Expectation,
+    difference,
+    distinguishable,
+    norm_rounding,
+    reduction_allowance,
+    rounding_allowance,
+)
 
 EPS32 = torch.finfo(torch.float32).eps
 

@@ -1,14 +1,14 @@
-"""The oracle's collectives (harness/collectives.py) on real gloo ranks: one all-reduce carries several
+"""The oracle's collectives (harness/rank/collectives.py) on real gloo ranks: one all-reduce carries several
 reductions and rank 0's waiting copies, bit for bit what they would be alone; a copy waits for the
 next all-reduce of its dtype or for ``finish``; digests name the ranks that differ. And the flight
-recorder's reading of a backward (harness/accounting.py) from its records' own times."""
+recorder's reading of a backward (harness/rank/accounting.py) from its records' own times."""
 
 from __future__ import annotations
 
 import torch
 from distributed import run_on_ranks
 
-from harness.accounting import _issued_since
+from harness.rank.accounting import _issued_since
 
 
 def _issued() -> int:
@@ -24,7 +24,7 @@ def _tensors(rank: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.T
 
 
 def _reductions(rank: int, world_size: int) -> dict[str, object]:
-    from harness.collectives import Collectives, Reduction
+    from harness.rank.collectives import Collectives, Reduction
 
     collectives = Collectives(rank=rank, world_size=world_size)
     a, b = _tensors(rank), _tensors(rank + 10)
@@ -49,7 +49,7 @@ def test_one_all_reduce_per_dtype_carries_several_reductions_each_bit_for_bit_as
 
 
 def _waiting(rank: int, world_size: int) -> dict[str, object]:
-    from harness.collectives import Collectives, Reduction
+    from harness.rank.collectives import Collectives, Reduction
 
     collectives = Collectives(rank=rank, world_size=world_size)
     got: dict[str, dict] = {}
@@ -79,7 +79,7 @@ def test_rank0_copies_wait_for_the_next_all_reduce_of_their_dtype_or_finish_and_
 
 
 def _at_once(rank: int, world_size: int) -> bool:
-    from harness.collectives import Collectives
+    from harness.rank.collectives import Collectives
 
     got = []
     Collectives(rank=rank, world_size=world_size).later(_tensors(rank), got.append, wait=False)
@@ -91,7 +91,7 @@ def test_a_copy_that_need_not_wait_comes_at_once():
 
 
 def _digests(rank: int, world_size: int) -> tuple[list[int], list[int]]:
-    from harness.collectives import Collectives
+    from harness.rank.collectives import Collectives
 
     collectives = Collectives(rank=rank, world_size=world_size)
     alike = [torch.arange(6.0).reshape(2, 3), torch.ones(2, dtype=torch.bfloat16)]
@@ -129,7 +129,7 @@ def test_only_a_check_before_its_schedules_last_point_waits_for_the_next_collect
     """A check that could be the case's last sends rank 0's copy at once: a collective of the
     harness's after the case returned could meet a rank's stray one (tests/test_rank_faults.py's
     hang_in_collective must stay a hang)."""
-    from harness.context import RankContext
+    from harness.rank.context import RankContext
 
     ctx = RankContext(case="c", variant="fp32", params={"precision": "fp32"}, rank=0, world_size=2, seed=1,
                       device=torch.device("cpu"))

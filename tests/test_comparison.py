@@ -11,9 +11,9 @@ from urllib.parse import unquote
 import pytest
 
 from harness.cli import main
-from harness.comparison import build_comparison
+from harness.matrix.comparison import build_comparison
+from harness.matrix.schema import Cell, Matrix
 from harness.render.comparison import render_comparison_html, render_comparison_markdown
-from harness.matrix import Cell, Matrix
 from harness.render.matrix import render_html
 from harness.render.page import cell_anchor
 
@@ -182,7 +182,7 @@ def test_changed_only_lists_just_the_rows_that_differ(tmp_path):
 
 
 def load(path):
-    from harness.matrixfile import load_matrix
+    from harness.matrix.file import load_matrix
 
     return load_matrix(path)
 

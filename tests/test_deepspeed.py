@@ -10,8 +10,8 @@ import pytest
 
 from harness.catalogue import load_case_file
 from harness.records import Status
-from harness.selfcheck import Runner, Target
-from harness.wrappers import cell_variants
+from harness.selfcheck.run import Runner, Target
+from harness.wrappers.prepare import cell_variants
 
 ROOT = Path(__file__).resolve().parent.parent
 MISSING = [p for p in ("deepspeed", "transformers") if importlib.util.find_spec(p) is None]
@@ -33,7 +33,7 @@ WRONG_STAGE_CASE = """
 import torch
 
 from harness import case
-from harness.models import regression_loss
+from harness.rank.models import regression_loss
 
 
 def sgd(params):

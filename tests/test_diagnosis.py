@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from harness.closeness import Expectation
-from harness.diagnosis import Hypotheses, diagnose, fitted_scale
+from harness.rank.closeness import Expectation
+from harness.rank.diagnosis import Hypotheses, diagnose, fitted_scale
 
 
 def exact(values):

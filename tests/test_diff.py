@@ -1,4 +1,4 @@
-"""Tests for harness.diff and the `diff` subcommand."""
+"""Tests for harness.matrix.diff and the `diff` subcommand."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main
-from harness.diff import diff_matrices, label_matrices
-from harness.matrix import Cell, Matrix
+from harness.matrix.diff import diff_matrices, label_matrices
+from harness.matrix.schema import Cell, Matrix
 from harness.records import STATUSES
 from harness.render.diff import notes, render_diff_markdown, render_diff_text
 

@@ -19,7 +19,6 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT
 
 EXAMPLE = ROOT / "examples" / "my_project"

@@ -6,8 +6,8 @@ import inspect
 
 import pytest
 
-from harness import faults
-from harness.faults import FAULTS, apply_fault, perturbation, resolve
+from harness.selfcheck import planted
+from harness.selfcheck.faults import FAULTS, apply_fault, perturbation, resolve
 
 
 def _classes():
@@ -33,7 +33,7 @@ def _changes(before, after):
     changed = []
     for cls in before:
         for name in set(before[cls]) | set(after[cls]):
-            if before[cls].get(name, faults._ABSENT) is not after[cls].get(name, faults._ABSENT):
+            if before[cls].get(name, planted._ABSENT) is not after[cls].get(name, planted._ABSENT):
                 changed.append(f"{cls.__name__}.{name}")
     return sorted(changed)
 
@@ -83,7 +83,7 @@ def test_an_inherited_attribute_is_removed_again_not_copied_down():
     class Child(Base):
         pass
 
-    with faults._patched(Child, "method", lambda self: "patched"):
+    with planted._patched(Child, "method", lambda self: "patched"):
         assert Child().method() == "patched"
     assert "method" not in vars(Child) and Child().method() == "base"
 
@@ -93,7 +93,7 @@ def test_patching_a_missing_attribute_is_an_error():
         pass
 
     with pytest.raises(AttributeError, match="no attribute 'missing'"):
-        with faults._patched(Plain, "missing", None):
+        with planted._patched(Plain, "missing", None):
             pass
 
 
@@ -125,7 +125,7 @@ def test_a_single_event_perturbation_scales_one_rank_after_one_backward_only():
     import torch
     from accelerate import Accelerator
 
-    from harness.probe import reset_accelerate as _reset_accelerate
+    from harness.wrappers.probe import reset_accelerate as _reset_accelerate
 
     def grads_after_backwards(rank):
         _reset_accelerate()

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.checks import Recorder
-from harness.models import make_model, regression_loss
-from harness.oracle import Oracle
-from harness.schedule import accumulation_schedule
+from harness.rank.checks import Recorder
+from harness.rank.models import make_model, regression_loss
+from harness.rank.oracle import Oracle
+from harness.rank.schedule import accumulation_schedule
 
 
 def sgd(params):

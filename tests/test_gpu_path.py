@@ -9,11 +9,11 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT, session_env
-from harness import options
-from harness.blame import stuck_kinds
-from harness.pool import PoolSet, RankPool
+
+from harness.controller import options
+from harness.controller.blame import stuck_kinds
+from harness.controller.pool import PoolSet, RankPool
 from harness.records import FaultKind
 
 GPUS = options.count_gpus()
@@ -27,7 +27,7 @@ def test_gpus_are_counted_by_torch_in_a_process_of_their_own():
 
 
 def test_counting_gpus_imports_no_torch_and_is_remembered_for_xdist_workers():
-    code = ("import os, sys; from harness.options import count_gpus, GPU_COUNT_VARIABLE; "
+    code = ("import os, sys; from harness.controller.options import count_gpus, GPU_COUNT_VARIABLE; "
             "n = count_gpus(); print(n, 'torch' in sys.modules, os.environ[GPU_COUNT_VARIABLE])")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=session_env("gpus"), capture_output=True,
                           text=True, timeout=120, check=True)

@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import PLANTED, ROOT, session_env, wait_for_no_processes
-from harness import launcher
-from harness.launch import option_value
+
+from harness.launch import environment as launcher
+from harness.launch.main import option_value
 
 TIMEOUT_S = 4
 

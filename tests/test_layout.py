@@ -1,5 +1,13 @@
-"""The house rules of the layout, as tests: the rank side imports nothing of the controller, the
-records depend on nothing, and fault injection stays off the path of a real cell."""
+"""The house rules of the layout, as tests.
+
+``harness/`` keeps the entry points and the core every side shares; each subpackage is one side:
+``rank`` (inside a rank), ``wrappers`` (the wrapper a cell trains under, on the rank side),
+``controller`` (the local controller in pytest's process), ``launch`` (under a launcher), ``matrix``
+(the report data), ``render`` (every text a person reads), ``selfcheck`` (planted faults and the
+self-check). Each may import only what ``MAY_IMPORT`` says, no module takes part in an import circle
+(imports inside functions counted, ``TYPE_CHECKING`` ones not), the rank side imports nothing of the
+controller, the records depend on nothing, and fault injection stays off the path of a real cell.
+"""
 
 from __future__ import annotations
 
@@ -14,16 +22,41 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "harness"
 
-# What runs inside a rank (harness/rank.py and everything a cell imports there).
-RANK_SIDE = {
-    "harness.rank", "harness.messages", "harness.records", "harness.catalogue", "harness.decorator",
-    "harness.context", "harness.probe", "harness.oracle", "harness.checks", "harness.closeness",
-    "harness.diagnosis", "harness.replica", "harness.schedule", "harness.models", "harness.render",
-    "harness.render.failures", "harness.render.text", "harness.faults", "harness.faults_fsdp",
-    "harness.wrappers", "harness.sharding", "harness.accounting", "harness.faults_deepspeed", "harness.deepspeed_cpu",
-    "harness.tokens", "harness.faults_tokens", "harness.weighting", "harness.timeline", "harness.collectives",
-    "harness.capabilities", "harness.versions",
+# Directly in harness/: the entry points (the public API, ``python -m harness``, the pytest11 plugin)
+# and the core that every side shares (records and messages, texts, the case decorator and catalogue).
+ENTRY = {"harness", "harness.__main__", "harness.cli", "harness.plugin"}
+CORE = {"harness.records", "harness.messages", "harness.timeline", "harness.text", "harness.wording",
+        "harness.versions", "harness.decorator", "harness.catalogue"}
+SUBPACKAGES = ("rank", "wrappers", "controller", "launch", "matrix", "render", "selfcheck")
+# The planted faults run inside the ranks (the self-check's ``run`` is the controller's).
+FAULT_MODULES = {"harness.selfcheck.planted", "harness.selfcheck.faults", "harness.selfcheck.faults_deepspeed",
+                 "harness.selfcheck.faults_fsdp", "harness.selfcheck.faults_tokens"}
+
+
+def side(name: str) -> str:
+    """A module's side: its subpackage, ``faults`` for a planted fault, else ``core`` or ``entry``."""
+    if name in FAULT_MODULES:
+        return "faults"
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[1] in SUBPACKAGES:
+        return parts[1]
+    return "entry" if name in ENTRY else "core"
+
+
+# What each side may import besides itself (by side; a few single modules by name).
+MAY_IMPORT = {
+    "core": {"harness.wrappers.names"},  # the decorator checks wrapper names; names imports nothing
+    "rank": {"core", "wrappers", "harness.selfcheck.faults"},  # the runner plants a cell's fault
+    "wrappers": {"core", "rank"},
+    "faults": {"core", "rank", "wrappers"},
+    "matrix": {"core"},
+    "render": {"core", "matrix", "selfcheck", "faults"},  # the self-check's report
+    "controller": {"core", "matrix", "harness.wrappers.names", "harness.rank", "harness.rank.runner"},  # a pool's ranks
+    "selfcheck": {"core", "controller", "matrix", "faults", "harness.wrappers.names", "harness.wrappers.prepare"},
+    "launch": {"core", "controller", "rank", "harness.plugin"},
+    "entry": {"core", "rank", "wrappers", "faults", "matrix", "render", "controller", "launch", "selfcheck", "entry"},
 }
+RANK_SIDE_SIDES = {"core", "rank", "wrappers", "faults"}
 
 
 def _module_name(path: Path) -> str:
@@ -54,14 +87,97 @@ def harness_imports(path: Path) -> set[str]:
 MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
+def allowed(importer: str, imported: str) -> bool:
+    if imported.count(".") == 1 and imported.split(".")[1] in SUBPACKAGES:
+        return True  # a subpackage's __init__, which imports nothing (test below): a name for its modules
+    rules = MAY_IMPORT[side(importer)]
+    return side(imported) in (rules | {side(importer)}) or imported in rules
+
+
 def test_every_module_is_known_to_these_rules():
-    assert "harness.rank" in MODULES and "harness.render.text" in MODULES
+    assert "harness.rank.runner" in MODULES and "harness.text" in MODULES
+    top = {name for name in MODULES if name.count(".") == 1 and name.split(".")[1] not in SUBPACKAGES} | {"harness"}
+    assert top == ENTRY | CORE, f"modules directly in harness/ beyond the entry points and the core: {sorted(top - ENTRY - CORE)}"
+    assert len(top) <= 12
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert packages == set(SUBPACKAGES), packages
 
 
-@pytest.mark.parametrize("name", sorted(RANK_SIDE & set(MODULES)))
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_each_side_imports_only_what_its_rules_allow(name):
+    wrong = sorted(m for m in harness_imports(MODULES[name]) if m != "harness" and not allowed(name, m))
+    assert not wrong, f"{name} ({side(name)}) may import {sorted(MAY_IMPORT[side(name)])}; it imports {wrong}"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if side(n) in RANK_SIDE_SIDES))
 def test_the_rank_side_imports_nothing_of_the_controller(name):
-    outside = {m for m in harness_imports(MODULES[name]) if m not in RANK_SIDE and m != "harness"}
+    outside = {m for m in harness_imports(MODULES[name])
+               if m not in ("harness", "harness.selfcheck") and side(m) not in RANK_SIDE_SIDES}
     assert not outside, f"{name} (rank side) imports {sorted(outside)}"
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (or a module importing itself)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in graph.get(v, ()):
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def _graph() -> dict[str, set[str]]:
+    graph = {}
+    for name, path in MODULES.items():
+        # importing harness.a.b runs harness/a/__init__.py first: the package is imported too
+        found = set()
+        for m in harness_imports(path):
+            parts = m.split(".")
+            found.update(".".join(parts[:n]) for n in range(2, len(parts) + 1))
+        graph[name] = {m for m in found if m in MODULES and m != name}
+    return graph
+
+
+def test_no_import_circles():
+    assert import_circles(_graph()) == []
+
+
+def test_the_circle_finder_finds_a_planted_circle():
+    graph = _graph()
+    graph["harness.matrix.schema"] = graph["harness.matrix.schema"] | {"harness.matrix.file"}
+    assert ["harness.matrix.file", "harness.matrix.schema"] in import_circles(graph)
+
+
+def test_the_subpackages_import_nothing_when_imported():
+    """A subpackage's __init__ holds its rules, no code: importing harness.wrappers.names (from the
+    decorator, torch-free) must not pull in the rest of the package."""
+    for package in SUBPACKAGES:
+        assert harness_imports(PACKAGE / package / "__init__.py") == set(), package
 
 
 def test_the_records_depend_on_nothing():
@@ -86,9 +202,9 @@ _RUN_ONE_CELL = """
 import json, sys
 import torch
 from harness.catalogue import load_case_file
-from harness.cells import cell_spec
-from harness.options import resolve
-from harness.rank import run_cell
+from harness.controller.cells import cell_spec
+from harness.controller.options import resolve
+from harness.rank.runner import run_cell
 
 case = load_case_file("cases/test_accumulate.py")[0]
 variant = next(v for v in case.info.variants if v.name == "steps=2-fp32")
@@ -97,10 +213,10 @@ settings = resolve(world_sizes="1", backend="gloo", report_dir="reports", case_t
 before = set(sys.modules)
 result = run_cell(cell_spec(case, variant, 1, settings, label="layout"), 0, torch.device("cpu"))
 print(json.dumps({"outcome": str(result.outcome), "failures": len(result.failures), "detail": result.detail,
-                  "faults_imported": "harness.faults" in sys.modules,
+                  "faults_imported": "harness.selfcheck.faults" in sys.modules,
                   "controller": sorted(m for m in set(sys.modules) - before
                                        if m.startswith("harness") and m not in %r)}))
-""" % (sorted(RANK_SIDE),)
+""" % (sorted(n for n in MODULES if side(n) in RANK_SIDE_SIDES) + ["harness.selfcheck"],)
 
 
 @pytest.mark.parametrize("fault", ["", "loss_not_scaled"])
@@ -122,7 +238,7 @@ def test_the_public_api_and_the_plugin_import_no_torch():
              "from harness import case, grid, Diagnosis, MicroStep, PRECISIONS, ALL_PRECISIONS\n"
              "assert 'torch' not in sys.modules, 'torch imported'\n"
              "from harness import RankContext, Oracle\n"
-             "assert 'torch' in sys.modules and RankContext.__module__ == 'harness.context'\n"
+             "assert 'torch' in sys.modules and RankContext.__module__ == 'harness.rank.context'\n"
              "assert sorted(harness.__all__) == sorted(n for n in harness.__all__ if hasattr(harness, n))\n")
     done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})

@@ -17,13 +17,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import harness.matrix
-import harness.matrixfile
-import harness.strictjson
+import harness.matrix.file
+import harness.matrix.schema
+import harness.matrix.strictjson
 from harness.cli import main
-from harness.matrix import Matrix, MatrixError
+from harness.matrix.file import load_matrix, parse_matrix
+from harness.matrix.schema import Matrix, MatrixError
 from harness.records import STATUSES
-from harness.matrixfile import load_matrix
 
 GOOD = {
     "schema_version": 1,
@@ -132,7 +132,7 @@ def test_socket_is_refused(tmp_path, good):
 
 
 def test_oversize_file_is_refused_with_its_size(tmp_path, good, monkeypatch):
-    monkeypatch.setattr(harness.strictjson, "MAX_FILE_BYTES", 1000)
+    monkeypatch.setattr(harness.matrix.strictjson, "MAX_FILE_BYTES", 1000)
     small = tmp_path / "small.json"
     small.write_text(json.dumps(GOOD), encoding="utf-8")
     assert small.stat().st_size < 1000
@@ -300,9 +300,9 @@ def test_unknown_keys_are_accepted(tmp_path):
 
 
 def test_a_matrix_the_harness_wrote_round_trips(tmp_path):
-    from harness.matrix import Cell
+    from harness.matrix.schema import Cell
     from harness.records import Failure
-    from harness.report import render_json
+    from harness.render.reports import render_json
 
     failure = Failure(rank=1, step=3, model="gen", param="weight", kind="wrong_scale", max_abs_diff=0.25,
                       message="scaled", index=[0, 1], factor=2.0)
@@ -318,11 +318,11 @@ def test_a_field_added_to_cell_later_is_checked_by_its_annotation(tmp_path, good
     import dataclasses
 
     @dataclasses.dataclass
-    class NewerCell(harness.matrix.Cell):
+    class NewerCell(harness.matrix.schema.Cell):
         wrapper: str = ""
         ranks_per_node: "int | None" = None
 
-    monkeypatch.setattr(harness.matrixfile, "Cell", NewerCell)
+    monkeypatch.setattr(harness.matrix.file, "Cell", NewerCell)
     path = tmp_path / "newer.json"
     path.write_text(json.dumps(with_cell(wrapper="fsdp2", ranks_per_node=None)), encoding="utf-8")
     assert load_matrix(path).cells[1].wrapper == "fsdp2"
@@ -340,7 +340,7 @@ def test_a_byte_order_mark_is_accepted(tmp_path):
 
 def test_from_dict_names_the_source():
     with pytest.raises(MatrixError, match=r"^run\.json: schema_version is true, expected 1$"):
-        Matrix.from_dict({"schema_version": True, "cells": []}, source="run.json")
+        parse_matrix({"schema_version": True, "cells": []}, source="run.json")
 
 
 # Property tests: any JSON (or any bytes) as either file of diff, or as an input of compare, gives

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from harness.matrix import Cell, Matrix, merge_cells
+from harness.matrix.schema import Cell, Matrix, merge_cells
 from harness.records import Failure
 from harness.render.matrix import render_html, render_markdown
 from harness.render.page import cell_anchor, data_json
-from harness.report import CellTexts, render_json, write_reports
+from harness.render.reports import CellTexts, render_json, write_reports
 from harness.timeline import Timeline, TimelineMark, TimelineStep
 
 
@@ -213,7 +213,7 @@ def test_rewrites_with_the_kept_pieces_are_byte_for_byte_fresh_ones(tmp_path: Pa
 def test_a_rewrite_remakes_only_the_pieces_of_what_changed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import harness.render.matrix as matrix_md
     import harness.render.matrix_page as matrix_page
-    import harness.report as report
+    import harness.render.reports as report
 
     made: list[str] = []
 

@@ -1,4 +1,4 @@
-"""Tests for harness.merge and the `merge` subcommand."""
+"""Tests for harness.matrix.merge and the `merge` subcommand."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from harness.matrix import Cell, Matrix
-from harness.matrixfile import load_matrix
-from harness.merge import MergeError, merge_matrices
+from harness.matrix.file import load_matrix
+from harness.matrix.merge import MergeError, merge_matrices
+from harness.matrix.schema import Cell, Matrix
 from harness.records import Failure
-from harness.report import REPORT_NAMES, write_reports
+from harness.render.reports import REPORT_NAMES, write_reports
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

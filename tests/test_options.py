@@ -3,7 +3,7 @@
 
 import pytest
 
-from harness.options import OptionError, parse_world_sizes, resolve
+from harness.controller.options import OptionError, parse_world_sizes, resolve
 
 DEFAULTS = dict(world_sizes="auto", backend="auto", report_dir="reports", case_timeout="120", seed="1234")
 
@@ -66,7 +66,7 @@ def test_the_longest_case_timeout_accepted_is_one_the_pool_can_really_wait_for()
     import multiprocessing
     from multiprocessing.connection import wait
 
-    from harness.options import MAX_CASE_TIMEOUT_S
+    from harness.controller.options import MAX_CASE_TIMEOUT_S
 
     assert settings(gpu_count=0, case_timeout=str(MAX_CASE_TIMEOUT_S)).case_timeout_s == MAX_CASE_TIMEOUT_S
     reader, writer = multiprocessing.Pipe(duplex=False)
@@ -77,7 +77,7 @@ def test_the_longest_case_timeout_accepted_is_one_the_pool_can_really_wait_for()
 
 
 def test_the_rerun_command_writes_its_reports_beside_the_runs_not_over_them():
-    from harness.cells import rerun_command
+    from harness.controller.cells import rerun_command
 
     command = rerun_command("cases/test_x.py::test_x[fp32-ws2]", world_size=2, backend="gloo", seed=7,
                             report_dir="out", case_timeout_s=30, fault="grads_summed")

@@ -6,13 +6,13 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-
 from distributed import run_on_ranks
-from harness.models import make_model, regression_loss
-from harness.checks import Recorder
-from harness.oracle import Oracle
-from harness.replica import MixedPrecisionReplica
-from harness.schedule import accumulation_schedule
+
+from harness.rank.checks import Recorder
+from harness.rank.models import make_model, regression_loss
+from harness.rank.oracle import Oracle
+from harness.rank.replica import MixedPrecisionReplica
+from harness.rank.schedule import accumulation_schedule
 
 
 def sgd(params):

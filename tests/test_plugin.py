@@ -11,7 +11,6 @@ import textwrap
 
 import pytest
 import torch
-
 from conftest import PLANTED, ROOT, killed_if_failing, session_env, start_pytest, wait_for_no_processes, wait_until
 
 
@@ -119,7 +118,7 @@ def test_an_exception_while_waiting_for_a_cell_makes_it_an_error_and_the_next_ce
     """Whatever breaks in the controller while a cell runs: that cell is an error naming it, the pool
     is killed and rebuilt, and the run goes on."""
     (tmp_path / "break_one_wait.py").write_text(textwrap.dedent("""
-        from harness.pool import RankPool
+        from harness.controller.pool import RankPool
 
         original = RankPool.run
 

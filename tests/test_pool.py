@@ -4,8 +4,8 @@ import time
 
 import pytest
 
+from harness.controller.pool import PoolSet, PoolStartError
 from harness.messages import CellSpec, ProtocolError, RankResult, Ready, RunCell, expect
-from harness.pool import PoolSet, PoolStartError
 
 
 def test_messages_of_an_unknown_type_are_rejected_not_ignored():

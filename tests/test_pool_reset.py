@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 
 from harness.catalogue import load_case_file
-from harness.cells import run_cell, settings_for
-from harness.options import resolve
-from harness.pool import PoolSet
-from harness.selfcheck import Target
-from harness.wrappers import WRAPPERS, cell_variants
+from harness.controller.cells import run_cell, settings_for
+from harness.controller.options import resolve
+from harness.controller.pool import PoolSet
+from harness.selfcheck.run import Target
+from harness.wrappers.names import WRAPPERS
+from harness.wrappers.prepare import cell_variants
 
 ROOT = Path(__file__).resolve().parent.parent
 

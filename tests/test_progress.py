@@ -5,9 +5,9 @@ import re
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import PLANTED, wait_for_no_processes
-from harness.progress import Progress, duration, terminal_writer
+
+from harness.controller.progress import Progress, duration, terminal_writer
 
 
 class Clock:

@@ -3,9 +3,9 @@
 import time
 
 import pytest
-
 from conftest import PLANTED, Session, start_pytest, wait_for_no_processes
-from harness.pool import GRACE_S
+
+from harness.controller.pool import GRACE_S
 
 TIMEOUT_S = 4
 

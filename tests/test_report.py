@@ -1,4 +1,4 @@
-"""Tests for harness.report: the JSON, Markdown, HTML and terminal renderings of a matrix."""
+"""Tests for harness.render.reports: the JSON, Markdown, HTML and terminal renderings of a matrix."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from harness.matrix import Cell, Matrix
+from harness.matrix.file import parse_matrix
+from harness.matrix.schema import Cell, Matrix
 from harness.records import STATUSES, Failure
 from harness.render.matrix import render_html, render_markdown, render_table
-from harness.render.text import md_code, md_text
-from harness.report import check_report_dir, render_json, write_atomically, write_reports
+from harness.render.reports import check_report_dir, render_json, write_atomically, write_reports
+from harness.text import md_code, md_text
 
 PLANTED_MESSAGE = "'gen.weight' on rank 1 at step 3: not synced <b>& friends</b>"
 
@@ -84,12 +85,12 @@ def test_json_round_trips() -> None:
     text = render_json(matrix)
     assert text.endswith("\n")
     data = json.loads(text)
-    assert Matrix.from_dict(data).to_dict() == matrix.to_dict()
+    assert parse_matrix(data).to_dict() == matrix.to_dict()
     assert data == matrix.to_dict()
 
 
 def test_json_of_an_infinite_difference_is_strict_and_reads_back(tmp_path: Path) -> None:
-    from harness.matrixfile import load_matrix
+    from harness.matrix.file import load_matrix
 
     failure = make_failure()
     failure.max_abs_diff, failure.max_rel_diff, failure.factor = float("inf"), float("nan"), float("-inf")
@@ -335,8 +336,8 @@ def assert_no_raw_markup_from_data(markdown: str) -> None:
 
 
 def test_no_raw_html_from_the_data_reaches_any_markdown() -> None:
-    from harness.comparison import build_comparison
-    from harness.diff import diff_matrices
+    from harness.matrix.comparison import build_comparison
+    from harness.matrix.diff import diff_matrices
     from harness.render.comparison import render_comparison_markdown
     from harness.render.diff import render_diff_markdown
 
@@ -396,7 +397,7 @@ def test_reports_say_sync_is_not_tested_at_world_size_one_only_where_there_are_s
 
 
 def test_the_json_is_json_dumps_of_the_whole_matrix_made_of_each_cells_text_once() -> None:
-    from harness.report import CellTexts, _finite_json
+    from harness.render.reports import CellTexts, _finite_json
 
     matrix = make_matrix()
     matrix.cells[0].max_abs_diff = float("inf")

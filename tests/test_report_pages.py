@@ -11,8 +11,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, start_pytest
+
 from harness.render.page import cell_anchor
 
 PAGES_DIR = Path(os.environ.get("HARNESS_PAGES_DIR", ROOT / "reports" / "browser-tests"))

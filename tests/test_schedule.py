@@ -2,7 +2,7 @@
 
 import pytest
 
-from harness.schedule import accumulation_schedule, batches_per_rank
+from harness.rank.schedule import accumulation_schedule, batches_per_rank
 
 
 def marks(points, attr):
@@ -71,14 +71,14 @@ def test_batches_per_rank(samples, batch_size, world_size, split, expected):
     [(19, 4, 1, False, 5), (39, 4, 2, False, 5), (41, 4, 2, False, 6), (19, 8, 2, True, 3), (16, 8, 4, True, 2)],
 )
 def test_dispatched_batches_per_rank(samples, batch_size, world_size, split, expected):
-    from harness.schedule import dispatched_batches_per_rank
+    from harness.rank.schedule import dispatched_batches_per_rank
 
     assert dispatched_batches_per_rank(samples, batch_size=batch_size, world_size=world_size,
                                        split_batches=split) == expected
 
 
 def test_windows_end_at_optimizer_steps():
-    from harness.schedule import windows
+    from harness.rank.schedule import windows
 
     points = accumulation_schedule(5, epochs=1, num_steps=2)  # steps at 2, 4, 5
     assert windows(points) == [0, 0, 1, 1, 2]

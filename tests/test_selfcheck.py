@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 
 from harness import catalogue as case_catalogue
-from harness import selfcheck
-from harness.matrix import Cell
+from harness.matrix.schema import Cell
 from harness.records import Status
 from harness.render.selfcheck import render, sensitivity_text
-from harness.selfcheck import Runner, Target, first_kinds, measure_sensitivity
-from harness.wrappers import DEEPSPEED, WRAPPERS, cell_variants
+from harness.selfcheck import run as selfcheck
+from harness.selfcheck.run import Runner, Target, first_kinds, measure_sensitivity
+from harness.wrappers.names import DEEPSPEED, WRAPPERS
+from harness.wrappers.prepare import cell_variants
 
 ROOT = Path(__file__).resolve().parent.parent
 SEEDS = range(1000, 1010)

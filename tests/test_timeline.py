@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 
 from harness.catalogue import load_case_file
-from harness.checks import Recorder
-from harness.matrix import Cell, Matrix, MatrixError
+from harness.matrix.file import parse_matrix
+from harness.matrix.schema import Cell, Matrix, MatrixError
+from harness.rank.checks import Recorder
+from harness.rank.schedule import MicroStep
 from harness.records import Failure
-from harness.report import render_json
-from harness.schedule import MicroStep
-from harness.selfcheck import Runner, Target
+from harness.render.reports import render_json
+from harness.selfcheck.run import Runner, Target
 from harness.timeline import Timeline, TimelineRecorder
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,7 +67,7 @@ def test_a_cell_writes_its_timeline_only_when_it_has_one():
     assert "timeline" not in plain.to_dict()
     timeline = Timeline.join([TimelineRecorder(rank=0, marks={(1, "grad"): "stale"})])
     failing = Cell("c", "w", 2, "fail", timeline=timeline)
-    read = Matrix.from_dict(json.loads(render_json(Matrix(environment={}, cells=[plain, failing]))))
+    read = parse_matrix(json.loads(render_json(Matrix(environment={}, cells=[plain, failing]))))
     assert read.cells[0].timeline is None and read.cells[1].timeline == timeline
 
 
@@ -83,13 +84,13 @@ def test_a_malformed_timeline_is_refused_in_one_line_naming_the_field(timeline, 
     data = {"schema_version": 1, "cells": [{"case": "c", "variant": "v", "world_size": 2, "status": "fail",
                                             "timeline": timeline}]}
     with pytest.raises(MatrixError) as raised:
-        Matrix.from_dict(data)
+        parse_matrix(data)
     assert str(raised.value) == f"matrix: cells[0] (c / v / ws=2): {problem}"
 
 
 def test_a_microstep_gives_the_whole_schedule_point():
     recorder = Recorder(rank=0)
-    from harness.checks import mark_point
+    from harness.rank.checks import mark_point
 
     mark_point(recorder, MicroStep(index=5, epoch=1, batch=0, sync=False, optimizer_step=False, end_of_dataloader=False))
     mark_point(recorder, 6, sync=True)

@@ -1,6 +1,6 @@
 """Token-weighted losses: the token data, the oracle's full-batch token mean on real ranks, the
-misweighted diagnosis planted and quiet, and the token cases on a real pool (harness/tokens.py,
-Oracle.token_window, harness/checks.py Reweighing)."""
+misweighted diagnosis planted and quiet, and the token cases on a real pool (harness/rank/tokens.py,
+Oracle.token_window, harness/rank/checks.py Reweighing)."""
 
 from __future__ import annotations
 
@@ -8,21 +8,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from distributed import run_on_ranks
 
 from harness import catalogue as case_catalogue
-from harness.checks import Recorder
-from harness.closeness import Expectation, rounding_allowance
 from harness.decorator import Diagnosis, Variant
-from harness.diagnosis import Hypotheses, diagnose, fitted_weights
-from harness.models import TinyLM, derive_seed, seeded
-from harness.oracle import Oracle
-from harness.weighting import token_seeds
+from harness.rank.checks import Recorder
+from harness.rank.closeness import Expectation, rounding_allowance
+from harness.rank.diagnosis import Hypotheses, diagnose, fitted_weights
+from harness.rank.models import TinyLM, derive_seed, seeded
+from harness.rank.oracle import Oracle
+from harness.rank.tokens import IGNORE_INDEX, TokenDataset, pad_tokens, token_loss_sum, valid_tokens
+from harness.rank.weighting import token_seeds
 from harness.records import FailureKind, Status
-from harness.render.failures import canary_unobservable_summary
-from harness.selfcheck import Runner, Target
-from harness.tokens import IGNORE_INDEX, TokenDataset, pad_tokens, token_loss_sum, valid_tokens
-from harness.wrappers import WRAPPERS, cell_variants
-from distributed import run_on_ranks
+from harness.selfcheck.run import Runner, Target
+from harness.wording import canary_unobservable_summary
+from harness.wrappers.names import WRAPPERS
+from harness.wrappers.prepare import cell_variants
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from harness.matrix import Cell, Matrix, unavailable_checks, with_unavailable_checks
-from harness.matrixfile import parse_matrix
-from harness.merge import merge_matrices
-from harness.records import Status
 from conftest import start_pytest, wait_for_no_processes
+
+from harness.matrix.file import parse_matrix
+from harness.matrix.merge import merge_matrices
+from harness.matrix.schema import Cell, Matrix, unavailable_checks, with_unavailable_checks
+from harness.records import Status
 
 SELECTION = ["cases/test_no_sync.py", "-k", "test_no_sync_trigger_sync_compiled or test_no_sync[fp32-ws2]",
              "--world-sizes", "2"]

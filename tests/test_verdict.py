@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from harness.controller.verdict import judge
 from harness.decorator import Diagnosis
 from harness.messages import RankResult
 from harness.records import CellOutcome, Failure, FaultKind, RankFault, RankOutcome
-from harness.render.failures import cell_message as format_message
-from harness.verdict import judge
+from harness.wording import cell_message as format_message
 
 NESTED = (Diagnosis("not_synced", model="gen"), Diagnosis("stepped_early", model="disc"))
 

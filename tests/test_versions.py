@@ -10,9 +10,9 @@ import subprocess
 import sys
 
 import pytest
+from conftest import ROOT, session_env
 
 from harness import versions
-from conftest import ROOT, session_env
 
 RAISED = "import sys, pytest, harness.versions as v; v.MINIMUM['torch'] = '99.1'; sys.exit(pytest.main(sys.argv[1:]))"
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.matrix import Cell, Matrix
+from harness.matrix.schema import Cell, Matrix
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOW = ROOT / ".github" / "workflows" / "nightly.yml"

@@ -4,11 +4,12 @@ reading of a model, the collective accounting on real collectives, and whole cel
 from __future__ import annotations
 
 import pytest
+from distributed import run_on_ranks
 
 from harness import Variant, compiled, grid
-from harness.accounting import Backward, judge
-from harness.wrappers import AUTO, WRAPPERS, cell_variants, parse
-from distributed import run_on_ranks
+from harness.rank.accounting import Backward, judge
+from harness.wrappers.names import AUTO, WRAPPERS, parse
+from harness.wrappers.prepare import cell_variants
 
 PLANTED = "tests/planted/wrapper_cases.py"
 
@@ -80,7 +81,7 @@ def _ddp_backwards(rank, world_size):
     import torch
     import torch.distributed as dist
 
-    from harness.accounting import Accounting
+    from harness.rank.accounting import Accounting
 
     assert os.environ.get("TORCH_FR_BUFFER_SIZE")  # set before the group was made (below)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
@@ -113,7 +114,7 @@ def _shards(rank, world_size):
     import torch
     from torch.distributed.fsdp import fully_shard
 
-    from harness.sharding import observe
+    from harness.wrappers.sharding import observe
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 1))

@@ -1,5 +1,8 @@
-"""Every text a person reads: terminal lines, Markdown, HTML, and the messages of failures and cells.
+"""Every text a person reads in a report or a command's output: the terminal matrix, Markdown, HTML,
+the diff, the comparison and the self-check's report, and writing the three reports of a run
+(``reports``). A cell's and a failure's own words are ``harness.wording``; all of it goes through the
+one escaper in ``harness.text``.
 
-The logic modules return data; these modules turn it into text, and all of it goes through the one
-escaper in ``harness.render.text``. The rank side imports ``text`` and ``failures`` only.
+May import: the core modules of ``harness``, ``harness.matrix``, ``harness.render`` and the
+self-check's results.
 """

@@ -7,14 +7,14 @@ import os
 from pathlib import Path
 from urllib.parse import quote
 
-from harness.comparison import Comparison, ComparisonColumn, ComparisonRow
-from harness.diff import world_sizes_of
-from harness.matrix import Cell
+from harness.matrix.comparison import Comparison, ComparisonColumn, ComparisonRow
+from harness.matrix.diff import world_sizes_of
+from harness.matrix.schema import Cell
 from harness.records import STATUSES
 from harness.render.diff import format_world_sizes
 from harness.render.page import STATUS_MEANINGS, cell_anchor, legend, page_head, page_tail, status_badge
 from harness.render.style import ABSENT, STATUS_SYMBOLS, md_status
-from harness.render.text import html_text, md_text, printable_line
+from harness.text import html_text, md_text, printable_line
 
 DIFFERS_MARK = "≠"
 REGRESSED_MARK = "regressed"

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from harness.diff import CellChange, CellKey, MatrixDiff
-from harness.matrix import Cell
+from harness.matrix.diff import CellChange, CellKey, MatrixDiff
+from harness.matrix.schema import Cell
 from harness.render.style import STATUS_SYMBOLS, md_status
-from harness.render.text import md_text, printable_line
+from harness.text import md_text, printable_line
 
 # What a vanished cell's candidate status is shown as.
 MISSING = "missing"

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from harness.matrix import UNAVAILABLE_CHECKS, Cell, Matrix, unavailable_checks
+from harness.matrix.schema import UNAVAILABLE_CHECKS, Cell, Matrix, unavailable_checks
 from harness.records import CHECK_TITLES, Status
 from harness.render.matrix_page import CellFragments, render_matrix_page
 from harness.render.style import ABSENT, STATUS_SYMBOLS, md_status, verdict
-from harness.render.text import md_code, md_text
+from harness.text import md_code, md_text
 
 # Cells whose outcome needs no explanation in the Failures section.
 QUIET_STATUSES = frozenset({Status.PASS, Status.DETECTED, Status.SKIP})

@@ -7,7 +7,7 @@ from collections import Counter
 from operator import is_
 from typing import Any, Callable, TypeVar
 
-from harness.matrix import Cell, Matrix, unavailable_checks
+from harness.matrix.schema import Cell, Matrix, unavailable_checks
 from harness.records import BAD_STATUSES, STATUSES, Failure
 from harness.render.page import (
     KIND_COLOURS,
@@ -21,7 +21,7 @@ from harness.render.page import (
     status_badge,
     verdict_banner,
 )
-from harness.render.text import html_block, html_text, printable_block, printable_line
+from harness.text import html_block, html_text, printable_block, printable_line
 from harness.timeline import CHECK_WORDS, CHECKS, Timeline
 
 # What the page carries of a cell's failures (matrix.json has them all): the first failure of each

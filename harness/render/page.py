@@ -14,7 +14,7 @@ from urllib.parse import quote
 
 from harness.records import CHECK_TITLES, STATUSES, FailureKind
 from harness.render.style import PAGE_STYLE, status_style, verdict
-from harness.render.text import html_text
+from harness.text import html_text
 
 # Every diagnosis has its own colour in a timeline; a kind this harness does not know is grey.
 KIND_COLOURS = {

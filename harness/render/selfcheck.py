@@ -7,9 +7,9 @@ import math
 from typing import Any, Iterable
 
 from harness.decorator import PRECISIONS
-from harness.faults import Fault
 from harness.records import BAD_STATUSES, Status
-from harness.selfcheck import CleanRun, FaultDone, PoolUp, SelfcheckResult, Sensitivity
+from harness.selfcheck.planted import Fault
+from harness.selfcheck.run import CleanRun, FaultDone, PoolUp, SelfcheckResult, Sensitivity
 
 SYMBOLS = {Status.FAIL: "X", Status.PASS: ".", Status.ERROR: "E", Status.SKIP: "-", Status.UNSUPPORTED: "-",
            Status.DETECTED: "d", Status.MISSED: "m"}

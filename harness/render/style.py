@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from harness.records import BAD_STATUSES, Status
-from harness.render.text import md_text
+from harness.text import md_text
 
 # What a table shows where an input has no such cell.
 ABSENT = "—"

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from harness import Diagnosis, Variant, case
-from harness.models import derive_seed, rank_batch, regression_loss
+from harness.rank.models import derive_seed, rank_batch, regression_loss
 
 # the planted situations are about ranks and the protocol, not about wrappers
 DDP_ONLY = ["ddp"]

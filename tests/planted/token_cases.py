@@ -1,12 +1,12 @@
 """Planted token-weighted loops at 3 accumulation steps, in the two documented orders of arithmetic:
 at world size 3 and 3 steps neither the weight nor its parts are powers of two, so each order rounds
-the weight its own way (harness.oracle.token_seeds)."""
+the weight its own way (harness.rank.oracle.token_seeds)."""
 
 import torch
 from torch.utils.data import DataLoader
 
 from harness import case, grid
-from harness.tokens import pad_tokens, token_loss_sum, valid_tokens
+from harness.rank.tokens import pad_tokens, token_loss_sum, valid_tokens
 
 STEPS = 3
 BATCHES = 7  # windows of 3, 3 and 1 (the last window of an epoch one batch: RankContext.windows)

@@ -3,7 +3,7 @@
 import torch
 
 from harness import case, grid
-from harness.models import regression_loss
+from harness.rank.models import regression_loss
 
 
 def sgd(params):

@@ -1,10 +1,10 @@
 """Gradient-sync checks of my_project's own training step: `pytest -n auto gradsync/`."""
 
-from harness import ALL_PRECISIONS, RankContext, case, grid
-
 from my_project.data import NoisyBlobs
 from my_project.model import TinyClassifier
 from my_project.train import loss_fn, make_optimizers, train_step
+
+from harness import ALL_PRECISIONS, RankContext, case, grid
 
 EPOCHS = 2
 

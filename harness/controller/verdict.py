@@ -1,0 +1,111 @@
+"""A cell's verdict: its status from the ranks' results (the words come from harness.wording)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from harness import wording as text
+from harness.decorator import Diagnosis
+from harness.matrix.schema import Cell
+from harness.records import UNCHECKED_KINDS, CellOutcome, Failure, RankOutcome, Status
+from harness.timeline import Timeline
+
+
+def _judge_canary(cell: Cell, detects: Sequence[Diagnosis], omitted: int) -> Cell:
+    """A canary is detected when every declared diagnosis that this world size can show was found.
+    One that must show a kind only a check that could not run here gives is ``skip``, saying why."""
+    required = [d for d in detects if d.observable(cell.world_size)]
+    if not required:
+        cell.status = Status.SKIP
+        cell.summary = text.canary_unobservable_summary(detects, cell.world_size)
+        return cell
+    blind = {check: reason for check, reason in cell.unchecked.items()
+             if any(d.kind in UNCHECKED_KINDS.get(check, ()) for d in required)}
+    if blind:
+        cell.status = Status.SKIP
+        cell.summary = text.canary_unchecked_summary(required, blind)
+        return cell
+    found = [d for d in required if any(d.matches(f.kind, f.model) for f in cell.failures)]
+    if len(found) == len(required):
+        cell.status = Status.DETECTED
+        cell.summary = text.canary_detected_summary(required, cell.failures, omitted) + text.unchecked_suffix(cell.unchecked)
+        return cell
+    cell.status = Status.MISSED
+    cell.summary = (text.canary_missed_summary([d for d in required if d not in found], cell.failures, omitted)
+                    + text.unchecked_suffix(cell.unchecked))
+    return cell
+
+
+def judge(
+    *,
+    case: str,
+    variant: str,
+    world_size: int,
+    detects: Sequence[Diagnosis] = (),
+    outcome: CellOutcome | None,
+    timeout_s: float,
+    duration_s: float,
+    nodeid: str = "",
+    rerun: str = "",
+    start_error: str = "",
+    controller_error: str = "",
+) -> Cell:
+    """One cell from the pool's outcome (None when the pool could not start, or when the controller
+    failed while waiting: ``controller_error`` is then its traceback). ``detects``: a canary's
+    declared diagnoses (empty for an ordinary case)."""
+    cell = Cell(case=case, variant=variant, world_size=world_size, status=Status.ERROR,
+                duration_s=round(duration_s, 4), nodeid=nodeid, rerun=rerun)
+    if controller_error:
+        cell.summary = text.controller_error_summary(controller_error)
+        cell.detail = controller_error
+        return cell
+    if outcome is None:
+        cell.summary = text.start_error_summary(world_size, start_error)
+        cell.detail = start_error
+        return cell
+    if outcome.faults:
+        cell.summary = text.faults_summary(outcome.faults, timeout_s=timeout_s)
+        cell.detail = text.faults_detail(outcome.faults, timeout_s=timeout_s)
+        return cell
+    results = [outcome.results[r] for r in sorted(outcome.results)]
+    outcomes = {r.outcome for r in results}
+    if len(outcomes) > 1:
+        # one rank skipping while another ran (and maybe failed) would hide that failure
+        cell.summary = text.disagreement_summary(results)
+        return cell
+    if outcomes == {RankOutcome.UNSUPPORTED}:
+        cell.status = Status.UNSUPPORTED
+        cell.summary = results[0].detail
+        return cell
+    if outcomes == {RankOutcome.SKIPPED}:
+        cell.status = Status.SKIP
+        cell.summary = results[0].detail
+        return cell
+    assert outcomes <= {RankOutcome.OK}, outcomes  # RAISED arrives as a fault
+    failures: list[Failure] = sorted((f for r in results for f in r.failures), key=lambda f: (f.step, f.rank))
+    omitted = sum(r.omitted_failures for r in results)
+    cell.checks = sum(r.checks for r in results)
+    cell.grad_checks = sum(r.grad_checks for r in results)
+    cell.vacuous_checks = sum(r.vacuous_checks for r in results)
+    cell.comm_checks = sum(r.comm_checks for r in results)
+    cell.max_abs_diff = max((r.max_abs_diff for r in results), default=0.0)
+    cell.failures = failures
+    cell.unchecked = dict(sorted({k: v for r in results for k, v in r.unchecked.items()}.items()))
+    if failures or omitted:  # where the ranks parted from the oracle, drawn by the HTML report
+        cell.timeline = Timeline.join(r.timeline for r in results if r.timeline is not None)
+    if cell.grad_checks == 0:
+        cell.status = Status.MISSED if detects else Status.ERROR
+        cell.summary = text.NO_GRADIENT_CHECK
+        return cell
+    if world_size >= 2 and cell.vacuous_checks == cell.grad_checks:
+        cell.summary = text.all_vacuous_summary(cell)
+        return cell
+    if detects:
+        return _judge_canary(cell, detects, omitted)
+    if failures:
+        cell.status = Status.FAIL
+        cell.summary = text.failures_summary(failures, omitted) + text.unchecked_suffix(cell.unchecked)
+        return cell
+    cell.status = Status.PASS
+    cell.summary = text.evidence_summary(cell)
+    return cell

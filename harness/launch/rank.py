@@ -1,0 +1,216 @@
+"""One launched process as a rank: its process group (generation after generation), its device, the
+watch thread that keeps it answering while its cell is stuck, and the loop of a rank other than 0.
+
+The first process group comes from the launcher's own rendezvous (``env://``: its store, its address).
+After a rank raised, the others may be blocked in a collective it skipped. They must come back, and
+the group is then unusable (the ranks disagree on how many collectives it has run), so:
+- with gloo, no collective may much outlast a cell: the group's collective timeout is the cell's
+  timeout (``--case-timeout``) and a margin, after which a blocked collective raises (aborting a gloo
+  group from another thread does not reliably wake a rank waiting in DDP's own collectives: tried,
+  and it did not). The margin lets rank 0 judge a stuck cell first, at its deadline, as a local pool
+  does: which rank hung and which were blocked, never a timeout raised on the blocked ones;
+- with nccl, every rank aborts the group, which ends its pending collectives (torch's documented
+  use of ``_abort_process_group``, with TORCH_NCCL_ASYNC_ERROR_HANDLING off so that the watchdog
+  does not end the process first);
+then every rank joins a new generation of the group through the same store.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+from harness.launch.channel import Channel, connect, message_key, result_key
+from harness.launch.environment import RENDEZVOUS_VARIABLES, LaunchInfo
+from harness.messages import Rejoin, RunCell, Shutdown, expect
+from harness.rank import runner as rank_side
+from harness.records import RankOutcome
+
+WATCH_S = 0.25  # how often a rank's watch thread beats and looks for requests
+DRIVER_LOST_S = 30.0  # a rank whose driver's heartbeat stands still this long exits
+PG_TIMEOUT_S = 1800.0  # joining a group; cells have their own, shorter, deadline (--case-timeout)
+# after a cell's deadline: rank 0's grace for the others, its question to the stuck ones, and a second
+COLLECTIVE_MARGIN_S = 10.0
+
+
+def say(info: LaunchInfo, text: str) -> None:
+    print(f"harness launch: rank {info.rank} on {info.host}: {text}", file=sys.stderr, flush=True)
+
+
+def all_stacks() -> str:
+    """Every thread's stack, as faulthandler writes them."""
+    with tempfile.TemporaryFile("w+") as handle:
+        faulthandler.dump_traceback(file=handle, all_threads=True)
+        handle.seek(0)
+        return handle.read()
+
+
+class RankRuntime:
+    """This process's part in the launch's process group."""
+
+    def __init__(self, info: LaunchInfo, backend: str, *, cell_timeout_s: float) -> None:
+        self.info = info
+        self.backend = backend
+        self.cell_timeout_s = cell_timeout_s
+        self.generation = 0
+        self.lock = threading.Lock()
+        self.device: Any = None
+        self.closing = False
+        self._stores: list[Any] = []  # clients the live process group uses
+
+    def start(self) -> None:
+        """Join the launcher's rendezvous and pay the one-time costs (imports, a first collective)."""
+        if self.backend == "gloo":
+            rank_side.limit_threads()
+        rank_side.keep_large_allocations()
+        import torch
+        import torch.distributed as dist
+
+        if self.backend == "gloo":
+            torch.set_num_threads(1)
+        else:
+            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
+        self.device = rank_side.rank_device(self.backend)
+        rank_side.record_collectives()
+        dist.init_process_group(self.backend, init_method="env://", rank=self.info.rank,
+                                world_size=self.info.world_size, timeout=timedelta(seconds=PG_TIMEOUT_S))
+        self._limit_collectives()
+        rank_side._warm_up(self.device)
+        if self.info.world_size == 1:
+            # as in a local pool, world size 1 is a plain single process: accelerate sees no launcher
+            for name in RENDEZVOUS_VARIABLES:
+                os.environ.pop(name, None)
+
+    def _limit_collectives(self) -> None:
+        """With gloo, a collective that waits longer than a cell may take raises (see the module's doc)."""
+        if self.backend != "gloo":
+            return
+        import torch
+        import torch.distributed as dist
+
+        group = dist.distributed_c10d._get_default_group()
+        timeout = timedelta(seconds=self.cell_timeout_s + COLLECTIVE_MARGIN_S)
+        group._get_backend(torch.device("cpu"))._set_default_timeout(timeout)
+
+    def abort(self, generation: int, *, wait: bool = True) -> bool:
+        """Abort generation ``generation`` if it is the live one: its blocked collectives return."""
+        if not self.lock.acquire(blocking=wait):
+            return False
+        try:
+            import torch.distributed as dist
+
+            if generation != self.generation or not dist.is_initialized():
+                return False
+            dist.distributed_c10d._abort_process_group()
+            return True
+        finally:
+            self.lock.release()
+
+    def rejoin(self, generation: int, channel: Channel) -> None:
+        """Leave the old group and join generation ``generation`` with every other rank."""
+        import torch.distributed as dist
+
+        with self.lock:
+            if dist.is_initialized():
+                dist.distributed_c10d._abort_process_group()
+            self.generation = generation
+        channel.put(f"ready/{generation}/{self.info.rank}", True)
+        store = connect(self.info)
+        self._stores = [store]
+        dist.init_process_group(self.backend, store=dist.PrefixStore(f"pg/{generation}", store),
+                                rank=self.info.rank, world_size=self.info.world_size,
+                                timeout=timedelta(seconds=PG_TIMEOUT_S))
+        self._limit_collectives()
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        self.closing = True
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def watch(runtime: RankRuntime, channel: Channel, *, driver: bool) -> None:
+    """The body of every rank's watch thread. It beats; on a rank other than 0 it also answers rank
+    0's questions, aborts the process group when told, exits when told to stop, and exits when rank
+    0 (the driver) stops beating: no rank outlives the launch's driver."""
+    info = runtime.info
+    next_ask = 1
+    driver_beat, since = -1, time.monotonic()
+    while True:
+        time.sleep(WATCH_S)
+        if runtime.closing:
+            return
+        try:
+            channel.count(f"beat/{info.rank}", 1)
+            if driver:
+                continue
+            if channel.has("stop"):
+                status = channel.take("stop")
+                channel.put(f"bye/{info.rank}", True)
+                say(info, f"rank 0 ended the launch (exit status {status})")
+                os._exit(status)
+            generation = runtime.generation
+            if channel.has(f"abort/{generation}"):
+                runtime.abort(generation, wait=False)
+            while channel.has(f"ask/{next_ask}"):
+                channel.put(f"answer/{next_ask}/{info.rank}", (rank_side.collectives_issued(), all_stacks()))
+                next_ask += 1
+            beat = channel.count("beat/0")
+        except Exception as exc:  # the store is gone: rank 0's host, or the launcher, went down
+            if runtime.closing:
+                return
+            say(info, f"the launch's store stopped answering ({' '.join(str(exc).split())[:200]}); exiting")
+            os._exit(1)
+        now = time.monotonic()
+        if beat != driver_beat:
+            driver_beat, since = beat, now
+        elif now - since > DRIVER_LOST_S:
+            say(info, f"rank 0 (the driver) gave no heartbeat for {DRIVER_LOST_S:.0f} s; exiting")
+            os._exit(1)
+
+
+def start_watch(runtime: RankRuntime, *, driver: bool) -> None:
+    channel = Channel(connect(runtime.info))
+    threading.Thread(target=watch, args=(runtime, channel), kwargs={"driver": driver},
+                     name="harness-watch", daemon=True).start()
+
+
+def follow(runtime: RankRuntime, channel: Channel) -> int:
+    """A rank other than 0: run every cell rank 0 sends, until it says stop; the run's exit status."""
+    n = 1
+    while True:
+        message = expect(channel.wait_for(message_key(n)), RunCell, Rejoin, Shutdown)
+        if isinstance(message, RunCell):
+            result = run_guarded(message, runtime)
+            channel.put(result_key(n, runtime.info.rank), result)
+            channel.count(f"done/{n}", 1)
+        elif isinstance(message, Rejoin):
+            runtime.rejoin(message.generation, channel)
+        else:
+            runtime.close()
+            channel.put(f"bye/{runtime.info.rank}", True)
+            return message.exit_status
+        n += 1
+
+
+def run_guarded(message: RunCell, runtime: RankRuntime) -> Any:
+    """rank.run_cell, with anything it lets through (a case's SystemExit) made a raise of the cell:
+    under a launcher the process is the rank and must stay."""
+    try:
+        return rank_side.run_cell(message.spec, runtime.info.rank, runtime.device)
+    except BaseException:
+        from harness.messages import RankResult
+
+        return RankResult(rank=runtime.info.rank, outcome=RankOutcome.RAISED, cell_id=message.spec.cell_id,
+                          detail=traceback.format_exc())

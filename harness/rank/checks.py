@@ -1,0 +1,447 @@
+"""How a rank's state is judged against the oracle: the checks a case calls, the diagnosis of a
+mismatch, the failures recorded, and the oracle anchored to the rank's real state afterwards.
+
+After every check the oracle carries on from the state the rank is really in (its parameters, and
+its gradients after a gradient check), so each check judges only the arithmetic since the last
+one: an error is reported where it happens, and the allowance stays at the floating-point limit of
+one step (harness/rank/closeness.py) instead of growing with every step the replicas run on their own.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+from torch import nn
+
+from harness import wording as text
+from harness.rank.accounting import CHECK, Accounting, judge
+from harness.rank.accounting import unavailable as accounting_unavailable
+from harness.rank.closeness import Difference, Expectation, all_close, difference, distinguishable, rounding_allowance
+from harness.rank.diagnosis import Hypotheses, diagnose, fitted_weights
+from harness.rank.replica import AUTOCAST_DTYPES
+from harness.rank.schedule import MicroStep
+from harness.records import Failure, FailureKind
+from harness.timeline import TimelineRecorder
+from harness.wrappers.names import REDUCES_EVERY_MICRO_BATCH
+from harness.wrappers.observed import Observed
+from harness.wrappers.prepare import verify
+from harness.wrappers.sharding import observe
+
+if TYPE_CHECKING:
+    from harness.rank.oracle import Oracle
+
+# Failures kept per rank; the rest are counted. The first ones in step order say the most.
+MAX_FAILURES = 64
+
+
+@dataclass
+class Recorder:
+    """Failures and check counts of one rank in one cell."""
+
+    rank: int
+    failures: list[Failure] = field(default_factory=list)
+    omitted: int = 0
+    checks: int = 0  # every comparison: gradients, parameters, flags, learning rates
+    grad_checks: int = 0
+    vacuous_checks: int = 0  # gradient checks where synced and local could not be told apart
+    comm_checks: int = 0  # backwards whose collectives were judged (harness/rank/accounting.py)
+    max_abs_diff: float = 0.0
+    # the checks that could not run here, by name, each with its reason (CONTRACT.md, "Checks that
+    # cannot run"): recorded where one would have run, so that the cell says so
+    unchecked: dict[str, str] = field(default_factory=dict)
+    timeline: TimelineRecorder = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.timeline = TimelineRecorder(rank=self.rank)
+
+    def add(self, failure: Failure) -> None:
+        self.timeline.mark(failure.step, failure.checked, failure.kind)
+        if len(self.failures) < MAX_FAILURES:
+            self.failures.append(failure)
+        else:
+            self.omitted += 1
+
+    def observe(self, max_abs: float) -> None:
+        self.max_abs_diff = max(self.max_abs_diff, max_abs)
+
+
+def as_optimizers(value: Any) -> tuple[Any, ...]:
+    """One optimizer, or a list or tuple of them, as a tuple."""
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
+def where(step: MicroStep | int) -> tuple[int, str]:
+    """A failure's step number and the words for where it is."""
+    if isinstance(step, MicroStep):
+        return step.index, step.where()
+    return step, f"step {step}"
+
+
+def mark_point(recorder: Recorder, step: MicroStep | int, *, sync: bool | None = None,
+               optimizer_step: bool | None = None) -> None:
+    """The schedule's micro-step for the timeline: all of it from a MicroStep, else what the oracle
+    knows at this check (the last backward's sync, whether the optimizer was due)."""
+    if isinstance(step, MicroStep):
+        recorder.timeline.at(step.index, epoch=step.epoch, batch=step.batch, sync=step.sync,
+                             optimizer_step=step.optimizer_step)
+    else:
+        recorder.timeline.at(step, sync=sync, optimizer_step=optimizer_step)
+
+
+def make_failure(
+    *,
+    rank: int,
+    step: int,
+    where: str,
+    model: str,
+    param: str,
+    checked: str,
+    kind: FailureKind,
+    factor: float | None,
+    diff: Difference,
+    noun: str | None = None,
+    weights: list[float] | None = None,
+) -> Failure:
+    """A failure of a gradient check (``checked="grad"``) or a parameter check (``"param"``), where
+    ``diff`` compared the gradients or the updates; ``noun`` names what was compared otherwise;
+    ``weights``: a misweighted gradient's fitted weights (by rank, after a sync)."""
+    noun = noun or ("gradient of" if checked == "grad" else "update of parameter")
+    what = f"{noun} '{model}.{param}'"
+    return Failure(
+        rank=rank,
+        step=step,
+        model=model,
+        param=param,
+        kind=kind,
+        max_abs_diff=diff.max_abs,
+        max_rel_diff=diff.max_rel if math.isfinite(diff.max_rel) else 1e308,
+        index=list(diff.max_abs_index),
+        checked=checked,
+        factor=factor,
+        mismatched=diff.mismatched,
+        numel=diff.numel,
+        atol=diff.allowed_abs,
+        rtol=diff.allowed_rel if math.isfinite(diff.allowed_rel) else 1e308,
+        message=text.mismatch_text(what=what, where=f"on rank {rank} at {where}", kind=kind, factor=factor, diff=diff,
+                                   weights=weights),
+    )
+
+
+def _grad_or_zeros(observed: Observed, pname: str) -> torch.Tensor:
+    grad = observed.grads[pname]
+    return grad if grad is not None else torch.zeros_like(observed.params[pname])
+
+
+def _joined(expectations: Mapping[str, Expectation]) -> Expectation:
+    """One flat expectation of a model's parameters, for a model-wide question."""
+    values = [e.value.reshape(-1) for e in expectations.values()]
+    allowed = [e.allowed.reshape(-1) for e in expectations.values()]
+    return Expectation(torch.cat(values), torch.cat(allowed))
+
+
+def _param_kind(actual: torch.Tensor, rank0: torch.Tensor, *, moved: bool, due: bool) -> FailureKind:
+    if not difference(actual, Expectation.rounded(rank0)).close:
+        return FailureKind.PARAMS_DIVERGED
+    if due and not moved:
+        return FailureKind.STEP_SKIPPED
+    if moved and not due:
+        return FailureKind.STEPPED_EARLY
+    return FailureKind.MISMATCH
+
+
+@dataclass(frozen=True)
+class WrongUpdate:
+    """A parameter's update that is not the oracle's: how far off, whether it moved at all, and
+    whether a step was due."""
+
+    diff: Difference
+    moved: bool
+    due: bool
+
+
+@dataclass(frozen=True)
+class Reweighing:
+    """A token-weighted gradient explained with other weights: the contributions since the last check
+    (``TokenWeighting.parts``, harness/rank/weighting.py: this rank's own, or after a sync every rank's share, by rank) fitted
+    to the rank's whole gradient over the model, with the contract's weights all 1. ``expectations``:
+    the expected gradients with the fitted weights instead, by parameter, each allowed the
+    expectation's allowance scaled by the largest weight plus its own rounding; under autocast
+    (``low``: bf16, fp16) plus that dtype's rounding of every term: a backward seeded with another
+    weight rounds its low-precision intermediates differently."""
+
+    weights: list[float]
+    expectations: dict[str, Expectation]
+
+    @classmethod
+    def fit(cls, expected: Mapping[str, Expectation], grads: Mapping[str, torch.Tensor | None],
+            parts: list[dict[str, torch.Tensor]], low: torch.dtype | None = None) -> Reweighing | None:
+        names = list(expected)
+        summed = {p: sum(part[p] for part in parts) for p in names}
+        base = {p: expected[p].value - summed[p] for p in names}
+        actual = torch.cat([(grads.get(p) if grads.get(p) is not None else torch.zeros_like(base[p])).reshape(-1)
+                            for p in names])
+        weights = fitted_weights(actual, torch.cat([base[p].reshape(-1) for p in names]),
+                                 [torch.cat([part[p].reshape(-1) for p in names]) for part in parts])
+        if weights is None:
+            return None
+        largest = max(1.0, max(abs(w) for w in weights))
+        expectations = {}
+        for p in names:
+            value = base[p] + sum(w * part[p] for w, part in zip(weights, parts))
+            allowed = largest * expected[p].allowed + rounding_allowance(value)
+            if low is not None:
+                terms = base[p].abs() + sum(abs(w) * part[p].abs() for w, part in zip(weights, parts))
+                allowed = allowed + rounding_allowance(terms, dtype=low)
+            expectations[p] = Expectation(value, allowed)
+        return cls(weights, expectations)
+
+    def weight_of(self, rank: int) -> float:
+        """This rank's weight: its own part's (one part), or its share's among every rank's."""
+        return self.weights[rank] if len(self.weights) > 1 else self.weights[0]
+
+
+class Checks:
+    """The checks of one rank's state against one oracle, recorded in ``recorder``."""
+
+    def __init__(self, oracle: Oracle, recorder: Recorder, accounting: Accounting | None = None) -> None:
+        self.oracle = oracle
+        self.recorder = recorder
+        self.accounting = accounting
+        self.rank = oracle.rank
+        self.diverged: set[tuple[str, str]] = set()
+        self.verified: set[str] = set()
+
+    def _observe(self, name: str, model: nn.Module, *, sync: bool) -> Observed:
+        """The model as its wrapper keeps it, after making sure it is the wrapper the cell names."""
+        if name not in self.verified:
+            verify(self.oracle.wrapper, model, name=name, world_size=self.oracle.world_size)
+            self.verified.add(name)
+        observed = observe(model, list(self.oracle.params[name]), sync=sync)
+        missing = [p for p in self.oracle.params[name] if p not in observed.params]
+        if missing:
+            raise KeyError(f"model {name!r} has no parameter {missing[0]!r} on rank {self.rank}")
+        return observed
+
+    def grads(self, step: MicroStep | int, models: Mapping[str, nn.Module]) -> None:
+        """Compare every parameter's gradient on this rank with the oracle's (after a backward),
+        then carry on from the rank's gradients; and the collectives of the backwards since the
+        last check with the contract (harness/rank/accounting.py)."""
+        oracle = self.oracle
+        index, at = where(step)
+        mark_point(self.recorder, step, sync=oracle.last_sync)
+        self._collectives(index, at, models)
+        seen = {name: self._observe(name, model, sync=oracle.last_sync) for name, model in models.items()}
+        shown = {name: not (o.hidden or o.sharded and not oracle.last_sync or o.shards_shown) for name, o in seen.items()}
+        # what a sync now would give, the other hypothesis: every model's in one collective
+        oracle.prepare_synced(name for name in models if shown[name])
+        for name, observed in seen.items():
+            self.recorder.timeline.mark(index, "grad")
+            if not shown[name]:
+                self._hidden(index, at, name, observed)
+                continue
+            local = oracle.local_grads(name)
+            synced = oracle.synced_grads(name)
+            self.recorder.checks += 1
+            self.recorder.grad_checks += 1
+            if not distinguishable(_joined(local), _joined(synced)):
+                self.recorder.vacuous_checks += 1
+            failed = False
+            grads = observed.full_grads()  # a collective when sharded: every rank, before any diagnosis
+            expectations = oracle.expected_grads(name)
+            parts = oracle.weighting.parts(name)
+            reweighing: Reweighing | None = None
+            pairs = {pname: (_grad_or_zeros(observed, pname), observed.piece_of(pname, full))
+                     for pname, full in expectations.items()}
+            close, max_abs = all_close(list(pairs.values()))
+            self.recorder.observe(max_abs)
+            for pname, (actual, expected) in ({} if close else pairs).items():
+                diff = difference(actual, expected)
+                if diff.close:
+                    continue
+                if parts and reweighing is None:
+                    reweighing = Reweighing.fit(expectations, grads, parts, low=AUTOCAST_DTYPES.get(oracle.precision))
+                previous = oracle.previous_grad(name, pname)
+                reweighted = reweighing.expectations.get(pname) if reweighing else None
+                kind, factor = diagnose(
+                    actual,
+                    Hypotheses(expected=expected, local=observed.piece_of(pname, local[pname]),
+                               synced=observed.piece_of(pname, synced[pname]),
+                               previous=None if previous is None else observed.piece_of(pname, previous),
+                               expected_sync=oracle.last_sync,
+                               reweighted=None if reweighted is None else observed.piece_of(pname, reweighted),
+                               weight=reweighing.weight_of(self.rank) if reweighing else None),
+                )
+                failed = True
+                weights = reweighing.weights if reweighing and kind is FailureKind.MISWEIGHTED else None
+                self.recorder.add(make_failure(rank=self.rank, step=index, where=at, model=name, param=pname,
+                                               checked="grad", kind=kind, factor=factor, diff=diff, weights=weights))
+            oracle.adopt_grads(name, grads)
+            if failed:
+                oracle.restart_window(name, grads)
+
+    def _hidden(self, index: int, at: str, name: str, observed: Observed) -> None:
+        """FSDP2 between sync points: the unsharded gradients accumulate inside FSDP and no shard is
+        shown (``p.grad`` stays None), so there is nothing to compare (the collectives say whether
+        it kept from syncing). A shard that is shown (by FSDP2, or by FSDP1 where its full local
+        gradient was due) was reduce-scattered: synced early. No collective here: whether a rank
+        shows one is its own."""
+        self.recorder.checks += 1
+        self.recorder.grad_checks += 1
+        shown = observed.shards_shown or [p for p, g in observed.grads.items() if g is not None]
+        if not shown:
+            return
+        self.recorder.add(Failure(
+            rank=self.rank, step=index, model=name, param=shown[0], kind=FailureKind.SYNCED_EARLY,
+            max_abs_diff=0.0, checked="grad",
+            message=text.hidden_grad_text(rank=self.rank, where=at, what=f"{name}.{shown[0]}", shown=len(shown)),
+        ))
+
+    def _collectives(self, index: int, at: str, models: Mapping[str, nn.Module]) -> None:
+        """The gradient reductions of the backwards since the last check, against the contract."""
+        oracle = self.oracle
+        syncs, oracle.backward_syncs = oracle.backward_syncs, []
+        if self.accounting is None:
+            return
+        backwards = self.accounting.take()
+        if oracle.world_size < 2:
+            return
+        if not self.accounting.available:
+            self.recorder.unchecked.setdefault(CHECK, accounting_unavailable() or "the flight recorder is off")
+            return
+        for verdict in judge(backwards, syncs, reduces_every_micro_batch=oracle.wrapper in REDUCES_EVERY_MICRO_BATCH):
+            self.recorder.comm_checks += 1
+            self.recorder.timeline.mark(index, "comm")
+            if verdict.kind is None:
+                continue
+            self.recorder.add(Failure(
+                rank=self.rank, step=index, model="+".join(models), param="collectives", kind=verdict.kind,
+                max_abs_diff=float(len(verdict.backward.reductions)), checked="comm",
+                message=text.comm_text(rank=self.rank, where=at, issued=verdict.backward.describe(),
+                                       syncs=verdict.syncs, needed=verdict.needed),
+            ))
+
+    def params(self, step: MicroStep | int, models: Mapping[str, nn.Module],
+               optimizers: Mapping[str, Any] | None = None) -> None:
+        """Compare every parameter's update since the last optimizer step of the schedule
+        (``p_after - p_before``) with the oracle's, and every parameter with rank 0's copy.
+
+        ``optimizers`` (by model name, the case's own optimizers): after a mismatch, the oracle's
+        optimizer takes over their state (moments, step counts), so that the next steps are judged
+        on their own. Without them a stateful optimizer's later steps are judged against the
+        oracle's own state."""
+        oracle = self.oracle
+        index, at = where(step)
+        stepped = oracle.stepped and oracle.before_step is not None
+        mark_point(self.recorder, step, optimizer_step=oracle.stepped)
+        for name, model in models.items():
+            self.recorder.timeline.mark(index, "param")
+            observed = self._observe(name, model, sync=oracle.last_sync)
+            self.recorder.checks += 1
+            updates = {}
+            for pname, replica_param in oracle.params[name].items():
+                after = observed.piece(pname, replica_param.detach())
+                before = observed.piece(pname, oracle.before_step[name][pname]) if oracle.before_step is not None \
+                    else after
+                allowed = rounding_allowance(after, before)
+                updates[pname] = (observed.params[pname].double() - before.double(),
+                                  Expectation(after.double() - before.double(), allowed))
+            close, max_abs = all_close(list(updates.values()))
+            self.recorder.observe(max_abs)
+            # the parameters that moved wrongly, their kind judged against rank 0's copy
+            wrong = {} if close else {p: self._wrong_update(u, e, stepped) for p, (u, e) in updates.items()}
+            wrong = {p: w for p, w in wrong.items() if w is not None}
+            if observed.sharded:  # each rank holds another part: there is no copy to compare with rank 0's
+                self._judge_updates(index, at, name, wrong, {p: observed.params[p] for p in oracle.params[name]}, None)
+            else:
+                actual = {p: observed.params[p].detach().clone() for p in oracle.params[name]}
+                oracle.rank0_copy(step, name, actual, functools.partial(self._judge_updates, index, at, name, wrong,
+                                                                        actual))
+            oracle.adopt_params(name, observed.full_params())
+            # a sharded model's full gradients are a collective: every rank reads them, or none
+            grads = observed.full_grads() if wrong or observed.sharded else {}
+            if wrong:
+                oracle.restart_window(name, grads)
+                oracle.adopt_grads(name, grads)  # a rank that stepped wrongly: its gradients too
+                if optimizers is not None and name in optimizers:
+                    oracle.adopt_optimizer_state(name, optimizers[name])
+        oracle.end_step()
+
+    @staticmethod
+    def _wrong_update(update: torch.Tensor, expected: Expectation, stepped: bool) -> WrongUpdate | None:
+        """None when the update is the oracle's."""
+        diff = difference(update, expected)
+        if diff.close:
+            return None
+        moved = bool((update.abs() > expected.allowed).any())
+        due = stepped and bool((expected.value.abs() > expected.allowed).any())
+        return WrongUpdate(diff, moved, due)
+
+    def _judge_updates(self, index: int, at: str, name: str, wrong: Mapping[str, WrongUpdate],
+                       actual: Mapping[str, torch.Tensor], rank0: Mapping[str, torch.Tensor] | None) -> None:
+        """The failures of a parameter check, once rank 0's copy is known (None: sharded, none)."""
+        if rank0 is not None and not wrong and all_close(
+                [(actual[p], Expectation.rounded(rank0[p])) for p in actual])[0]:
+            return
+        for pname in actual:
+            if pname not in wrong:
+                if rank0 is not None:
+                    self._equal_to_rank0(index, at, name, pname, actual[pname], rank0[pname])
+                continue
+            update = wrong[pname]
+            kind = _param_kind(actual[pname], rank0[pname] if rank0 is not None else actual[pname], moved=update.moved,
+                               due=update.due)
+            self.recorder.add(make_failure(rank=self.rank, step=index, where=at, model=name, param=pname,
+                                           checked="param", kind=kind, factor=None, diff=update.diff))
+
+    def _equal_to_rank0(self, index: int, at: str, name: str, pname: str, actual: torch.Tensor,
+                        rank0: torch.Tensor) -> None:
+        """DDP keeps every rank's parameters equal; report the step where they first part (once)."""
+        key = (name, pname)
+        if key in self.diverged:
+            return
+        diff = difference(actual, Expectation.rounded(rank0))
+        if diff.close:
+            return
+        self.diverged.add(key)
+        self.recorder.add(make_failure(rank=self.rank, step=index, where=at, model=name, param=pname,
+                                       checked="param", kind=FailureKind.PARAMS_DIVERGED, factor=None, diff=diff,
+                                       noun="parameter"))
+
+    def sync_flag(self, step: MicroStep, flag: bool) -> None:
+        """Report where ``accelerator.sync_gradients`` disagrees with the schedule (its own kind)."""
+        self.recorder.checks += 1
+        mark_point(self.recorder, step)
+        self.recorder.timeline.mark(step.index, "flag")
+        if bool(flag) == step.optimizer_step:
+            return
+        self.recorder.add(Failure(
+            rank=self.rank, step=step.index, model="accelerator", param="sync_gradients",
+            kind=FailureKind.SYNC_FLAG, max_abs_diff=0.0, checked="flag",
+            message=text.sync_flag_text(rank=self.rank, where=step.where(), flag=bool(flag), due=step.optimizer_step),
+        ))
+
+    def lr(self, step: MicroStep | int, optimizers: Mapping[str, Any]) -> None:
+        """Compare each optimizer's learning rates with the oracle's (whose schedulers advanced only
+        at the schedule's optimizer steps)."""
+        index, at = where(step)
+        mark_point(self.recorder, step)
+        for name, optimizer in optimizers.items():
+            self.recorder.checks += 1
+            self.recorder.timeline.mark(index, "lr")
+            actual_groups = [g for opt in as_optimizers(optimizer) for g in opt.param_groups]
+            expected_groups = [g for opt in self.oracle.optimizers[name] for g in opt.param_groups]
+            for group, (actual, expected) in enumerate(zip(actual_groups, expected_groups)):
+                gap = abs(float(actual["lr"]) - float(expected["lr"]))
+                if gap <= 1e-12 + 1e-6 * abs(float(expected["lr"])):
+                    continue
+                self.recorder.add(Failure(
+                    rank=self.rank, step=index, model=name, param=f"param_groups[{group}].lr",
+                    kind=FailureKind.MISMATCH, max_abs_diff=gap, checked="lr",
+                    message=text.lr_text(rank=self.rank, where=at, optimizer=name, group=group,
+                                         actual=float(actual["lr"]), expected=float(expected["lr"])),
+                ))
+

@@ -1,0 +1,446 @@
+"""What a case sees on its rank: who it is, accelerate, models and data built alike on every rank,
+the schedule, and the oracle. ``RankContext`` is public API (docs/writing-a-case.md)."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Hashable, Iterable, Iterator, Mapping, TypeVar
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from harness import wording as text
+from harness.decorator import SkipCell
+from harness.rank.accounting import Accounting
+from harness.rank.checks import Recorder
+from harness.rank.models import derive_seed, make_model, rank_batch, regression_dataset, seeded
+from harness.rank.oracle import ModelOptimizers, OptimizerFactory, Oracle, SchedulerFactory
+from harness.rank.schedule import MicroStep, accumulation_schedule, batches_per_rank, dispatched_batches_per_rank
+from harness.records import Failure, FailureKind
+from harness.wrappers import prepare as wrappers
+from harness.wrappers import probe
+from harness.wrappers.names import DDP, DEEPSPEED, WRAPPERS
+
+ModelT = TypeVar("ModelT", bound=nn.Module)
+
+MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
+
+
+@dataclass(frozen=True)
+class Accumulation:
+    """The accumulation settings the case gave its Accelerator: the one place the oracle and the
+    schedule take them from, so that they are given once."""
+
+    num_steps: int = 1
+    sync_with_dataloader: bool = True
+    sync_each_batch: bool = False
+
+
+class RankContext:
+    """Handed to a case body on every rank of a cell.
+
+    Attributes: ``case`` (the case name), ``variant_name`` (e.g. ``steps=2-bf16``), ``variant`` (its
+    parameters, a dict), ``precision`` (``fp32``, ``bf16`` or ``fp16``), ``wrapper`` (``ddp``,
+    ``fsdp2``, ...: harness/wrappers/names.py), ``compile`` (a ``torch.compile`` backend, or None),
+    ``rank``, ``world_size``, ``seed`` (the run's base seed) and ``device`` (this rank's
+    ``torch.device``).
+    """
+
+    def __init__(
+        self,
+        *,
+        case: str,
+        variant: str,
+        params: Mapping[str, Any],
+        rank: int,
+        world_size: int,
+        seed: int,
+        device: torch.device,
+    ) -> None:
+        self.case = case
+        self.variant_name = variant
+        self.variant = dict(params)
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.device = device
+        self.precision = str(self.variant.get("precision", "fp32"))
+        self.wrapper = str(self.variant.get("wrapper", DDP))
+        if self.wrapper not in WRAPPERS:
+            raise ValueError(f"variant {variant!r}: unknown wrapper {self.wrapper!r}; known: {', '.join(WRAPPERS)}")
+        self.compile = self.variant.get("compile")  # a torch.compile backend, e.g. aot_eager
+        if self.precision not in MIXED_PRECISION:
+            raise ValueError(f"variant {variant!r}: unknown precision {self.precision!r}; "
+                             f"known: {', '.join(MIXED_PRECISION)}")
+        self.recorder = Recorder(rank=rank)
+        self.accounting = Accounting()
+        self.accumulation: Accumulation | None = None
+        self._scaler_kwargs: dict[str, Any] = {}
+        self._oracles: list[Oracle] = []
+        self._last_point = 0  # the last micro-step of the schedules made here
+
+    # what the installed accelerate offers (harness/wrappers/probe.py): the API, or Unsupported naming it
+
+    def require(self, owner: Any, attribute: str, api: str | None = None) -> Any:
+        """``getattr(owner, attribute)``, or ``Unsupported`` naming the API when it is missing: the
+        cell is then ``unsupported`` rather than an error (find APIs by asking, never by version)."""
+        return probe.require(owner, attribute, api)
+
+    def require_parameter(self, function: Any, parameter: str, api: str) -> None:
+        """``Unsupported`` naming the API when ``function`` does not take ``parameter``."""
+        probe.require_parameter(function, parameter, api)
+
+    def skip(self, reason: str) -> None:
+        """End the cell as ``skip`` with ``reason``: it does not apply here (every rank must agree)."""
+        raise SkipCell(reason)
+
+    # accelerate
+
+    def accelerator(self, **kwargs: Any) -> Any:
+        """An ``Accelerator`` on this rank's device with the variant's mixed precision; ``kwargs`` go
+        to ``Accelerator`` as they are.
+
+        Its accumulation settings (``gradient_accumulation_steps=``, or the plugin made by
+        ``gradient_accumulation``) are remembered: ``oracle`` and ``schedule`` take them from here,
+        so they are given once. Under fp16 a cell where accelerate makes no gradient scaler (it runs
+        fp16 only on an accelerator device, not on CPU) is ``skip``, saying so.
+
+        The cell's wrapper (``wrapper=`` in the variant) and compile backend (``compile=``) are
+        asked of accelerate here: its FSDP or DeepSpeed plugin, its ``dynamo_backend``. Each
+        ``accelerator.backward`` is watched for the collectives it issues (harness/rank/accounting.py)."""
+        from accelerate import Accelerator
+
+        kwargs.setdefault("mixed_precision", MIXED_PRECISION[self.precision])
+        kwargs.setdefault("cpu", self.device.type == "cpu")
+        self.accumulation = _accumulation_of(kwargs)
+        self._scaler_kwargs = _scaler_kwargs_of(kwargs)
+        kwargs.update(wrappers.accelerator_kwargs(self.wrapper, kwargs, device_type=self.device.type,
+                                                  num_steps=self.accumulation.num_steps,
+                                                  world_size=self.world_size))
+        if self.compile is not None:
+            self.require_parameter(Accelerator, "dynamo_backend", "Accelerator(dynamo_backend=...)")
+            kwargs.setdefault("dynamo_backend", self.compile)
+        try:
+            accelerator = Accelerator(**kwargs)
+        except ValueError as exc:
+            if kwargs["mixed_precision"] == "fp16" and "fp16" in str(exc):
+                self.skip(f"accelerate refuses fp16 on {self.device.type}: {exc}")
+            if self.wrapper in DEEPSPEED:
+                self._no_deepspeed_here(exc)
+            raise
+        except (AttributeError, KeyError, AssertionError, RuntimeError, ImportError, TypeError) as exc:
+            if self.wrapper in DEEPSPEED:
+                self._no_deepspeed_here(exc)
+            raise
+        if kwargs["mixed_precision"] == "fp16" and getattr(accelerator, "scaler", None) is None:
+            self.skip(f"accelerate makes no fp16 gradient scaler on {self.device.type} "
+                      "(it runs fp16 mixed precision on an accelerator device only)")
+        wrappers.after_construction(self.wrapper, accelerator, kwargs)
+        self.accounting.watch(accelerator)
+        return accelerator
+
+    def _no_deepspeed_here(self, exc: Exception) -> None:
+        """An Accelerator that cannot even be built for DeepSpeed on this device (before any training:
+        old releases' DeepSpeed path calls ``torch.cuda.set_device`` on a CPU host, or reads config
+        keys their own plugin left out; before 1.1 ZeRO-3's ``HfDeepSpeedConfig`` comes from a
+        transformers that requires accelerate >= 1.1) is a wrapper this release cannot run here:
+        ``skip``, naming it."""
+        import accelerate
+
+        words = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
+        self.skip(f"wrapper={self.wrapper} cannot run here: accelerate {accelerate.__version__} cannot build "
+                  f"an Accelerator for DeepSpeed on {self.device.type} ({type(exc).__name__}: {words})")
+
+    def gradient_accumulation(self, num_steps: int, **options: Any) -> dict[str, Any]:
+        """``Accelerator`` keyword arguments for ``GradientAccumulationPlugin(num_steps=..., **options)``
+        (e.g. ``sync_each_batch=True``), or ``Unsupported`` naming the plugin or the option that the
+        installed accelerate lacks."""
+        return probe.gradient_accumulation_kwargs(num_steps, **options)
+
+    def dataloader_options(self, **options: Any) -> dict[str, Any]:
+        """``Accelerator`` keyword arguments for dataloader options (``split_batches``,
+        ``dispatch_batches``), or ``Unsupported`` when the installed accelerate takes neither form."""
+        return probe.dataloader_kwargs(**options)
+
+    def ddp_options(self, **options: Any) -> dict[str, Any]:
+        """``Accelerator`` keyword arguments that hand ``options`` to DistributedDataParallel."""
+        return probe.ddp_kwargs(**options)
+
+    # models and data
+
+    def model(self, factory: Callable[..., ModelT] | str, *args: Any, name: str | None = None,
+              **kwargs: Any) -> ModelT:
+        """``factory(*args, **kwargs)`` (your model's class or any function that builds it) with the
+        same weights on every rank, moved to this rank's device.
+
+        The RNG is seeded from the run's seed, the case and ``name`` (default: the factory's name)
+        while it builds, so every rank builds the same weights, as DDP and the oracle's replicas
+        both need; two models of one class in a case need two names. A string names one of the
+        harness's own toy models (``regressor``, ``generator``, ...)."""
+        if isinstance(factory, str):
+            if args or kwargs:
+                raise TypeError(f"ctx.model({factory!r}): a toy model takes no arguments (name= names it)")
+            model: Any = make_model(factory, derive_seed(self.seed, self.case, name or factory))
+        else:
+            label = name or getattr(factory, "__qualname__", None) or type(factory).__name__
+            with seeded(derive_seed(self.seed, self.case, "model", label), self.device):
+                model = factory(*args, **kwargs)
+            if not isinstance(model, nn.Module):
+                raise TypeError(f"ctx.model({label}): the factory returned {type(model).__name__}, not a torch.nn.Module")
+        return model.to(self.device)
+
+    def batch(self, step: int, *, rows: int = 6, features: int = 4, label: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's own inputs and targets for one step: different on every rank."""
+        x, y = rank_batch(
+            derive_seed(self.seed, self.case, self.variant_name, label, step, self.rank),
+            self.rank, rows=rows, features=features,
+        )
+        return x.to(self.device), y.to(self.device)
+
+    def dataloader(self, dataset: Dataset, *, batch_size: int, drop_last: bool = False, split_batches: bool = False,
+                   dispatch_batches: bool = False, **loader_kwargs: Any) -> tuple[DataLoader, int]:
+        """A ``DataLoader`` over your own map-style dataset (give it to ``accelerator.prepare``), and
+        how many batches each rank's prepared dataloader must yield per epoch, from the contract of
+        accelerate's sharding (or, with ``dispatch_batches``, dispatching) with ``even_batches``.
+
+        ``split_batches``/``dispatch_batches`` must be what the Accelerator was given
+        (``dataloader_options``); ``loader_kwargs`` go to ``DataLoader`` (``shuffle``, ``collate_fn``,
+        ...). A yield of another length is a failure of kind ``schedule`` in ``epochs``."""
+        expected = self._batches_per_rank(len(dataset), batch_size,  # type: ignore[arg-type]
+                                          split_batches=split_batches, dispatch_batches=dispatch_batches,
+                                          drop_last=drop_last)
+        return DataLoader(dataset, batch_size=batch_size, drop_last=drop_last, **loader_kwargs), expected
+
+    def dataset(
+        self,
+        *,
+        batches: int,
+        batch_size: int,
+        features: int = 4,
+        split_batches: bool = False,
+        dispatch_batches: bool = False,
+        samples: int | None = None,
+        label: str = "data",
+    ) -> tuple[Dataset, int]:
+        """The harness's own regression dataset, shared by all ranks, and how many batches each
+        rank's prepared dataloader must yield.
+
+        By default it is sized so that each rank gets ``batches`` batches and the last global batch is
+        one sample short (the uneven end); ``samples`` sets the size instead."""
+        samples, expected = self._sized(batches, batch_size, split_batches=split_batches,
+                                        dispatch_batches=dispatch_batches, samples=samples)
+        dataset = regression_dataset(derive_seed(self.seed, self.case, label), samples=samples, features=features)
+        return dataset, expected
+
+    def token_dataset(self, *, batches: int, batch_size: int, max_len: int = 12, causal: bool = False,
+                      label: str = "tokens") -> tuple[Dataset, int]:
+        """The harness's own token dataset (harness/rank/tokens.py: sequences of 2 to ``max_len`` tokens
+        with their prompts and, once padded by ``harness.rank.tokens.pad_tokens``, their padding labelled
+        -100), shared by all ranks, and how many batches each rank's prepared dataloader must yield.
+        Sized as ``dataset``: ``batches`` per rank, the last global batch one sample short. Give
+        ``DataLoader`` ``collate_fn=pad_tokens``. ``causal``: labelled for a Hugging Face causal LM."""
+        from harness.rank.tokens import TokenDataset
+
+        samples, expected = self._sized(batches, batch_size, split_batches=False, dispatch_batches=False)
+        dataset = TokenDataset(derive_seed(self.seed, self.case, label), samples=samples, max_len=max_len,
+                               causal=causal)
+        return dataset, expected
+
+    def _sized(self, batches: int, batch_size: int, *, split_batches: bool, dispatch_batches: bool,
+               samples: int | None = None) -> tuple[int, int]:
+        """The harness's own datasets' size (``batches`` per rank, the last global batch one sample
+        short, unless ``samples`` is given) and what each rank's prepared dataloader must yield."""
+        if samples is None:
+            samples = batches * (batch_size if split_batches else batch_size * self.world_size) - 1
+        return samples, self._batches_per_rank(samples, batch_size, split_batches=split_batches,
+                                               dispatch_batches=dispatch_batches)
+
+    def _batches_per_rank(self, samples: int, batch_size: int, *, split_batches: bool, dispatch_batches: bool,
+                          drop_last: bool = False) -> int:
+        """What each rank's prepared dataloader must yield per epoch (harness/rank/schedule.py)."""
+        if split_batches and batch_size % self.world_size:
+            # accelerate rejects this at prepare(): the cell does not apply at this world size
+            self.skip(f"split_batches needs the batch size ({batch_size}) to be a multiple of the world size "
+                      f"({self.world_size})")
+        if dispatch_batches:
+            if drop_last:
+                raise ValueError("ctx.dataloader: the harness has no contract for dispatch_batches with drop_last")
+            return dispatched_batches_per_rank(samples, batch_size=batch_size, world_size=self.world_size,
+                                               split_batches=split_batches)
+        return batches_per_rank(samples, batch_size=batch_size, world_size=self.world_size,
+                                split_batches=split_batches, drop_last=drop_last)
+
+    # randomness in the forward
+
+    def replay_rng(self, key: Hashable) -> ContextManager[None]:
+        """Run the block under an RNG state fixed by ``key`` (a ``MicroStep``, a step number, any
+        label) and by this rank, cell and seed; ``oracle.backward(..., rng=key)`` runs the oracle's
+        forward under the same state, so dropout draws the same masks on both sides. Each rank's
+        state differs, as each rank's dropout does in training. The RNG state outside the block is
+        left as it was."""
+        label = key.index if isinstance(key, MicroStep) else key
+        seed = derive_seed(self.seed, self.case, self.variant_name, "rng", self.rank, label)
+        return seeded(seed, self.device)
+
+    # the oracle and its schedule
+
+    def oracle(
+        self,
+        models: Mapping[str, nn.Module],
+        *,
+        num_steps: int | None = None,
+        optimizer: OptimizerFactory | Mapping[str, OptimizerFactory] | None = None,
+        optimizers: ModelOptimizers | Mapping[str, ModelOptimizers] | None = None,
+        scheduler: SchedulerFactory | None = None,
+        scheduler_steps: int = 1,
+    ) -> Oracle:
+        """Replicas of ``models`` (by name) as they are now: call before ``accelerator.prepare``.
+        Every rank's models must have the same weights (build them with ``model``).
+
+        ``num_steps``: the accumulation steps, taken from ``accelerator`` when not given.
+        ``optimizers``: your own factory, called with a replica (``make_optimizers(model)``, returning
+        one optimizer or a list), or one per model name; ``optimizer``: instead, a factory called with
+        the replica's parameters (``lambda params: torch.optim.SGD(params, lr=0.1)``).
+        ``scheduler``: called with each of the oracle's optimizers; ``scheduler_steps``: how many
+        times the schedulers advance at each optimizer step."""
+        scaler = self._scaler_kwargs if self.precision == "fp16" else None
+        oracle = Oracle(
+            models,
+            recorder=self.recorder,
+            rank=self.rank,
+            world_size=self.world_size,
+            precision=self.precision,
+            num_steps=self._given_once("num_steps", num_steps, self._accumulation().num_steps),
+            optimizer=optimizer,
+            optimizers=optimizers,
+            scheduler=scheduler,
+            scheduler_steps=scheduler_steps,
+            replay_rng=self.replay_rng,
+            scaler_kwargs=scaler,
+            wrapper=self.wrapper,
+            accounting=self.accounting,
+            more_checks=self._more_checks,
+        )
+        self._oracles.append(oracle)
+        return oracle
+
+    def _more_checks(self, step: MicroStep | int) -> bool:
+        """Whether a check surely follows one at ``step``: a micro-step of a schedule made here, not
+        its last (a step given as a number could be the case's last)."""
+        return isinstance(step, MicroStep) and step.index < self._last_point
+
+    def finish(self) -> None:
+        """After the case returned, on every rank: the checks its oracles still hold for rank 0's
+        copies are judged (harness/rank/collectives.py). The harness calls it; a case never needs to."""
+        for oracle in self._oracles:
+            oracle.finish()
+
+    def schedule(
+        self,
+        batches_per_epoch: int | list[int],
+        *,
+        epochs: int,
+        num_steps: int | None = None,
+        sync_with_dataloader: bool | None = None,
+        sync_each_batch: bool | None = None,
+    ) -> list[MicroStep]:
+        """The micro-steps the accumulation contract gives for ``epochs`` epochs of
+        ``batches_per_epoch`` batches: where gradients must sync and the optimizer must step
+        (``harness.rank.schedule.accumulation_schedule``). The accumulation settings come from
+        ``accelerator`` when not given."""
+        given = self._accumulation()
+        schedule = accumulation_schedule(
+            batches_per_epoch,
+            epochs=epochs,
+            num_steps=self._given_once("num_steps", num_steps, given.num_steps),
+            sync_with_dataloader=self._given_once("sync_with_dataloader", sync_with_dataloader,
+                                                  given.sync_with_dataloader),
+            sync_each_batch=self._given_once("sync_each_batch", sync_each_batch, given.sync_each_batch),
+        )
+        self._last_point = max([self._last_point, *(p.index for p in schedule)])
+        return schedule
+
+    def _accumulation(self) -> Accumulation:
+        return self.accumulation if self.accumulation is not None else Accumulation()
+
+    def _given_once(self, what: str, value: Any, configured: Any) -> Any:
+        if value is None:
+            return configured
+        if self.accumulation is not None and value != configured:
+            raise ValueError(f"{what}={value!r} here, but the Accelerator was given {what}={configured!r}; "
+                             "give it once, to ctx.accelerator")
+        return value
+
+    def epochs(self, loader: Iterable[Any], schedule: list[MicroStep]) -> Iterator[tuple[MicroStep, Any]]:
+        """Iterate ``loader`` once per epoch of ``schedule``, pairing each batch with its micro-step.
+
+        A dataloader that yields more or fewer batches than the contract says is a failure of kind
+        ``schedule``; the extra batches are not run."""
+        epochs = max((p.epoch for p in schedule), default=-1) + 1
+        points = iter(schedule)
+        for epoch in range(epochs):
+            expected = sum(1 for p in schedule if p.epoch == epoch)
+            seen = 0
+            for batch in self.batches(loader, expected, what="the prepared dataloader", epoch=epoch):
+                seen += 1
+                yield next(points), batch
+            for _ in range(expected - seen):
+                next(points, None)
+
+    def windows(self, loader: Iterable[Any], schedule: list[MicroStep]) -> Iterator[list[tuple[MicroStep, Any]]]:
+        """``epochs``, one accumulation window at a time: the micro-steps up to each optimizer step of
+        ``schedule``, with their batches, all taken from ``loader`` before the window's first
+        backward, as a loop that normalises by the window's token count must (it counts them first).
+
+        The prepared dataloader says it has ended once it has yielded its last batch, and
+        ``accumulate`` syncs every micro-batch from then on: take the last window of an epoch ahead
+        and its micro-batches all sync, which the checks report. The schedule gives the windows."""
+        window: list[tuple[MicroStep, Any]] = []
+        for point, batch in self.epochs(loader, schedule):
+            window.append((point, batch))
+            if point.optimizer_step:
+                yield window
+                window = []
+        if window:
+            yield window
+
+    def batches(self, loader: Iterable[Any], expected: int, *, what: str, epoch: int = 0) -> Iterator[Any]:
+        """Iterate ``loader`` to its end, yielding at most ``expected`` batches; a different count is a
+        failure of kind ``schedule`` (the loader is still exhausted, as a user's loop would)."""
+        recorder = self.recorder
+        seen = 0
+        for batch in loader:
+            seen += 1
+            if seen <= expected:
+                yield batch
+        recorder.timeline.mark(0, "schedule")
+        if seen != expected:
+            recorder.add(Failure(
+                rank=recorder.rank, step=0, model="dataloader", param="len", kind=FailureKind.SCHEDULE,
+                max_abs_diff=float(abs(seen - expected)), checked="schedule",
+                message=text.batch_count_text(rank=recorder.rank, what=what, epoch=epoch, seen=seen,
+                                              expected=expected),
+            ))
+
+
+def _accumulation_of(kwargs: Mapping[str, Any]) -> Accumulation:
+    """What the Accelerator's keyword arguments say of accumulation (a plugin wins, as in accelerate)."""
+    plugin = kwargs.get("gradient_accumulation_plugin")
+    if plugin is not None:
+        return Accumulation(
+            num_steps=int(plugin.num_steps),
+            sync_with_dataloader=bool(getattr(plugin, "sync_with_dataloader", True)),
+            sync_each_batch=bool(getattr(plugin, "sync_each_batch", False)),
+        )
+    return Accumulation(num_steps=int(kwargs.get("gradient_accumulation_steps", 1)))
+
+
+def _scaler_kwargs_of(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``GradScalerKwargs`` handler's settings, for the oracle's own gradient scaler."""
+    for handler in kwargs.get("kwargs_handlers") or ():
+        if type(handler).__name__ == "GradScalerKwargs":
+            with contextlib.suppress(Exception):
+                return dict(handler.to_kwargs())
+    return {}

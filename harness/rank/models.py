@@ -1,0 +1,184 @@
+"""Tiny models and per-rank data, seeded so that models agree across ranks and data does not."""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+from typing import Iterator
+
+import torch
+from torch import nn
+
+
+def derive_seed(seed: int, *parts: object) -> int:
+    """A stable 31-bit seed from a base seed and any labels (case, variant, rank, ...)."""
+    text = "/".join(str(p) for p in (seed, *parts))
+    return zlib.crc32(text.encode("utf-8")) & 0x7FFFFFFF
+
+
+@contextlib.contextmanager
+def seeded(seed: int, device: torch.device | None = None) -> Iterator[None]:
+    """Run the block with torch's global RNG (the CPU's, and ``device``'s when it is a GPU) seeded
+    with ``seed``; the state before it is restored after, so the block takes nothing from it."""
+    devices = []
+    if device is not None and device.type == "cuda":
+        devices = [device.index if device.index is not None else torch.cuda.current_device()]
+    with torch.random.fork_rng(devices=devices):
+        seed_rng(seed, device)
+        yield
+
+
+def seed_rng(seed: int, device: torch.device | None = None) -> None:
+    """Seed the CPU's global RNG, and ``device``'s when it is a GPU (the one a rank uses).
+
+    Not ``torch.manual_seed``: on a host where CUDA, XPU or MTIA is not initialised it queues a seed
+    for each of them with a formatted stack (about a millisecond a call, several calls a cell), seeds
+    that would apply to a device this rank never uses, and that no ``fork_rng`` puts back."""
+    torch.random.default_generator.manual_seed(seed)
+    if device is not None and device.type == "cuda":
+        torch.cuda.manual_seed(seed)
+
+
+def generator(seed: int) -> torch.Generator:
+    gen = torch.Generator()
+    gen.manual_seed(seed)
+    return gen
+
+
+class Regressor(nn.Module):
+    """A two-layer MLP: big enough for distinct gradients per parameter, cheap enough for thousands of checks."""
+
+    def __init__(self, features: int = 4, hidden: int = 8, outputs: int = 1) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(features, hidden)
+        self.fc2 = nn.Linear(hidden, outputs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+class Generator(nn.Module):
+    """Maps noise to fake samples for the discriminator."""
+
+    def __init__(self, noise: int = 3, features: int = 4) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(noise, 6), nn.Tanh(), nn.Linear(6, features))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.net(z)
+
+
+class Discriminator(nn.Module):
+    """Scores samples."""
+
+    def __init__(self, features: int = 4) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(features, 6), nn.Tanh(), nn.Linear(6, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class Encoder(nn.Module):
+    """A third model in front of the generator, as a text encoder stands in front of a unet."""
+
+    def __init__(self, inputs: int = 5, noise: int = 3) -> None:
+        super().__init__()
+        self.proj = nn.Linear(inputs, noise)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.proj(x))
+
+
+class Branchy(nn.Module):
+    """A model whose ``extra`` branch is used only when asked: for unused-parameter cases."""
+
+    def __init__(self, features: int = 4) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(features, 6)
+        self.head = nn.Linear(6, 1)
+        self.extra = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor, use_extra: bool = True) -> torch.Tensor:
+        h = torch.tanh(self.trunk(x))
+        out = self.head(h)
+        if use_extra:
+            out = out + self.extra(h)
+        return out
+
+
+class TinyLM(nn.Module):
+    """A language model's shape at a toy's cost: token embeddings, a tanh, a linear head over the
+    vocabulary (logits per position). For the token-weighted cases (harness/rank/tokens.py)."""
+
+    def __init__(self, vocab: int = 16, dim: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.embed(input_ids)))
+
+
+MODEL_TYPES = {
+    "regressor": Regressor,
+    "generator": Generator,
+    "discriminator": Discriminator,
+    "encoder": Encoder,
+    "branchy": Branchy,
+    "tiny_lm": TinyLM,
+}
+
+
+def make_model(kind: str, seed: int) -> nn.Module:
+    """A fresh model whose weights depend only on the seed, so every rank builds the same one."""
+    try:
+        model_type = MODEL_TYPES[kind]
+    except KeyError:
+        raise ValueError(f"unknown model kind {kind!r}; known: {', '.join(sorted(MODEL_TYPES))}") from None
+    with seeded(seed):
+        return model_type()
+
+
+def rank_batch(seed: int, rank: int, *, rows: int, features: int, targets: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets for one rank: each rank's distribution is shifted and scaled differently,
+    so that a rank's local gradient is far from the average of all ranks' gradients."""
+    gen = generator(seed)
+    shift = 1.5 * rank - 1.0
+    scale = 1.0 + 0.5 * rank
+    x = torch.randn(rows, features, generator=gen) * scale + shift
+    y = torch.randn(rows, targets, generator=gen) + 2.0 * rank - 1.0
+    return x, y
+
+
+def regression_dataset(seed: int, *, samples: int, features: int = 4) -> torch.utils.data.TensorDataset:
+    """A dataset shared by all ranks (the prepared dataloader shards it): sample i's distribution
+    drifts with i, so the shards that different ranks receive differ."""
+    gen = generator(seed)
+    index = torch.arange(samples, dtype=torch.float32).unsqueeze(1)
+    drift = torch.sin(index * 0.7) * 2.0 + (index % 3) - 1.0
+    x = torch.randn(samples, features, generator=gen) + drift
+    y = torch.randn(samples, 1, generator=gen) + drift * 1.5
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def regression_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def adversarial_loss(models: dict[str, nn.Module], real: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Generator and discriminator losses summed, as one backward of a GAN step.
+
+    With an ``encoder`` model, the noise goes through it first (three models in one step)."""
+    gen, disc = models["gen"], models["disc"]
+    if "enc" in models:
+        noise = models["enc"](noise)
+    fake = gen(noise)
+    fake_score = disc(fake)
+    ones = torch.ones_like(fake_score)
+    g_loss = torch.nn.functional.mse_loss(fake_score, ones)
+    d_loss = torch.nn.functional.mse_loss(disc(real), ones) + torch.nn.functional.mse_loss(
+        disc(fake.detach()), torch.zeros_like(fake_score)
+    )
+    return g_loss + d_loss

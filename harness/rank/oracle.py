@@ -1,0 +1,447 @@
+"""The oracle: plain replicas that compute, from the documented contract alone, what every rank must hold."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any, Callable, ContextManager, Hashable, Iterable, Mapping, Sequence, Union
+
+import torch
+from torch import nn
+
+from harness.decorator import ALL_PRECISIONS
+from harness.rank.accounting import Accounting
+from harness.rank.checks import Checks, Recorder, as_optimizers
+from harness.rank.closeness import Expectation, norm_rounding, rounding_allowance
+from harness.rank.collectives import Collectives, Reduction, flat
+from harness.rank.replica import forward_as, unwrap
+from harness.rank.schedule import MicroStep
+from harness.rank.weighting import TokenWeighting, token_seeds
+from harness.wrappers.names import ADDS_AFTER_REDUCING
+
+# ``optimizer=``: called with a replica's parameters, as ``torch.optim.SGD(params, lr=...)`` is.
+OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
+# ``optimizers=``: the user's own factory, called with the replica module; one optimizer or several.
+ModelOptimizers = Callable[[nn.Module], Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]]
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+# What ``backward(rng=key)`` replays: the RNG state the case's own forward ran under for that key.
+RngReplay = Callable[[Hashable], ContextManager[None]]
+
+
+class Oracle:
+    """Replicas of the user's models, with no DDP and no accelerate, on this rank.
+
+    The case tells the oracle each micro-batch (as a closure over the replicas) and whether the
+    contract of the API it used says that backward must average across ranks; the oracle then
+    averages with an explicit ``all_reduce(SUM) / world_size``. It never reads accelerate's state.
+
+    Each replica gradient carries its allowance (harness/rank/closeness.py): how far the rank's may
+    legitimately be from it. The checks a case calls are judged in harness/rank/checks.py, which anchors
+    the oracle to the rank's real state after each one through the ``adopt_*`` methods here.
+    """
+
+    def __init__(
+        self,
+        models: Mapping[str, nn.Module],
+        *,
+        recorder: Recorder,
+        rank: int,
+        world_size: int,
+        precision: str,
+        num_steps: int = 1,
+        optimizer: OptimizerFactory | Mapping[str, OptimizerFactory] | None = None,
+        optimizers: ModelOptimizers | Mapping[str, ModelOptimizers] | None = None,
+        scheduler: SchedulerFactory | None = None,
+        scheduler_steps: int = 1,
+        replay_rng: RngReplay | None = None,
+        scaler_kwargs: Mapping[str, Any] | None = None,
+        wrapper: str = "ddp",
+        accounting: Accounting | None = None,
+        more_checks: Callable[[MicroStep | int], bool] | None = None,
+    ) -> None:
+        if not models:
+            raise ValueError("the oracle needs at least one model")
+        if precision not in ALL_PRECISIONS:
+            raise ValueError(f"unknown precision {precision!r}; known: {', '.join(ALL_PRECISIONS)}")
+        if optimizer is not None and optimizers is not None:
+            raise TypeError("give the oracle optimizer= (called with parameters) or optimizers= "
+                            "(called with the model), not both")
+        if num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        self.rank = rank
+        self.world_size = world_size
+        self.precision = precision
+        self.num_steps = num_steps
+        self.replay_rng = replay_rng
+        # ``more_checks(step)``: whether another check surely follows this step's: rank 0's copies
+        # then wait for the next all-reduce (harness/rank/collectives.py), and whoever made the oracle
+        # calls ``finish`` when the case ends (RankContext does); without it each is sent at once
+        self.more_checks = more_checks
+        self.collectives = Collectives(rank=rank, world_size=world_size)
+        self.replicas = {name: copy.deepcopy(unwrap(m)) for name, m in models.items()}
+        self._require_equal_on_every_rank()
+        self.models = forward_as(self.replicas, precision)
+        self.params = {name: dict(r.named_parameters()) for name, r in self.replicas.items()}
+        self.local = {name: {p: torch.zeros_like(t) for p, t in ps.items()} for name, ps in self.params.items()}
+        # the all-rank average of ``local`` as it is now, by model: made with a sync's average, in
+        # the same all-reduce, and forgotten whenever ``local`` changes
+        self._synced: dict[str, dict[str, Expectation]] = {}
+        # how far each replica gradient may legitimately be from the rank's (harness/rank/closeness.py)
+        self.allowed = {name: self._no_allowance(name) for name in self.params}
+        self.previous: dict[str, dict[str, Expectation]] | None = None
+        self.last_sync = False
+        self.stepped = False
+        self.before_step: dict[str, dict[str, torch.Tensor]] | None = None
+        # each model's optimizers, in the order the case's own factory makes them
+        self.optimizers: dict[str, tuple[torch.optim.Optimizer, ...]] = {}
+        for name, replica in self.replicas.items():
+            if optimizer is not None:
+                factory = optimizer[name] if isinstance(optimizer, Mapping) else optimizer
+                self.optimizers[name] = (factory(replica.parameters()),)
+            elif optimizers is not None:
+                make = optimizers.get(name) if isinstance(optimizers, Mapping) else optimizers
+                if make is not None:
+                    self.optimizers[name] = as_optimizers(make(replica))
+        every = [opt for opts in self.optimizers.values() for opt in opts]
+        self.schedulers = [scheduler(opt) for opt in every] if scheduler else []
+        if scheduler_steps < 1:
+            raise ValueError(f"scheduler_steps must be >= 1, got {scheduler_steps}")
+        self.scheduler_steps = scheduler_steps
+        # fp16 as accelerate documents it: the loss scaled by a GradScaler in backward, the
+        # gradients unscaled before a clip and by the prepared optimizer's step, which skips on inf
+        self.scaler = self._grad_scaler(scaler_kwargs or {}) if precision == "fp16" else None
+        self._unscaled = False  # this window's gradients were unscaled (by a clip)
+        self.wrapper = wrapper
+        # each backward since the last gradient check: whether it syncs, and how many gradient
+        # elements it produced (what a sync must reduce; harness/rank/accounting.py)
+        self.backward_syncs: list[tuple[bool, int]] = []
+        # token weighting (token_window), and the contributions the misweighted diagnosis refits
+        self.weighting = TokenWeighting(self.params, world_size=world_size)
+        # the size of each gradient's terms: |the gradient the last check adopted| (averaged already:
+        # it counts once over the ranks) plus |each backward's since| (zero after a step), which a
+        # wrapper that reduces them apart rounds apart
+        # (kept only under such a wrapper: nothing else reads them)
+        self.terms = ({name: {p: torch.zeros_like(t) for p, t in ps.items()} for name, ps in self.params.items()}
+                      if wrapper in ADDS_AFTER_REDUCING else None)
+        self.checks = Checks(self, recorder, accounting)
+
+    def _grad_scaler(self, kwargs: Mapping[str, Any]) -> Any:
+        device_type = next(next(iter(self.replicas.values())).parameters()).device.type
+        return torch.amp.GradScaler(device_type, **kwargs)
+
+    def _require_equal_on_every_rank(self) -> None:
+        """The replicas start from this rank's models; DDP starts from rank 0's. A model built
+        differently on each rank (``MyNet()`` under a per-rank seed) would fail every rank but 0
+        with no visible cause, so it is refused here, on every rank, with the remedy."""
+        # every rank learns which ranks differ, and says the same
+        ranks = self.collectives.same_everywhere(p for r in self.replicas.values() for p in r.parameters())
+        if ranks:
+            names = ", ".join(repr(n) for n in self.replicas)
+            raise ValueError(
+                f"the models ({names}) do not have the same weights on every rank when the oracle is made "
+                f"({'ranks' if len(ranks) > 1 else 'rank'} {', '.join(map(str, ranks))} "
+                f"{'differ' if len(ranks) > 1 else 'differs'} from rank 0); "
+                "DDP would start every rank from rank 0's weights and the oracle from each rank's own. "
+                "Build each model with ctx.model(YourModel, ...) (seeded the same on every rank), and make "
+                "the oracle before accelerator.prepare"
+            )
+
+    def _no_allowance(self, name: str) -> dict[str, torch.Tensor]:
+        return {p: torch.zeros_like(t, dtype=torch.float64) for p, t in self.params[name].items()}
+
+    # the contract, step by step
+
+    def backward(self, closure: Callable[[dict[str, nn.Module]], torch.Tensor], *, sync: bool,
+                 rng: Hashable | None = None) -> None:
+        """Run one micro-batch's loss (scaled by 1/num_steps, as ``Accelerator.backward`` documents,
+        and by the gradient scaler under fp16) into the replicas' gradients; average across ranks
+        when the contract says this backward syncs. In a window weighed by tokens (``token_window``)
+        the closure returns the sum of the micro-batch's token losses, scaled by world_size / N.
+
+        ``closure(models)`` computes the loss from the replicas (a dict by model name), the same way
+        the case computed it from the prepared models. ``rng``: the key the case's forward ran under
+        ``ctx.replay_rng(key)``; the closure runs under the same RNG state (the same dropout masks)."""
+        with self._replayed(rng):
+            loss = closure(self.models)
+        self._synced.clear()
+        flat = [(name, pname, p) for name, ps in self.params.items() for pname, p in ps.items() if p.requires_grad]
+        other: torch.Tensor | None = None
+        tokens = self.weighting.tokens
+        if tokens is not None:
+            # the token mean's weight, world_size / N, as the two documented loops round it (each
+            # backward seeded exactly so); where they differ the oracle runs both and allows each
+            # gradient element their difference
+            seed, other_seed = token_seeds(self.world_size, tokens, self.num_steps, dtype=loss.dtype)
+            if other_seed is not None:
+                other = loss * other_seed.to(loss.device)
+            loss = loss * seed.to(loss.device)
+        else:
+            loss = loss / self.num_steps
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+            other = None if other is None else self.scaler.scale(other)
+        params = [p for _, _, p in flat]
+        grads = torch.autograd.grad(loss, params, allow_unused=True, retain_graph=other is not None)
+        others = torch.autograd.grad(other, params, allow_unused=True) if other is not None else [None] * len(grads)
+        self.backward_syncs.append((sync, sum(g.numel() for g in grads if g is not None)))
+        for (name, pname, p), g, g_other in zip(flat, grads, others):
+            if g is None:
+                continue
+            p.grad = g.detach().clone() if p.grad is None else p.grad + g.detach()
+            self.local[name][pname] += g.detach()
+            if self.terms is not None:
+                self.terms[name][pname] += g.detach().abs()
+            self.allowed[name][pname] = self.allowed[name][pname] + rounding_allowance(p.grad)
+            if g_other is not None:
+                self.allowed[name][pname] += (g.detach().double() - g_other.detach().double()).abs()
+            if tokens is not None:
+                self.weighting.add(name, pname, g.detach())
+        if tokens is not None:
+            self.weighting.after_backward(sync=sync)
+        self.last_sync = sync
+        if sync:
+            self._average_grads()
+
+    def token_window(self, labels: Iterable[torch.Tensor], *, ignore_index: int = -100) -> int:
+        """Weigh the backwards of this accumulation window (until the next optimizer step) by tokens,
+        and return the window's valid tokens on all ranks, N.
+
+        ``labels``: the labels of this rank's micro-batches of the window (an element equal to
+        ``ignore_index`` does not count). The oracle counts them, sums the counts over the ranks itself
+        (one collective), and from then on takes each ``backward`` closure to return the SUM of its
+        micro-batch's token losses: the gradient due at the sync is that of the global token mean,
+        (1/N) times the sum of every valid token's loss of the window on every rank, whatever
+        normalisation the case's own loop uses. Each rank's share before the average is
+        world_size / N times its sums."""
+        return self.weighting.begin(labels, ignore_index)
+
+    def reduce(self, tensors: Mapping[str, torch.Tensor], carried: Mapping[str, torch.Tensor] | None = None,
+               magnitudes: Mapping[str, torch.Tensor] | None = None) -> dict[str, Expectation]:
+        """The explicit all-rank average of ``tensors``, each with its allowance: the reduction's
+        bound from every rank's |contribution| (or ``magnitudes``, when the contribution is a sum whose
+        terms a wrapper rounds apart), plus the allowances the ranks carried into it (averaged). One
+        collective for values, magnitudes and allowances together (harness/rank/collectives.py)."""
+        return self.collectives.reduce_all([Reduction(tensors, carried, magnitudes)])[0]  # type: ignore[return-value]
+
+    def _replayed(self, key: Hashable | None) -> ContextManager[None]:
+        if key is None:
+            return contextlib.nullcontext()
+        if self.replay_rng is None:
+            raise ValueError("backward(rng=...) needs an oracle made by ctx.oracle(...), which knows the RNG to replay")
+        return self.replay_rng(key)
+
+    def _average_grads(self) -> None:
+        """Every model's gradients averaged, and the average of its local gradients (the synced
+        hypothesis a check asks for next), in one all-reduce."""
+        reductions = []
+        for name, ps in self.params.items():
+            for p in ps.values():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            # a wrapper that reduces each micro-batch (ZeRO-2/3), or adds a sync's average to a gradient
+            # averaged by an earlier one (FSDP, sync_each_batch), rounds each term's average apart
+            magnitudes = self.terms[name] if self.terms is not None else None
+            reductions += [Reduction({pname: p.grad for pname, p in ps.items()}, self.allowed[name], magnitudes),
+                           Reduction(self.local[name])]
+        reduced = self.collectives.reduce_all(reductions)
+        for index, (name, ps) in enumerate(self.params.items()):
+            average, self._synced[name] = reduced[2 * index], reduced[2 * index + 1]  # type: ignore[assignment]
+            for pname, p in ps.items():
+                p.grad = average[pname].value
+                self.allowed[name][pname] = average[pname].allowed
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> dict[str, float]:
+        """Clip each model's replica gradients, as ``clip_grad_norm_`` on synced gradients does;
+        the total norm of each model's gradients before clipping."""
+        self._unscale()
+        norms = {}
+        for name, replica in self.replicas.items():
+            ps = self.params[name]
+            before = {pname: p.grad.detach().double().abs() for pname, p in ps.items() if p.grad is not None}
+            norm = float(torch.nn.utils.clip_grad_norm_(replica.parameters(), max_norm, norm_type=norm_type))
+            norms[name] = norm
+            coefficient = min(1.0, max_norm / (norm + 1e-6))
+            # the norm is off by at most the norm of the allowances, and the coefficient with it; the
+            # rank's norm sums the squares in another order (its shards, then across the ranks), which
+            # rounds the coefficient apart by up to norm_rounding (harness/rank/closeness.py), where it clips
+            carried = float(torch.linalg.vector_norm(flat(self.allowed[name].values()), norm_type))
+            relative = carried / norm if norm > 0 else 0.0
+            if coefficient < 1.0:
+                relative += norm_rounding(sum(g.numel() for g in before.values()),
+                                          next(iter(ps.values())).grad.dtype)
+            for pname, magnitude in before.items():
+                grad = ps[pname].grad
+                self.allowed[name][pname] = (
+                    coefficient * (self.allowed[name][pname] + magnitude * relative) + rounding_allowance(grad)
+                )
+        return norms
+
+    def _unscale(self) -> None:
+        """Under fp16: divide the gradients (and their allowances) by the scale, once per window, as
+        ``unscale_gradients`` does before a clip; the scale is a power of two, so exactly."""
+        if self.scaler is None or self._unscaled:
+            return
+        inverse = 1.0 / float(self.scaler.get_scale())
+        for opts in self.optimizers.values():
+            for optimizer in opts:
+                self.scaler.unscale_(optimizer)
+        for name in self.allowed:
+            self.allowed[name] = {p: a * inverse for p, a in self.allowed[name].items()}
+            for local in self.local[name].values():
+                local.mul_(inverse)
+        self._synced.clear()
+        self._unscaled = True
+
+    def step(self, point: MicroStep | bool) -> None:
+        """At an optimizer step of the schedule: step, advance the schedulers, clear the gradients.
+
+        Under fp16 each optimizer steps through the gradient scaler (skipped when a gradient is
+        not finite) and the scale is updated after it, as a prepared optimizer's ``step`` does."""
+        due = point.optimizer_step if isinstance(point, MicroStep) else bool(point)
+        self.stepped = due
+        self.before_step = {name: {p: t.detach().clone() for p, t in ps.items()} for name, ps in self.params.items()}
+        if not due:
+            return
+        for opts in self.optimizers.values():
+            for optimizer in opts:
+                if self.scaler is not None:
+                    self.scaler.step(optimizer)
+                    self.scaler.update()
+                else:
+                    optimizer.step()
+        self._unscaled = False
+        for scheduler in self.schedulers:
+            for _ in range(self.scheduler_steps):
+                scheduler.step()
+        self.previous = {
+            name: {
+                p: Expectation(t.grad.detach().clone() if t.grad is not None else torch.zeros_like(t),
+                               self.allowed[name][p].clone())
+                for p, t in ps.items()
+            }
+            for name, ps in self.params.items()
+        }
+        self._synced.clear()
+        for name, ps in self.params.items():
+            for pname, p in ps.items():
+                p.grad = None
+                self.local[name][pname].zero_()
+            self.allowed[name] = self._no_allowance(name)
+            if self.terms is not None:
+                self.terms[name] = {pname: torch.zeros_like(p) for pname, p in ps.items()}
+        self.weighting.end()
+
+    # collectives and what the contract expects now (read by harness/rank/checks.py)
+
+    def rank0_copy(self, step: MicroStep | int, name: str, actual_params: Mapping[str, torch.Tensor],
+                   deliver: Callable[[dict[str, torch.Tensor]], None]) -> None:
+        """Rank 0's copy of the model's parameters as they are now (DDP keeps every rank's equal to
+        it), given to ``deliver`` by name: with the oracle's next all-reduce when another check
+        surely follows ``step``'s, else now."""
+        wait = self.more_checks is not None and self.more_checks(step)
+        self.collectives.later({p: actual_params[p] for p in self.params[name]}, deliver,  # type: ignore[arg-type]
+                               wait=wait)
+
+    def finish(self) -> None:
+        """The case has ended: judge the checks still waiting for rank 0's copies (a collective when
+        any wait). Every rank calls it, after the case returned."""
+        self.collectives.finish()
+
+    def expected_grads(self, name: str) -> dict[str, Expectation]:
+        return {
+            pname: Expectation(p.grad if p.grad is not None else torch.zeros_like(p), self.allowed[name][pname])
+            for pname, p in self.params[name].items()
+        }
+
+    def local_grads(self, name: str) -> dict[str, Expectation]:
+        """This rank's own gradients since the window began: what a backward that did not sync leaves."""
+        return {pname: Expectation(t.clone(), rounding_allowance(t)) for pname, t in self.local[name].items()}
+
+    def synced_grads(self, name: str) -> dict[str, Expectation]:
+        """The all-rank average of the local gradients: what a sync now would leave (a collective,
+        unless a sync's average made it already; ``prepare_synced`` makes several models' in one)."""
+        self.prepare_synced([name])
+        return self._synced[name]
+
+    def prepare_synced(self, names: Iterable[str]) -> None:
+        """The synced hypotheses of ``names``, those not made yet in one all-reduce."""
+        wanted = [name for name in dict.fromkeys(names) if name not in self._synced]
+        if wanted:
+            reduced = self.collectives.reduce_all([Reduction(self.local[name]) for name in wanted])
+            self._synced.update(zip(wanted, reduced))  # type: ignore[arg-type]
+
+    def previous_grad(self, name: str, pname: str) -> Expectation | None:
+        """The last window's final gradient, which a missed zero_grad would leave behind."""
+        return self.previous[name][pname] if self.previous is not None else None
+
+    # carrying on from the rank's real state (when: harness/rank/checks.py)
+
+    def adopt_params(self, name: str, values: Mapping[str, torch.Tensor]) -> None:
+        """The rank's parameters (whole), by name."""
+        with torch.no_grad():
+            for pname, replica_param in self.params[name].items():
+                replica_param.copy_(values[pname].detach())
+
+    def adopt_grads(self, name: str, grads: Mapping[str, torch.Tensor | None]) -> None:
+        """The rank's gradients (whole), by name, with nothing left to allow for."""
+        for pname, replica_param in self.params[name].items():
+            grad = grads.get(pname)
+            if grad is not None and grad.shape != replica_param.shape:
+                # only this rank's shard is shown (FSDP1 after a sync the schedule did not expect,
+                # reported as synced_early): the whole gradient cannot be read without a collective
+                # the other ranks may not make, so the replica keeps its own
+                continue
+            replica_param.grad = None if grad is None else grad.detach().clone()
+            if self.terms is not None:
+                # the adopted gradient enters the wrapper's sum once, where the reduction adds every
+                # rank's terms: a world_size-th of it from each
+                self.terms[name][pname] = (torch.zeros_like(replica_param) if grad is None
+                                           else grad.detach().abs() / self.world_size)
+        self.allowed[name] = self._no_allowance(name)
+        self.weighting.clear(name)
+
+    def restart_window(self, name: str, grads: Mapping[str, torch.Tensor | None]) -> None:
+        """After a mismatch: a rank that cleared its gradients starts its next window here."""
+        for pname, grad in grads.items():
+            if pname in self.local[name] and (grad is None or not bool(grad.any())):
+                self.local[name][pname].zero_()
+                self._synced.pop(name, None)
+
+    def adopt_optimizer_state(self, name: str, optimizers: Any) -> None:
+        """The case's optimizer state (moments, step counts), after a parameter mismatch:
+        ``optimizers`` is one optimizer or several, in the order of the oracle's for that model."""
+        for mine, theirs in zip(self.optimizers.get(name, ()), as_optimizers(optimizers)):
+            state = theirs.state_dict()
+            if not isinstance(state, dict) or set(state) != {"state", "param_groups"}:
+                # not a torch optimizer's state (DeepSpeed's ZeRO optimizer keeps its own flat
+                # partitions): there is nothing to adopt, and later steps are judged against the
+                # oracle's own state
+                continue
+            mine.load_state_dict(copy.deepcopy(state))
+
+    def end_step(self) -> None:
+        """The parameters were checked: the next check judges the next optimizer step."""
+        self.before_step = None
+        self.stepped = False
+
+    # the checks a case calls (judged in harness/rank/checks.py)
+
+    def check_grads(self, step: MicroStep | int, models: Mapping[str, nn.Module]) -> None:
+        """Compare every parameter's gradient on this rank with the oracle's (after a backward)."""
+        self.checks.grads(step, models)
+
+    def check_params(self, step: MicroStep | int, models: Mapping[str, nn.Module],
+                     optimizers: Mapping[str, Any] | None = None) -> None:
+        """Compare every parameter's update since the last optimizer step with the oracle's, and
+        with rank 0's copy (after ``step``). ``optimizers``: the case's own, by model name (one
+        optimizer or a list), whose state the oracle adopts after a mismatch."""
+        self.checks.params(step, models, optimizers)
+
+    def check_sync_flag(self, step: MicroStep, flag: bool) -> None:
+        """Compare ``accelerator.sync_gradients`` with the schedule."""
+        self.checks.sync_flag(step, flag)
+
+    def check_lr(self, step: MicroStep | int, optimizers: Mapping[str, Any]) -> None:
+        """Compare each optimizer's learning rates with the oracle's schedulers' (``optimizers`` by
+        model name, one optimizer or a list)."""
+        self.checks.lr(step, optimizers)

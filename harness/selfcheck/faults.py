@@ -1,0 +1,401 @@
+"""Sync faults injected into accelerate or DDP at run time, inside the ranks: each a plausible regression.
+
+A fault patches the installed library, never a case: ``patch(rank)`` is a context manager that
+swaps one or more attributes of accelerate's (or torch's) classes for a broken version and puts
+the originals back on exit. ``python -m harness selfcheck`` runs the catalogue under each one and
+counts the faults that some case catches; a fault that no case catches is a blind spot.
+
+Faults change what gradients are computed, never whether the code runs: a fault that makes a case
+raise would only show as an ``error`` cell, which says nothing of the harness's power to detect.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, ContextManager, Iterator
+
+from harness.selfcheck.planted import _ABSENT, FAULTS, Fault, _patched, register
+
+
+@contextlib.contextmanager
+def _forced_sync_gradients(gradient_state: Any) -> Iterator[None]:
+    """Make ``gradient_state.sync_gradients`` read True for a moment: code that checks it behaves
+    as if it ignored the check."""
+    saved = gradient_state.sync_gradients
+    gradient_state.sync_gradients = True
+    try:
+        yield
+    finally:
+        gradient_state.sync_gradients = saved
+
+
+@contextlib.contextmanager
+def _plugin_option(gradient_state: Any, key: str, value: Any) -> Iterator[None]:
+    kwargs = gradient_state.plugin_kwargs
+    saved = kwargs.get(key, _ABSENT)
+    kwargs[key] = value
+    try:
+        yield
+    finally:
+        if saved is _ABSENT:
+            kwargs.pop(key, None)
+        else:
+            kwargs[key] = saved
+
+
+# ---------------------------------------------------------------------------------------------
+# The faults. Each builder returns patch(rank); ``rank`` matters only to faults of one rank.
+
+
+def _perturb_rank(target_rank: int, relative: float, *, only: int | None = None) -> Callable[[int], ContextManager[None]]:
+    """After every backward on ``target_rank`` (only the ``only``-th of the cell, counted from 1,
+    when given), scale that rank's gradients by ``1 + relative``."""
+
+    @contextlib.contextmanager
+    def patch(rank: int) -> Iterator[None]:
+        from accelerate import Accelerator
+
+        original = Accelerator.backward
+        calls = 0
+
+        def backward(self, loss, **kwargs):
+            nonlocal calls
+            result = original(self, loss, **kwargs)
+            calls += 1
+            if rank == target_rank and (only is None or calls == only):
+                for model in self._models:
+                    for p in model.parameters():
+                        if p.grad is not None:
+                            p.grad.mul_(1.0 + relative)
+            return result
+
+        with _patched(Accelerator, "backward", backward):
+            yield
+
+    return patch
+
+
+@contextlib.contextmanager
+def _no_sync_still_syncs(rank: int) -> Iterator[None]:
+    # Accelerator.no_sync forgets to enter DDP's no_sync: every backward all-reduces. The sum of
+    # averages equals the average of sums, so the window's last gradient is right; only the
+    # gradients in between show it.
+    from accelerate import Accelerator
+
+    @contextlib.contextmanager
+    def no_sync(self, model):
+        yield
+
+    with _patched(Accelerator, "no_sync", no_sync):
+        yield
+
+
+@contextlib.contextmanager
+def _trigger_noop(rank: int) -> Iterator[None]:
+    # trigger_sync_in_backward does nothing: the backward under no_sync stays local.
+    from accelerate import Accelerator
+
+    @contextlib.contextmanager
+    def trigger_sync_in_backward(model):
+        yield
+
+    with _patched(Accelerator, "trigger_sync_in_backward", staticmethod(trigger_sync_in_backward)):
+        yield
+
+
+@contextlib.contextmanager
+def _loss_not_scaled(rank: int) -> Iterator[None]:
+    # backward forgets to divide the loss by gradient_accumulation_steps: the original divides,
+    # so hand it the loss multiplied back.
+    from accelerate import Accelerator
+
+    original = Accelerator.backward
+
+    def backward(self, loss, **kwargs):
+        return original(self, loss * self.gradient_accumulation_steps, **kwargs)
+
+    with _patched(Accelerator, "backward", backward):
+        yield
+
+
+@contextlib.contextmanager
+def _optimizer_every_batch(rank: int) -> Iterator[None]:
+    # The prepared optimizer steps on every call, ignoring gradient_state.sync_gradients.
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    original = AcceleratedOptimizer.step
+
+    def step(self, closure=None):
+        with _forced_sync_gradients(self.gradient_state):
+            return original(self, closure)
+
+    with _patched(AcceleratedOptimizer, "step", step):
+        yield
+
+
+@contextlib.contextmanager
+def _zero_grad_skipped(rank: int) -> Iterator[None]:
+    # The prepared optimizer's zero_grad does nothing: the next window starts from stale gradients.
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    def zero_grad(self, set_to_none=None):
+        return None
+
+    with _patched(AcceleratedOptimizer, "zero_grad", zero_grad):
+        yield
+
+
+@contextlib.contextmanager
+def _zero_grad_every_batch(rank: int) -> Iterator[None]:
+    # The prepared optimizer's zero_grad clears on every call, ignoring gradient_state.sync_gradients:
+    # an accumulation window keeps only its last micro-batch.
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    original = AcceleratedOptimizer.zero_grad
+
+    def zero_grad(self, set_to_none=None):
+        with _forced_sync_gradients(self.gradient_state):
+            return original(self, set_to_none)
+
+    with _patched(AcceleratedOptimizer, "zero_grad", zero_grad):
+        yield
+
+
+@contextlib.contextmanager
+def _scheduler_every_batch(rank: int) -> Iterator[None]:
+    # The prepared scheduler steps on every call, ignoring gradient_state.sync_gradients.
+    from accelerate.scheduler import AcceleratedScheduler
+
+    original = AcceleratedScheduler.step
+
+    def step(self, *args, **kwargs):
+        with _forced_sync_gradients(self.gradient_state):
+            return original(self, *args, **kwargs)
+
+    with _patched(AcceleratedScheduler, "step", step):
+        yield
+
+
+def _sum_hook(state, bucket):  # unannotated: DDP rejects a hook whose bucket annotation is not GradBucket
+    """A DDP comm hook that all-reduces each bucket without dividing by the world size."""
+    import torch.distributed as dist
+
+    group = state if state is not None else dist.group.WORLD
+    future = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+    return future.then(lambda fut: fut.value()[0])
+
+
+@contextlib.contextmanager
+def _grads_summed(rank: int) -> Iterator[None]:
+    # DDP sums the gradients instead of averaging them: every model that prepare() wraps in DDP
+    # gets a comm hook that all-reduces without the division.
+    import torch
+    from accelerate import Accelerator
+
+    original = Accelerator.prepare_model
+
+    def prepare_model(self, model, *args, **kwargs):
+        prepared = original(self, model, *args, **kwargs)
+        if isinstance(prepared, torch.nn.parallel.DistributedDataParallel):
+            with contextlib.suppress(RuntimeError):  # a hook is registered already (a DDP kwargs handler)
+                prepared.register_comm_hook(None, _sum_hook)
+        return prepared
+
+    with _patched(Accelerator, "prepare_model", prepare_model):
+        yield
+
+
+@contextlib.contextmanager
+def _no_dataloader_end_sync(rank: int) -> Iterator[None]:
+    # GradientState never sees the end of the dataloader: no sync (and no counter reset) at the
+    # last batch of an epoch.
+    from accelerate.state import GradientState
+
+    with _patched(GradientState, "end_of_dataloader", property(lambda self: False)):
+        yield
+
+
+@contextlib.contextmanager
+def _counter_off_by_one(rank: int) -> Iterator[None]:
+    # _do_sync tests the counter before counting this micro-batch: every window syncs (and steps)
+    # one micro-batch early.
+    from accelerate import Accelerator
+
+    def _do_sync(self):
+        state = self.gradient_state
+        if state.sync_with_dataloader and state.end_of_dataloader:
+            self.step = 0
+            state._set_sync_gradients(True)
+        else:
+            self.step += 1
+            state._set_sync_gradients(((self.step + 1) % state.num_steps) == 0)
+
+    with _patched(Accelerator, "_do_sync", _do_sync):
+        yield
+
+
+@contextlib.contextmanager
+def _accumulate_ignores_models(rank: int) -> Iterator[None]:
+    # accumulate(*models) enters no_sync for the first model only; the others sync every batch.
+    from accelerate import Accelerator
+
+    original = Accelerator.accumulate
+
+    @contextlib.contextmanager
+    def accumulate(self, *models):
+        with original(self, *models[:1]):
+            yield
+
+    with _patched(Accelerator, "accumulate", accumulate):
+        yield
+
+
+@contextlib.contextmanager
+def _sync_each_batch_ignored(rank: int) -> Iterator[None]:
+    # accumulate reads sync_each_batch as False: it enters no_sync between sync points anyway.
+    from accelerate import Accelerator
+
+    original = Accelerator.accumulate
+
+    @contextlib.contextmanager
+    def accumulate(self, *models):
+        with contextlib.ExitStack() as stack:
+            with _plugin_option(self.gradient_state, "sync_each_batch", False):
+                stack.enter_context(original(self, *models))
+            yield
+
+    with _patched(Accelerator, "accumulate", accumulate):
+        yield
+
+
+@contextlib.contextmanager
+def _sync_with_dataloader_ignored(rank: int) -> Iterator[None]:
+    # GradientState reads sync_with_dataloader as True whatever the plugin says: windows are cut
+    # at the end of every epoch even with sync_with_dataloader=False.
+    from accelerate.state import GradientState
+
+    with _patched(GradientState, "sync_with_dataloader", property(lambda self: True)):
+        yield
+
+
+@contextlib.contextmanager
+def _eval_dataloader_not_removed(rank: int) -> Iterator[None]:
+    # A finished dataloader is never removed from GradientState: after an evaluation loop inside
+    # a training epoch, the finished eval loader stays the active one, at its end, so every later
+    # training batch syncs.
+    from accelerate.state import GradientState
+
+    def _remove_dataloader(self, dataloader):
+        return None
+
+    with _patched(GradientState, "_remove_dataloader", _remove_dataloader):
+        yield
+
+
+@contextlib.contextmanager
+def _dispatcher_end_missed(rank: int) -> Iterator[None]:
+    # With dispatch_batches=True, the dispatching dataloader never flags its last batch.
+    from accelerate.data_loader import DataLoaderDispatcher
+
+    flag = property(lambda self: False, lambda self, value: None)
+    with _patched(DataLoaderDispatcher, "end_of_dataloader", flag):
+        yield
+
+
+@contextlib.contextmanager
+def _clip_grad_norm_noop(rank: int) -> Iterator[None]:
+    # clip_grad_norm_ computes and returns the total norm but does not clip.
+    import torch
+    from accelerate import Accelerator
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        grads = [p.grad.detach() for p in parameters if p.grad is not None]
+        if not grads:
+            return torch.tensor(0.0)
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]), norm_type)
+
+    with _patched(Accelerator, "clip_grad_norm_", clip_grad_norm_):
+        yield
+
+
+register(Fault("perturb_rank1", "rank 1's gradients scaled by 1.01 after every backward", _perturb_rank(1, 0.01)))
+register(Fault("no_sync_still_syncs", "Accelerator.no_sync yields without entering DDP's no_sync",
+               _no_sync_still_syncs))
+register(Fault("trigger_noop", "trigger_sync_in_backward does nothing", _trigger_noop))
+register(Fault("loss_not_scaled", "backward does not divide the loss by the accumulation steps", _loss_not_scaled))
+register(Fault("optimizer_every_batch", "the prepared optimizer steps even when sync_gradients is False",
+               _optimizer_every_batch))
+register(Fault("grads_summed", "DDP all-reduce sums the gradients instead of averaging them", _grads_summed))
+register(Fault("zero_grad_skipped", "the prepared optimizer's zero_grad does nothing (stale gradients)",
+               _zero_grad_skipped))
+register(Fault("zero_grad_every_batch", "the prepared optimizer's zero_grad clears even when sync_gradients is False",
+               _zero_grad_every_batch))
+register(Fault("no_dataloader_end_sync", "GradientState.end_of_dataloader is always False",
+               _no_dataloader_end_sync))
+register(Fault("counter_off_by_one", "accumulate's step counter syncs one micro-batch early", _counter_off_by_one))
+register(Fault("accumulate_ignores_models", "accumulate(*models) enters no_sync for the first model only",
+               _accumulate_ignores_models))
+register(Fault("scheduler_every_batch", "the prepared scheduler steps even when sync_gradients is False",
+               _scheduler_every_batch))
+register(Fault("rank_grad_perturbed", "rank 1's gradients scaled by 1+1e-3 after every backward",
+               _perturb_rank(1, 1e-3)))
+register(Fault("sync_each_batch_ignored", "accumulate enters no_sync despite sync_each_batch=True",
+               _sync_each_batch_ignored))
+register(Fault("sync_with_dataloader_ignored", "GradientState.sync_with_dataloader is always True",
+               _sync_with_dataloader_ignored))
+register(Fault("eval_dataloader_not_removed", "a finished dataloader stays GradientState's active one",
+               _eval_dataloader_not_removed))
+register(Fault("dispatcher_end_missed", "with dispatch_batches, the last batch is never flagged as the end",
+               _dispatcher_end_missed))
+register(Fault("clip_grad_norm_noop", "Accelerator.clip_grad_norm_ returns the norm without clipping",
+               _clip_grad_norm_noop))
+
+
+def perturbation(relative: float, *, target_rank: int = 1, only: int | None = None) -> Fault:
+    """A fault that scales one rank's gradients by ``1 + relative`` (sensitivity measurements): after
+    every backward, or after the ``only``-th backward of the cell alone (a single event)."""
+    if only is None:
+        return Fault(f"perturb:{relative:g}", f"rank {target_rank}'s gradients scaled by {1 + relative:g}",
+                     _perturb_rank(target_rank, relative))
+    return Fault(f"perturb_once:{relative:g}@{only}",
+                 f"rank {target_rank}'s gradients scaled by {1 + relative:g} after its backward {only} only",
+                 _perturb_rank(target_rank, relative, only=only))
+
+
+PERTURBATION_FORMS = "perturb:<relative> or perturb_once:<relative>[@<backward>]"
+
+
+def resolve(name: str) -> Fault:
+    for prefix in ("perturb:", "perturb_once:"):
+        if not name.startswith(prefix):
+            continue
+        text, _, at = name[len(prefix):].partition("@")
+        try:
+            relative = float(text)
+            only = (int(at) if at else 1) if prefix == "perturb_once:" else None
+        except ValueError:
+            raise ValueError(f"fault {name!r}: give {PERTURBATION_FORMS}, e.g. perturb:1e-3 or "
+                             "perturb_once:1e-5@2") from None
+        if at and prefix == "perturb:":
+            raise ValueError(f"fault {name!r}: perturb: has no @<backward>; use perturb_once:")
+        if only is not None and only < 1:
+            raise ValueError(f"fault {name!r}: the backward is counted from 1")
+        return perturbation(relative, only=only)
+    try:
+        return FAULTS[name]
+    except KeyError:
+        raise ValueError(f"unknown fault {name!r}; known: {', '.join(sorted(FAULTS))}, {PERTURBATION_FORMS}") from None
+
+
+@contextlib.contextmanager
+def apply_fault(name: str | None, *, rank: int) -> Iterator[None]:
+    """Run the enclosed code with the named fault patched in (nothing when ``name`` is None)."""
+    if name is None:
+        yield
+        return
+    with resolve(name).patch(rank):
+        yield
+
+
+# The faults of one wrapper's path, registered into FAULTS after these (the self-check's order).
+from harness.selfcheck import faults_deepspeed, faults_fsdp, faults_tokens  # noqa: E402,F401

@@ -1,0 +1,53 @@
+"""Sync faults of accelerate's DeepSpeed path, registered with the others (harness/selfcheck/faults.py).
+
+A fault here breaks only what accelerate does under DeepSpeed, so only a DeepSpeed cell can catch
+it (``Fault.wrappers``): the self-check runs it on the DeepSpeed cells (which skip where deepspeed
+is not installed), and tests/test_deepspeed.py runs it on a DeepSpeed cell.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+from harness.selfcheck.planted import Fault, _patched, register
+from harness.wrappers.names import DEEPSPEED
+
+
+@contextlib.contextmanager
+def _boundary_ignored(rank: int) -> Iterator[None]:
+    # accelerate's DeepSpeedEngineWrapper.backward tells the engine that every micro-batch is a
+    # gradient-accumulation boundary (is_boundary=True whatever sync_gradients is); it still steps
+    # the engine only where sync_gradients is True. ZeRO-2 then moves each micro-batch's reduced
+    # gradient into its partition as if the window ended there (the window's sum is lost). Under
+    # ZeRO-1 accumulate() also enters the engine's no_sync between sync points, which stops any
+    # reduction whatever the boundary says, so ZeRO-1 cells do not see this fault; ZeRO-3 cells
+    # neither (measured, deepspeed 0.19.8).
+    from accelerate.utils.deepspeed import DeepSpeedEngineWrapper
+
+    original = DeepSpeedEngineWrapper.backward
+
+    def backward(self: Any, loss: Any, sync_gradients: bool = True, **kwargs: Any) -> Any:
+        engine = self.engine
+        own = vars(engine).get("set_gradient_accumulation_boundary")
+        setter = engine.set_gradient_accumulation_boundary
+
+        def always_a_boundary(is_boundary: bool) -> Any:
+            return setter(True)
+
+        engine.set_gradient_accumulation_boundary = always_a_boundary
+        try:
+            return original(self, loss, sync_gradients=sync_gradients, **kwargs)
+        finally:
+            if own is None:
+                del engine.set_gradient_accumulation_boundary
+            else:
+                engine.set_gradient_accumulation_boundary = own
+
+    with _patched(DeepSpeedEngineWrapper, "backward", backward):
+        yield
+
+
+register(Fault("deepspeed_boundary_ignored",
+               "accelerate's DeepSpeed backward marks every micro-batch a gradient-accumulation boundary",
+               _boundary_ignored, wrappers=tuple(DEEPSPEED)))

@@ -1,0 +1,66 @@
+"""Sync faults of the sharded paths (FSDP2, FSDP1), planted as harness/selfcheck/faults.py plants the others.
+
+Each is a plausible regression of accelerate or torch, and one of them is history: before accelerate
+PR #3762 (released in 1.11.0) ``Accelerator.no_sync`` did nothing under FSDP2, so every micro-batch
+was reduce-scattered. The final gradients were right; only the collectives (and the shards FSDP2
+then shows between sync points) give it away.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+from harness.selfcheck.planted import Fault, _patched, register
+
+
+@contextlib.contextmanager
+def _fsdp2_no_sync_noop(rank: int) -> Iterator[None]:
+    # FSDP2's set_requires_gradient_sync(False) does nothing: accelerate's no_sync (and accumulate
+    # between sync points) leaves gradient sync on, as every release before 1.11.0 did.
+    from torch.distributed.fsdp import FSDPModule
+
+    original = FSDPModule.set_requires_gradient_sync
+
+    def set_requires_gradient_sync(self: Any, requires_gradient_sync: bool, *args: Any, **kwargs: Any) -> None:
+        if requires_gradient_sync:
+            original(self, requires_gradient_sync, *args, **kwargs)
+
+    with _patched(FSDPModule, "set_requires_gradient_sync", set_requires_gradient_sync):
+        yield
+
+
+@contextlib.contextmanager
+def _fsdp2_reduce_sums(rank: int) -> Iterator[None]:
+    # FSDP2 reduce-scatters the gradients with SUM and divides by nothing: the reduction torch picks
+    # for one rank (_get_gradient_divide_factors' world-size-1 answer), taken at every world size.
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    def _get_gradient_divide_factors(*args: Any, **kwargs: Any) -> Any:
+        return None, None, dist.ReduceOp.SUM, dist.ReduceOp.SUM
+
+    with _patched(_fsdp_collectives, "_get_gradient_divide_factors", _get_gradient_divide_factors):
+        yield
+
+
+@contextlib.contextmanager
+def _fsdp1_no_sync_noop(rank: int) -> Iterator[None]:
+    # FullyShardedDataParallel.no_sync does nothing: FSDP1 reduce-scatters every micro-batch and
+    # shows each rank its shard where the full local gradient was due.
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    @contextlib.contextmanager
+    def no_sync(self: Any) -> Iterator[None]:
+        yield
+
+    with _patched(FullyShardedDataParallel, "no_sync", no_sync):
+        yield
+
+
+register(Fault("fsdp2_no_sync_noop", "FSDP2's set_requires_gradient_sync(False) does nothing (accelerate before "
+               "1.11.0: no_sync a no-op under FSDP2)", _fsdp2_no_sync_noop, wrappers=("fsdp2",)))
+register(Fault("fsdp2_reduce_sums", "FSDP2 reduce-scatters the gradients without dividing by the world size",
+               _fsdp2_reduce_sums, wrappers=("fsdp2",)))
+register(Fault("fsdp1_no_sync_noop", "FullyShardedDataParallel.no_sync does nothing (FSDP1 syncs every micro-batch)",
+               _fsdp1_no_sync_noop, wrappers=("fsdp1",)))

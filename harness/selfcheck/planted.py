@@ -1,0 +1,52 @@
+"""What a planted fault is, and the registry of named ones (harness/selfcheck/faults.py and the
+faults_* modules beside it register theirs here).
+
+A fault patches the installed library, never a case: ``patch(rank)`` is a context manager that
+swaps attributes of accelerate's (or torch's) classes for a broken version and puts the originals
+back on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, ContextManager, Iterator
+
+_ABSENT = object()
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    description: str
+    patch: Callable[[int], ContextManager[None]]
+    # the wrappers whose cells the self-check runs it on (a fault of accelerate's own logic is
+    # caught on DDP cells; one of FSDP2's needs FSDP2 cells)
+    wrappers: tuple[str, ...] = ("ddp",)
+
+
+@contextlib.contextmanager
+def _patched(owner: object, attribute: str, replacement: object) -> Iterator[None]:
+    """Set ``owner.attribute`` for the duration; restore exactly what the owner's own ``__dict__``
+    held (a staticmethod or property object stays one), or remove the attribute if it was inherited."""
+    original = vars(owner).get(attribute, _ABSENT)
+    if original is _ABSENT and not hasattr(owner, attribute):
+        raise AttributeError(f"{getattr(owner, '__qualname__', owner)!r} has no attribute {attribute!r} to patch")
+    setattr(owner, attribute, replacement)
+    try:
+        yield
+    finally:
+        if original is _ABSENT:
+            delattr(owner, attribute)
+        else:
+            setattr(owner, attribute, original)
+
+
+FAULTS: dict[str, Fault] = {}
+
+
+def register(fault: Fault) -> Fault:
+    if fault.name in FAULTS:
+        raise ValueError(f"fault {fault.name!r} is registered twice")
+    FAULTS[fault.name] = fault
+    return fault

@@ -1,0 +1,287 @@
+"""The text of a failure, a rank fault and a judged cell: the lines a person reads first.
+
+A mismatch reads like torch's ``assert_close`` with where and what added; a cell's summary counts
+what was checked or names what went wrong; a bad cell's pytest message ends with the command that
+reruns it. The rank side imports this module (a failure's message is written where it happens).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+from harness.records import CAUSES, CHECK_TITLES, Failure, FaultKind, RankFault, RankOutcome, Status
+
+if TYPE_CHECKING:
+    from harness.matrix.schema import Cell
+    from harness.messages import RankResult
+    from harness.rank.closeness import Difference
+
+KIND_TEXT = {
+    "not_synced": "not synced (the rank's local gradient where the average of all ranks was due)",
+    "synced_early": "synced when it should be local (the average of all ranks where this rank's own gradient was due)",
+    "stale": "stale from the last window (the gradient was not cleared after the optimizer step)",
+    "wrong_scale": "scaled by {factor:.6g}",
+    "misweighted": ("misweighted: its tokens since the last check weigh {factor:.6g} times their share of the "
+                    "token mean over the window on every rank"),
+    "params_diverged": "parameters diverged across ranks (no longer equal to rank 0's)",
+    "stepped_early": "the optimizer stepped where the schedule has no step",
+    "step_skipped": "the optimizer did not step where the schedule has one",
+    "mismatch": "does not match the oracle",
+}
+# Failures shown in a bad cell's pytest message; the rest are in matrix.json.
+MESSAGE_FAILURES = 6
+
+
+# one failure, on the rank
+
+
+def _fmt_index(index: tuple[int, ...]) -> str:
+    return "(" + ", ".join(str(i) for i in index) + ("," if len(index) == 1 else "") + ")"
+
+
+def mismatch_text(*, what: str, where: str, kind: str, factor: float | None, diff: Difference,
+                  weights: Sequence[float] | None = None) -> str:
+    """The assert_close-style block for one mismatch, headed by where and what; a misweighted one
+    after a sync names every rank's weight."""
+    text = KIND_TEXT[kind].format(factor=factor or 0.0)
+    if weights is not None and len(weights) > 1:
+        text += " (weights by rank: " + ", ".join(f"{w:.6g}" for w in weights) + ")"
+    share = 100.0 * diff.mismatched / max(diff.numel, 1)
+    return (
+        f"{what} {where}: {text}\n"
+        f"Mismatched elements: {diff.mismatched} / {diff.numel} ({share:.1f}%)\n"
+        f"Greatest absolute difference: {diff.max_abs:.6g} at index {_fmt_index(diff.max_abs_index)} "
+        f"(up to {diff.allowed_abs:.2g} allowed there)\n"
+        f"Greatest relative difference: {diff.max_rel:.6g} at index {_fmt_index(diff.max_rel_index)} "
+        f"(up to {diff.allowed_rel:.2g} allowed there)"
+    )
+
+
+def sync_flag_text(*, rank: int, where: str, flag: bool, due: bool) -> str:
+    return f"accelerator.sync_gradients on rank {rank} at {where}: is {flag}, the schedule says {due}"
+
+
+def comm_text(*, rank: int, where: str, issued: str, syncs: bool, needed: int) -> str:
+    """A backward that issued gradient reductions the contract has none of, or too few."""
+    if syncs:
+        return (f"collectives of the backward on rank {rank} at {where}: {issued}, where the contract syncs "
+                f"the gradients of {needed} elements (each reduced at least once)")
+    return (f"collectives of the backward on rank {rank} at {where}: {issued}, where the contract has no "
+            "gradient reduction (no_sync, or a micro-batch that does not sync)")
+
+
+def hidden_grad_text(*, rank: int, where: str, what: str, shown: int) -> str:
+    return (f"gradient of '{what}' on rank {rank} at {where}: synced when it should be local (a sharded "
+            f"gradient is shown on {shown} parameter(s) between sync points, where no_sync keeps it unsharded "
+            "inside the wrapper (FSDP2: p.grad None; FSDP1: the full local gradient): it was reduce-scattered)")
+
+
+def lr_text(*, rank: int, where: str, optimizer: str, group: int, actual: float, expected: float) -> str:
+    return (f"learning rate of optimizer '{optimizer}' (param group {group}) on rank {rank} at "
+            f"{where}: is {actual:.6g}, the contract says {expected:.6g}")
+
+
+def batch_count_text(*, rank: int, what: str, epoch: int, seen: int, expected: int) -> str:
+    return f"{what} on rank {rank} yielded {seen} batches in epoch {epoch}, the contract says {expected}"
+
+
+# rank faults
+
+
+def last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def _name(fault: RankFault) -> str:
+    """``1``, or under a launcher ``1 on node-b``."""
+    return f"{fault.rank} on {fault.host}" if fault.host else str(fault.rank)
+
+
+def _who(fault: RankFault) -> str:
+    return f"rank {_name(fault)}"
+
+
+def fault_text(fault: RankFault, *, timeout_s: float) -> str:
+    who = _who(fault)
+    if fault.what == FaultKind.RAISED:
+        return f"{who} raised {last_line(fault.detail)}"
+    if fault.what in (FaultKind.EXITED, FaultKind.KILLED):
+        return f"{who} {fault.detail.splitlines()[0] if fault.detail else fault.what}"
+    if fault.what == FaultKind.HUNG:
+        return f"{who} hung (no result within {timeout_s:g} s)"
+    if fault.what == FaultKind.LOST:
+        return f"{who} died ({fault.detail.split(':', 1)[0]})"
+    return f"{who} was blocked waiting for the others"
+
+
+def _ranks(faults: Sequence[RankFault]) -> str:
+    """``rank 1``, ``ranks 0, 2``, or with hosts ``ranks 0 on a, 2 on b``."""
+    ordered = sorted(faults, key=lambda f: f.rank)
+    names = ", ".join(_name(f) for f in ordered)
+    return f"rank{'s' if len(ordered) > 1 else ''} {names}"
+
+
+def faults_summary(faults: Sequence[RankFault], *, timeout_s: float) -> str:
+    """The causes, then the ranks that only waited for them."""
+    causes = [f for f in faults if f.what in CAUSES] or list(faults)
+    blocked = [f for f in faults if f.what == FaultKind.BLOCKED and f not in causes]
+    # ranks that raised the same error are said once: "ranks 0, 1 raised ValueError: ..."
+    raised: dict[str, list[RankFault]] = {}  # an error's last line: the ranks that raised it
+    order: list[tuple[bool, str]] = []  # (raised?, the error's last line or the fault's text), in order
+    for fault in causes:
+        if fault.what != FaultKind.RAISED:
+            order.append((False, fault_text(fault, timeout_s=timeout_s)))
+            continue
+        error = last_line(fault.detail)
+        if error not in raised:
+            order.append((True, error))
+        raised.setdefault(error, []).append(fault)
+    summary = "; ".join(f"{_ranks(raised[text])} raised {text}" if is_raised else text for is_raised, text in order)
+    if blocked:
+        summary += f" ({_ranks(blocked)} blocked waiting for it)"
+    return summary
+
+
+def faults_detail(faults: Sequence[RankFault], *, timeout_s: float) -> str:
+    """Each rank's traceback, output or stack dump under a heading, causes first."""
+    parts = []
+    for fault in sorted(faults, key=lambda f: (f.what not in CAUSES, f.rank)):
+        heading = fault_text(fault, timeout_s=timeout_s)
+        kind = "stack" if fault.what in (FaultKind.HUNG, FaultKind.BLOCKED) else "output"
+        parts.append(f"--- {heading} ---\n{fault.detail.strip() or f'(no {kind} captured)'}")
+    return "\n\n".join(parts)
+
+
+# a judged cell's summary
+
+
+def failures_summary(failures: Sequence[Failure], omitted: int) -> str:
+    total = len(failures) + omitted
+    ranks = sorted({f.rank for f in failures})
+    by_kind: dict[str, set[str]] = defaultdict(set)
+    for failure in failures:
+        by_kind[failure.kind].add(failure.model)
+    kinds = "; ".join(f"{kind} in {', '.join(sorted(models))}" for kind, models in sorted(by_kind.items()))
+    first = min(failures, key=lambda f: (f.step, f.rank))
+    where = f"{first.model}.{first.param}" if first.checked in ("grad", "param") else first.model
+    return (
+        f"{total} mismatches on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {kinds}; "
+        f"first: {where} on rank {first.rank} at step {first.step}"
+    )
+
+
+def evidence_summary(cell: Cell) -> str:
+    """What a cell compared: its checks, how many tested sync, and the largest difference."""
+    world_size = cell.world_size
+    ranks = f"{world_size} rank{'s' if world_size > 1 else ''}"
+    text = f"{cell.checks} checks on {ranks}, {cell.grad_checks} of them gradients"
+    if cell.grad_checks and cell.vacuous_checks == cell.grad_checks:
+        why = "world size 1 cannot tell synced from local" if world_size == 1 else "synced and local gradients were too alike"
+        text += f", all vacuous for sync ({why})"
+    elif cell.vacuous_checks:
+        text += f", {cell.vacuous_checks} vacuous for sync"
+    if cell.comm_checks:
+        text += f"; collectives of {cell.comm_checks} backwards checked"
+    return f"{text}; max |diff| {cell.max_abs_diff:.3g}" + unchecked_suffix(cell.unchecked)
+
+
+def unchecked_suffix(unchecked: Mapping[str, str]) -> str:
+    """What a cell did not check and why (CONTRACT.md, "Checks that cannot run"), or nothing."""
+    return "".join(f"; NOT CHECKED: {CHECK_TITLES.get(check, check)}: {reason}" for check, reason in unchecked.items())
+
+
+def canary_unchecked_summary(required: Sequence[object], unchecked: Mapping[str, str]) -> str:
+    checks = "; ".join(f"{CHECK_TITLES.get(check, check)}: {reason}" for check, reason in unchecked.items())
+    return (f"this canary must show {', '.join(map(str, required))}, and a check it needs cannot run "
+            f"here: {checks}")
+
+
+def all_vacuous_summary(cell: Cell) -> str:
+    return (f"every gradient check was vacuous for sync: the ranks' data were too alike to tell "
+            f"a synced gradient from a local one (a harness defect); {evidence_summary(cell)}")
+
+
+NO_GRADIENT_CHECK = "the case compared no gradient with the oracle (a check that cannot fail)"
+
+
+def disagreement_summary(results: Sequence[RankResult]) -> str:
+    parts = []
+    for r in results:
+        what = {RankOutcome.OK: "ran it", RankOutcome.SKIPPED: "skipped it",
+                RankOutcome.UNSUPPORTED: "found it unsupported"}.get(r.outcome, str(r.outcome))
+        detail = f" ({last_line(r.detail)})" if r.detail else ""
+        found = f" with {len(r.failures) + r.omitted_failures} failures" if r.failures else ""
+        parts.append(f"rank {r.rank} {what}{detail}{found}")
+    return "the ranks disagree on whether the cell applies: " + "; ".join(parts)
+
+
+def start_error_summary(world_size: int, start_error: str) -> str:
+    return f"the pool of {world_size} ranks did not start: {last_line(start_error)}"
+
+
+def not_run_summary(reason: str) -> str:
+    return f"not run: {reason}"
+
+
+def controller_error_summary(controller_error: str) -> str:
+    return f"the harness failed while waiting for the cell: {last_line(controller_error)}"
+
+
+def nccl_skip_summary(world_size: int, gpu_count: int) -> str:
+    return f"nccl needs one GPU per rank: world size {world_size}, {gpu_count} GPU(s) here"
+
+
+def canary_unobservable_summary(detects: Sequence[object], world_size: int) -> str:
+    fewest = max(d.fewest_ranks for d in detects)  # type: ignore[attr-defined]
+    why = "sync needs two ranks" if all(d.ranks <= 1 for d in detects) else f"it needs {fewest} ranks"  # type: ignore[attr-defined]
+    return (f"this canary shows only as {', '.join(map(str, detects))}, which world size "
+            f"{world_size} cannot show ({why})")
+
+
+def canary_detected_summary(required: Sequence[object], failures: Sequence[Failure], omitted: int) -> str:
+    return f"diagnosed as declared ({', '.join(map(_described, required))}): " + failures_summary(failures, omitted)
+
+
+def _described(diagnosis: object) -> str:
+    described = getattr(diagnosis, "described", None)
+    return described() if callable(described) else str(diagnosis)
+
+
+def canary_missed_summary(missing: Sequence[object], failures: Sequence[Failure], omitted: int) -> str:
+    seen = failures_summary(failures, omitted) if failures else "no failure at all"
+    return (f"the known-wrong pattern was not diagnosed as declared: no {', '.join(map(_described, missing))}; "
+            f"found {seen}")
+
+
+# a bad cell, as pytest shows it
+
+
+def cell_message(cell: Cell) -> str:
+    """The text pytest shows for a cell that is not pass/detected/skip/unsupported."""
+    head = f"{cell.case}[{cell.variant}] at world size {cell.world_size}"
+    if cell.status == Status.ERROR:
+        lines = [f"The cell could not be judged: {head}", "", cell.summary]
+        if cell.detail:
+            lines += ["", cell.detail]
+    elif cell.status == Status.MISSED:
+        lines = [f"The harness missed a known-wrong pattern: {head}", "", cell.summary]
+    else:
+        counts = Counter(f.kind for f in cell.failures)
+        lines = [f"Gradients are not right on every rank: {head}", "",
+                 "Diagnoses: " + ", ".join(f"{kind} x{n}" for kind, n in sorted(counts.items())), ""]
+        for failure in cell.failures[:MESSAGE_FAILURES]:
+            lines += [failure.message, ""]
+        hidden = len(cell.failures) - MESSAGE_FAILURES
+        if hidden > 0:
+            lines += [f"... and {hidden} more (all in the cell's entry in matrix.json)", ""]
+        lines.append(cell.summary)
+    if cell.rerun:
+        lines += ["", f"Rerun this cell: {cell.rerun}"]
+    return "\n".join(lines)
+
+
+def skip_reason(cell: Cell) -> str:
+    """Why pytest shows a skip, unsupported (or any other status that is neither good nor bad) cell as skipped."""
+    return f"{cell.status}: {cell.summary}"

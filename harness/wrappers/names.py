@@ -1,0 +1,51 @@
+"""The wrapper names and what each wrapper does between sync points, as data (imports nothing).
+
+A cell under a wrapper other than DDP carries ``wrapper=<name>`` in its variant (docs/wrappers.md).
+``--wrappers`` selects them (``parse``). How a cell gets its wrapper from accelerate and makes sure it
+has it: harness/wrappers/prepare.py.
+"""
+
+from __future__ import annotations
+
+DDP = "ddp"
+# The public names, in report order (CONTRACT.md).
+WRAPPERS = (DDP, "fsdp2", "fsdp1", "deepspeed-z1", "deepspeed-z2", "deepspeed-z3")
+FSDP = ("fsdp2", "fsdp1")
+DEEPSPEED = {"deepspeed-z1": 1, "deepspeed-z2": 2, "deepspeed-z3": 3}
+AUTO = "auto"
+# ZeRO >= 2 partitions gradients: it reduces them after every micro-batch by design, and accelerate
+# skips ``no_sync`` for it (accelerate PR #3656). Every other wrapper issues no gradient reduction
+# between sync points.
+REDUCES_EVERY_MICRO_BATCH = frozenset({"deepspeed-z2", "deepspeed-z3"})
+# Sharded wrappers add each reduced gradient to the gradient they already hold (FSDP's sharded
+# p.grad, ZeRO's partition), where DDP reduces the whole accumulated p.grad: ZeRO-2/3 average every
+# micro-batch apart, FSDP a sync's after an earlier one's (sync_each_batch): another rounding order
+# (harness/rank/oracle.py, _average_grads).
+ADDS_AFTER_REDUCING = frozenset({"fsdp2", "fsdp1", "deepspeed-z2", "deepspeed-z3"})
+# The precisions the oracle models under each wrapper. FSDP's and DeepSpeed's bf16 is not autocast:
+# accelerate gives FSDP ``param_dtype=reduce_dtype=bf16`` and DeepSpeed bf16 weights, arithmetic
+# the oracle's autocast replicas do not do; those cells are not made rather than judged wrongly.
+PRECISIONS = {DDP: ("fp32", "bf16", "fp16")}
+DEFAULT_PRECISIONS = ("fp32",)
+# The wrappers compiled variants run under: DDP, where compiled no_sync has had real bugs (pytorch
+# #109774), and FSDP2, which torch.compile is built to trace.
+COMPILED = frozenset({DDP, "fsdp2"})
+
+
+class WrongWrapper(Exception):
+    """The prepared model is not the wrapper the cell names: the cell is an ``error``, never a
+    silent DDP cell under another name."""
+
+
+def parse(value: str) -> tuple[str, ...] | str:
+    """``--wrappers``: ``auto`` or a comma list of wrapper names; ValueError names what is wrong."""
+    value = value.strip()
+    if value == AUTO:
+        return AUTO
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    if not names:
+        raise ValueError(f"expected {AUTO!r} or a comma list of {', '.join(WRAPPERS)}; got {value!r}")
+    unknown = [n for n in names if n not in WRAPPERS]
+    if unknown:
+        raise ValueError(f"unknown wrapper {unknown[0]!r}; known: {', '.join(WRAPPERS)} (or {AUTO!r})")
+    return tuple(n for n in WRAPPERS if n in names)

@@ -1,0 +1,305 @@
+"""The wrapper a cell trains under: DDP (every cell's until now), FSDP2, FSDP1 or DeepSpeed ZeRO.
+
+A cell under a wrapper other than DDP carries ``wrapper=<name>`` in its variant (CONTRACT.md,
+"Wrappers"). Here: which cells each wrapper gets (``--wrappers``), how accelerate is asked for it,
+how a cell makes sure that the prepared model really is it, and what the wrapper may communicate
+between sync points (harness/rank/accounting.py judges that).
+"""
+from __future__ import annotations
+
+import traceback
+from typing import Any, Iterable, Mapping
+
+from harness.decorator import SkipCell, Unsupported, Variant
+from harness.wrappers.names import (
+    AUTO,
+    COMPILED,
+    DDP,
+    DEEPSPEED,
+    DEFAULT_PRECISIONS,
+    FSDP,
+    PRECISIONS,
+    WRAPPERS,
+    WrongWrapper,
+)
+
+
+def cell_variants(variants: Iterable[Variant], applies: Iterable[str], selection: tuple[str, ...] | str
+                  ) -> list[Variant]:
+    """A case's variants crossed with the wrappers selected that apply to it.
+
+    DDP keeps the variant ids it always had. Another wrapper adds ``-wrapper=<name>`` and runs the
+    precisions the oracle models for it (compiled variants under FSDP2 only). ``auto``: DDP at every variant, and every other wrapper at
+    the case's lead variants (its first variant, and its first compiled one), so that the default
+    run covers every wrapper once per case (compiled and not) at a fraction of the cost."""
+    variants = list(variants)
+    applies = set(applies)
+    chosen = WRAPPERS if selection == AUTO else selection
+    out: list[Variant] = []
+    for wrapper in chosen:
+        if wrapper not in applies:
+            continue
+        if wrapper == DDP:
+            out.extend(variants)
+            continue
+        precisions = PRECISIONS.get(wrapper, DEFAULT_PRECISIONS)
+        eligible = [v for v in variants if str(v.params.get("precision", "fp32")) in precisions
+                    and ("compile" not in v.params or wrapper in COMPILED)]
+        if selection == AUTO:
+            eligible = _lead(eligible)
+        out.extend(Variant(f"{v.name}-wrapper={wrapper}", {**v.params, "wrapper": wrapper}) for v in eligible)
+    return out
+
+
+def _lead(variants: list[Variant]) -> list[Variant]:
+    """The first variant of each compile setting (not compiled, then each backend)."""
+    seen: dict[Any, Variant] = {}
+    for v in variants:
+        seen.setdefault(v.params.get("compile"), v)
+    return list(seen.values())
+
+
+# accelerate
+
+
+def accelerator_kwargs(wrapper: str, kwargs: Mapping[str, Any], *, device_type: str, num_steps: int,
+                       world_size: int) -> dict[str, Any]:
+    """The ``Accelerator`` keyword arguments that ask for ``wrapper``; SkipCell when it cannot run here."""
+    if wrapper == DDP:
+        return {}
+    if wrapper in FSDP and world_size < 2:
+        # a local pool of one rank is a plain process (no launcher): accelerate wraps nothing there,
+        # as it wraps nothing in DDP, and one rank has nothing to shard or reduce
+        raise SkipCell(f"wrapper={wrapper} runs at world size 2 and more: at world size 1 accelerate "
+                       "applies no wrapper (a single process without a launcher)")
+    given = [k for k in ("fsdp_plugin", "deepspeed_plugin", "deepspeed_plugins") if kwargs.get(k) is not None]
+    if given:
+        raise ValueError(f"wrapper={wrapper}: the harness makes the {wrapper} plugin; the case gave {given[0]}=")
+    if wrapper in FSDP:
+        import accelerate.utils
+
+        from harness.wrappers import probe
+
+        plugin = probe.require(accelerate.utils, "FullyShardedDataParallelPlugin", "FullyShardedDataParallelPlugin")
+        if wrapper == "fsdp2":
+            probe.require_parameter(plugin, "fsdp_version", "FullyShardedDataParallelPlugin(fsdp_version=2)")
+            from harness.wrappers import capabilities
+
+            missing = capabilities.fsdp2_missing(device_type)
+            if missing:
+                raise SkipCell(f"wrapper=fsdp2 cannot run here: {missing}")
+            try:
+                return {"fsdp_plugin": plugin(fsdp_version=2)}
+            except ImportError as exc:  # accelerate's own word on this torch ("FSDP2 requires PyTorch >= 2.6.0")
+                raise SkipCell(f"wrapper=fsdp2 cannot run here: accelerate refuses it: {exc}") from None
+        # FSDP1 with the user's parameters kept (their names, and full gradients when summoned);
+        # releases before FSDP2 have no fsdp_version and are FSDP1. sync_module_states=False: the
+        # harness builds the same weights on every rank (and checks so at start-up), so the sync is
+        # not needed; releases before 1.x default it to True and then insist on a GPU for it ("There
+        # are currently no available devices found", 0.31; FSDP1's "CPU parameters or buffers when
+        # sync_module_states=True", 0.22). From 1.x it is False by default: the same FSDP1 as before.
+        # Older releases (0.22.0 and 0.31.0 here) overwrite these fields from the environment whatever
+        # the plugin is given (FSDP_USE_ORIG_PARAMS, FSDP_SYNC_MODULE_STATES, as `accelerate launch` sets them):
+        # the same values are set there too, for this cell only (harness/rank/runner.py puts the
+        # environment back after each cell).
+        options: dict[str, Any] = {"use_orig_params": True}
+        if "fsdp_version" in probe.parameters(plugin):
+            options["fsdp_version"] = 1
+        if "sync_module_states" in probe.parameters(plugin):
+            options["sync_module_states"] = False
+        import os
+
+        os.environ["FSDP_USE_ORIG_PARAMS"] = "true"
+        os.environ["FSDP_SYNC_MODULE_STATES"] = "false"
+        made = plugin(**options)
+        if getattr(made, "use_orig_params", None) is not True:
+            raise Unsupported("FullyShardedDataParallelPlugin(use_orig_params=True)",
+                              f"the plugin made has use_orig_params={getattr(made, 'use_orig_params', None)!r}")
+        return {"fsdp_plugin": made}
+    return _deepspeed_kwargs(wrapper, device_type=device_type, num_steps=num_steps)
+
+
+def _deepspeed_kwargs(wrapper: str, *, device_type: str, num_steps: int) -> dict[str, Any]:
+    """The DeepSpeed plugin (and ``cpu=False``, which accelerate needs to select DeepSpeed at all);
+    harness/wrappers/deepspeed_cpu.py says why each setting is what it is."""
+    from harness.wrappers import deepspeed_cpu
+
+    return deepspeed_cpu.accelerator_kwargs(wrapper, DEEPSPEED[wrapper], device_type=device_type, num_steps=num_steps)
+
+
+def after_construction(wrapper: str, accelerator: Any, kwargs: Mapping[str, Any]) -> None:
+    """What the Accelerator needs once built for ``wrapper`` to be what ``prepare`` applies."""
+    if wrapper in FSDP:
+        fsdp_on_cpu(accelerator, kwargs["fsdp_plugin"])
+        _prepare_says_what_it_cannot_do(accelerator, wrapper)
+    elif wrapper in DEEPSPEED:
+        from harness.wrappers import deepspeed_cpu
+
+        deepspeed_cpu.after_construction(accelerator, stage=DEEPSPEED[wrapper])
+
+
+def _prepare_says_what_it_cannot_do(accelerator: Any, wrapper: str) -> None:
+    """What an accelerate release's FSDP ``prepare`` cannot do, asked by trying, named in the cell
+    instead of a harness error (an instance attribute: the class and every other Accelerator are
+    untouched):
+
+    - Old releases call torch's FSDP1 with arguments a later torch no longer takes (0.21.0:
+      ``FullyShardedDataParallel(ignored_parameters=...)``; 0.22.0 remakes the optimizer as
+      ``type(optimizer)(params, **optimizer.defaults)``, and torch 2.13's AdamW keeps a default its
+      own constructor does not take): a TypeError naming the argument, ``skip``.
+    - An AttributeError or KeyError raised inside accelerate's own code: accelerate 1.1.1 reads
+      transformers' ``_tied_weights_keys`` from every model it wraps in FSDP1, which a plain
+      ``nn.Module`` has not; 1.6.0's FSDP2 maps a compiled model's parameters by names that
+      ``torch.compile``'s wrapper prefixes (``KeyError: 'fc1.weight'``) and cannot switch two models'
+      optimizers to their shards ("A parameter in the optimizer couldn't be switched"):
+      ``unsupported``, naming what accelerate raised. A diff against a release that passes still
+      counts it a regression."""
+    import functools
+
+    original = accelerator.prepare
+
+    @functools.wraps(original)
+    def prepare(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(*args, **kwargs)
+        except TypeError as exc:
+            if "unexpected keyword argument" not in str(exc):
+                raise
+            import accelerate
+            import torch
+
+            raise SkipCell(f"wrapper={wrapper} cannot run here: accelerate {accelerate.__version__}'s prepare "
+                           f"calls torch {torch.__version__} with an argument it does not take ({exc})") from None
+        except (AttributeError, KeyError) as exc:
+            if _raised_in(exc, skipping="torch") != "accelerate":
+                raise
+            import accelerate
+
+            raise Unsupported(f"a {wrapper} prepare that can wrap this case's models and optimizers",
+                              f"accelerate {accelerate.__version__} raised {type(exc).__name__}: {exc}") from None
+
+    accelerator.prepare = prepare
+
+
+def fsdp_on_cpu(accelerator: Any, plugin: Any) -> None:
+    """Make accelerate apply FSDP on a CPU host, where it would silently use DDP instead.
+
+    Why: accelerate's ``AcceleratorState`` selects ``DistributedType.FSDP`` only in the branch for
+    accelerator device types (MULTI_GPU, MULTI_XPU, ...; accelerate/state.py, 1.15.0); on
+    MULTI_CPU an ``fsdp_plugin`` is ignored and ``prepare`` wraps the model in DDP. torch's FSDP2
+    and FSDP1 themselves run on CPU with gloo. So, after construction, this does what that branch
+    does (the distributed type on AcceleratorState and PartialState, the plugin, its mixed
+    precision) and, for FSDP1, gives the state the index-less ``cpu`` device: accelerate passes
+    ``device_id=accelerator.device`` (``cpu:0`` on MULTI_CPU) and torch's FSDP1 takes a CPU
+    module's compute device to be ``cpu``, refusing the pair ("Inconsistent compute device").
+
+    With harness/wrappers/deepspeed_cpu.py, one of the two places where the harness steps around accelerate.
+    When a release selects FSDP on CPU by itself, the distributed type is already FSDP and this
+    does nothing."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return
+    if accelerator.device.type != "cpu":
+        raise WrongWrapper(f"accelerate chose {accelerator.distributed_type} on {accelerator.device}, not FSDP, "
+                           "and the harness forces FSDP only on a CPU host")
+    state, partial = AcceleratorState(), PartialState()
+    state.distributed_type = DistributedType.FSDP
+    partial.distributed_type = DistributedType.FSDP
+    mixed = str(getattr(state, "mixed_precision", "no"))
+    if mixed != "no":
+        plugin.set_mixed_precision(mixed)
+    state.fsdp_plugin = plugin
+    if getattr(plugin, "fsdp_version", 1) == 1:
+        import torch
+
+        state.device = partial.device = torch.device("cpu")
+
+
+def refusal(wrapper: str, exc: BaseException) -> Unsupported | None:
+    """A case's exception that is the library refusing what the pattern asks under ``wrapper`` (the
+    pair of releases has no such support), as ``Unsupported`` naming it; None for anything else,
+    which stays a raise of the case (an ``error`` cell).
+
+    accelerate before PR #3656 enters the DeepSpeed engine's ``no_sync`` inside
+    ``accumulate``, and DeepSpeed (0.19.8 here) refuses it: under ZeRO-2/3 ("no_sync context manager
+    is incompatible with gradient partitioning"), under ZeRO-1 at the engine's step inside it ("It is
+    illegal to call Engine.step() inside no_sync context manager"). A user's loop fails as loudly."""
+    if wrapper not in DEEPSPEED or not isinstance(exc, AssertionError) or "no_sync" not in str(exc):
+        return None
+    if _raised_in(exc) != "deepspeed":
+        return None
+    import accelerate
+    import deepspeed
+
+    return Unsupported(f"accumulate under ZeRO-{DEEPSPEED[wrapper]} with deepspeed {deepspeed.__version__}",
+                       f"accelerate {accelerate.__version__} enters the engine's no_sync, which it refuses: {exc}")
+
+
+def _raised_in(exc: BaseException, *, skipping: str = "") -> str:
+    """The package (``accelerate``, ``deepspeed``, ``torch``, ...) of the innermost frame that raised
+    ``exc``, passing over frames of ``skipping`` (an attribute lookup that torch's ``Module``
+    answers is raised there for its caller); "" when none is a package's."""
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        parts = frame.filename.replace("\\", "/").split("/")
+        if "site-packages" in parts or "dist-packages" in parts:
+            index = max(i for i, p in enumerate(parts) if p in ("site-packages", "dist-packages"))
+            package = parts[index + 1] if index + 1 < len(parts) else ""
+        else:
+            package = next((p for p in ("accelerate", "deepspeed", "torch") if p in parts), "")
+        if package and package == skipping:
+            continue
+        return package
+    return ""
+
+
+# what the prepared model is
+
+
+def peel_compiled(model: Any) -> Any:
+    """The module inside ``torch.compile``'s wrapper."""
+    return getattr(model, "_orig_mod", model)
+
+
+def prepared_as(model: Any) -> str:
+    """The wrapper a prepared model is, by its type: ``ddp``, ``fsdp2``, ``fsdp1``,
+    ``deepspeed-z<stage>``, or ``none`` (a plain module: accelerate wraps nothing at world size 1)."""
+    import torch
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    # accelerate compiles a DDP or FSDP1 model after wrapping it, and fully_shard()s a compiled one
+    # (FSDP2 swaps the class of the module it is given, torch.compile's wrapper included)
+    fsdp2 = _fsdp2_class()
+    if fsdp2 is not None and isinstance(model, fsdp2):
+        return "fsdp2"
+    inner = peel_compiled(model)
+    if fsdp2 is not None and isinstance(inner, fsdp2):
+        return "fsdp2"
+
+    if isinstance(inner, FullyShardedDataParallel):
+        return "fsdp1"
+    if isinstance(inner, torch.nn.parallel.DistributedDataParallel):
+        return DDP
+    if type(inner).__name__ == "DeepSpeedEngine":
+        stage = getattr(inner, "zero_optimization_stage", lambda: 0)()
+        return f"deepspeed-z{stage}"
+    return "none"
+
+
+def _fsdp2_class() -> Any:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return None
+    return FSDPModule
+
+
+def verify(wrapper: str, model: Any, *, name: str, world_size: int) -> None:
+    """WrongWrapper unless the prepared ``model`` is the wrapper the cell names. A DDP cell also takes
+    a plain module: accelerate wraps nothing at world size 1, and a loop may average by hand."""
+    actual = prepared_as(model)
+    if actual == wrapper or (wrapper == DDP and actual == "none"):
+        return
+    raise WrongWrapper(f"model {name!r} was prepared as {actual} ({type(model).__name__}), "
+                       f"but the cell is wrapper={wrapper}")

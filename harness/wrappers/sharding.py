@@ -1,0 +1,114 @@
+"""A prepared model's parameters and gradients on this rank, read the way its wrapper keeps them.
+
+DDP (or no wrapper) keeps the whole of every tensor on every rank. FSDP2 keeps DTensors: each rank
+holds its shard of every parameter and, after a sync, of every gradient; between sync points its
+``p.grad`` stays None while the unsharded gradients accumulate inside FSDP. The checks then compare
+this rank's shard with the same shard of the oracle's full expectation (DESIGN.md, "Sharded
+wrappers"). FSDP1 (``use_orig_params=True``) keeps flat shards; ``summon_full_params(with_grads=True)``
+shows the full tensors, which are compared whole.
+
+Reading full tensors of a sharded model is a collective: every rank reads every model at every
+check, in the same order, as the checks already do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from harness.rank.replica import unwrap
+from harness.wrappers.observed import Observed, Piece, _identity
+
+
+def _dtensor_class() -> Any:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return None
+    return DTensor
+
+
+def _clean(name: str) -> str:
+    return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
+
+
+def observe(model: nn.Module, names: list[str], *, sync: bool) -> Observed:
+    """Read ``model`` (prepared) as its wrapper keeps it. ``sync``: whether the last backward was due
+    to sync (FSDP1 shows full gradients only after one)."""
+    from harness.wrappers.prepare import peel_compiled, prepared_as
+
+    kind = prepared_as(model)
+    if kind == "fsdp1":
+        return _fsdp1(model, with_grads=sync)
+    if kind.startswith("deepspeed-"):
+        from harness.wrappers import deepspeed_cpu
+
+        return deepspeed_cpu.observe(peel_compiled(model), names, sync=sync)
+    params = dict(unwrap(model).named_parameters())
+    DTensor = _dtensor_class()
+    if DTensor is None or not any(isinstance(p, DTensor) for p in params.values()):
+        return Observed(params={n: p.detach() for n, p in params.items()},
+                        grads={n: None if p.grad is None else p.grad.detach() for n, p in params.items()})
+    pieces = {n: _piece_fn(p) if isinstance(p, DTensor) else _identity for n, p in params.items()}
+
+    def local(t: Any) -> Any:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    def full(t: Any) -> Any:
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    observed = Observed(
+        params={n: local(p.detach()) for n, p in params.items()},
+        grads={n: None if p.grad is None else local(p.grad.detach()) for n, p in params.items()},
+        sharded=True,
+        pieces=pieces,
+        _full_params=lambda: {n: full(p.detach()) for n in names for p in [params[n]]},
+        _full_grads=lambda: {n: None if params[n].grad is None else full(params[n].grad.detach()) for n in names},
+    )
+    return observed
+
+
+def _piece_fn(dtensor: Any) -> Piece:
+    """This rank's part of a full tensor laid out as ``dtensor`` (Shard and Replicate placements, as
+    DTensor itself splits: ``torch.chunk`` along the sharded dimension, empty past the last chunk)."""
+    mesh, placements = dtensor.device_mesh, dtensor.placements
+    coordinate = mesh.get_coordinate()
+    local_shape = tuple(dtensor.to_local().shape)
+
+    def piece(full: torch.Tensor) -> torch.Tensor:
+        out = full
+        for mesh_dim, placement in enumerate(placements):
+            if placement.is_shard():
+                chunks = torch.chunk(out, mesh.size(mesh_dim), dim=placement.dim)
+                index = coordinate[mesh_dim]
+                out = chunks[index] if index < len(chunks) else out.narrow(placement.dim, 0, 0)
+            elif not placement.is_replicate():
+                raise ValueError(f"the harness cannot compare a tensor placed as {placement}")
+        if tuple(out.shape) != local_shape:
+            raise ValueError(f"this rank's shard has shape {local_shape}, but its part of the full tensor "
+                             f"({tuple(full.shape)}, placed {placements}) has {tuple(out.shape)}")
+        return out
+
+    return piece
+
+
+def _fsdp1(model: nn.Module, *, with_grads: bool) -> Observed:
+    """Full tensors: after a sync through ``summon_full_params(with_grads=True)``; between sync
+    points FSDP1's ``no_sync`` leaves each parameter's full, unsharded local gradient on it."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from harness.wrappers.prepare import peel_compiled
+
+    fsdp = peel_compiled(model)
+    inner = unwrap(model)
+    grads: dict[str, torch.Tensor | None] = {}
+    if not with_grads:
+        grads = {_clean(n): None if p.grad is None else p.grad.detach().clone() for n, p in inner.named_parameters()}
+    with FullyShardedDataParallel.summon_full_params(fsdp, writeback=False, with_grads=with_grads):
+        params = {_clean(n): p.detach().clone() for n, p in inner.named_parameters()}
+        if with_grads:
+            grads = {_clean(n): None if p.grad is None else p.grad.detach().clone() for n, p in inner.named_parameters()}
+    shown = [n for n, g in grads.items() if g is not None and n in params and g.shape != params[n].shape]
+    return Observed(params=params, grads=grads, shards_shown=shown)
