@@ -54,9 +54,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="the wrappers cells train under: a comma list of ddp, fsdp2, fsdp1, deepspeed-z1, "
                          "deepspeed-z2, deepspeed-z3 (each at every variant it applies to), or auto: ddp at "
                          "every variant and every other wrapper at each case's lead variants. Default: auto.")
+    from harness.selfcheck.faults import FAULTS, PERTURBATION_FORMS  # no torch: the patches import it in the ranks
+
     group.addoption("--harness-fault", default=None, metavar="NAME",
                     help="inject a named sync fault into accelerate inside the ranks (used by "
-                         "'python -m harness selfcheck'; never for a real run).")
+                         "'python -m harness selfcheck'; never for a real run). NAME is one of "
+                         f"{', '.join(sorted(FAULTS))}, or {PERTURBATION_FORMS}.")
 
 
 def _is_worker(config: pytest.Config) -> bool:
@@ -87,6 +90,10 @@ class HarnessState:
 
     @pytest.hookimpl(trylast=True)  # after pytest's own letter or word for the report
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        lines = self.progress.write
+        if lines is not None:
+            lines.file = report.nodeid.split("::", 1)[0]
+            lines.flush()  # a line that waited for pytest's line of dots to end, if it just did
         if report.when != "call":
             return
         cells = [Cell.from_dict(value) for name, value in report.user_properties if name == CELL_PROPERTY]
@@ -99,6 +106,12 @@ class HarnessState:
                 self.write_error = f"{exc.filename or self.settings.report_dir}: {exc.strerror or exc}"
             for cell in cells:
                 self.progress.cell_done(cell.status, f"{cell.case}[{cell.variant}-ws{cell.world_size}]")
+
+    @pytest.hookimpl(tryfirst=True)  # before pytest writes the header of a new file
+    def pytest_runtest_logstart(self, nodeid: str, location: Any) -> None:
+        lines = self.progress.write
+        if lines is not None and not self.config.pluginmanager.hasplugin("dsession"):  # serial: xdist has no headers
+            lines.next_file(nodeid)
 
     def write_reports(self, *, complete: bool) -> None:
         """(Re)write the three reports from the cells so far, each file replaced atomically."""
@@ -330,6 +343,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return
     state.interrupted = state.interrupted or exitstatus == pytest.ExitCode.INTERRUPTED
     state.progress.finish()  # the closing progress line (controller or serial run), before the summary
+    if state.progress.write is not None:
+        state.progress.write.flush(force=True)
     # after an interruption the ranks may be busy in a cell: do not wait for them
     state.pools.close(graceful=not state.interrupted)
     # With no finished cell (a usage error, an interruption before the first cell) there is nothing
@@ -351,7 +366,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     matrix = state.matrix if state is not None else None
     if matrix is None:
         return
-    title, lines = terminal_summary(matrix, [os.path.relpath(p) for p in state.reports_written], state.write_error)
+    title, lines = terminal_summary(matrix, [os.path.relpath(p) for p in state.reports_written], state.write_error,
+                                    width=terminalreporter._tw.fullwidth)  # the terminal's columns (80 when not a terminal)
     terminalreporter.write_sep("=", title)
     for line in lines:
         terminalreporter.write_line(line)

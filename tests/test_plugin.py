@@ -166,6 +166,18 @@ def test_bad_input_stops_the_run_at_start_with_one_line_naming_the_option(run_py
     assert not (session.report_dir / "matrix.json").exists()
 
 
+def test_pytest_help_names_every_fault_harness_fault_takes(tmp_path):
+    from harness.selfcheck.faults import FAULTS, PERTURBATION_FORMS
+
+    shown = subprocess.run([sys.executable, "-m", "pytest", "--help", "-p", "no:cacheprovider"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    help_text = " ".join(shown.stdout[shown.stdout.index("--harness-fault"):].split())
+    for name in FAULTS:
+        assert f" {name}," in help_text, name
+    assert " ".join(PERTURBATION_FORMS.split()) in help_text
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: nccl can run here")
 def test_nccl_without_gpus_gives_skip_cells_with_the_reason(run_pytest):
     session = run_pytest("cases/test_fused_loss.py", "-k", "fp32-ws", "--backend", "nccl", "--world-sizes", "1,2")

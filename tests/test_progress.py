@@ -1,11 +1,12 @@
 """The live progress line: what it says, when it is written (a fake clock), and that a real run
 writes it on lines of its own, serial and under xdist, and writes none under -q."""
 
+import os
 import re
 from types import SimpleNamespace
 
 import pytest
-from conftest import PLANTED, wait_for_no_processes
+from conftest import PLANTED, ROOT, wait_for_no_processes
 
 from harness.controller.progress import Progress, duration, terminal_writer
 
@@ -122,20 +123,29 @@ def test_nothing_is_written_with_no_writer_or_before_any_cell():
 
 
 class Reporter:
-    """What terminal_writer uses of pytest's terminal reporter."""
+    """What terminal_writer uses of pytest's terminal reporter: a line of ``width`` characters is open."""
 
     def __init__(self, width: int) -> None:
         self._tw = SimpleNamespace(width_of_current_line=width)
+        self._show_progress_info = "progress"
         self.calls = []
 
     def ensure_newline(self):
         self.calls.append("ensure_newline")
+        # pytest's ends the line only where it wrote a file name first (not under xdist)
+        if self.calls[:1] != ["xdist"]:
+            self._tw.width_of_current_line = 0
 
     def write(self, text):
         self.calls.append(text)
+        self._tw.width_of_current_line = 0 if text.endswith("\n") else self._tw.width_of_current_line + len(text)
 
     def write_line(self, line):
         self.calls.append(line)
+        self._tw.width_of_current_line = 0
+
+    def _write_progress_information_filling_space(self):
+        self.calls.append("[ 40%]")
 
 
 def config(verbose, reporter):
@@ -143,16 +153,56 @@ def config(verbose, reporter):
                            pluginmanager=SimpleNamespace(get_plugin=lambda name: reporter))
 
 
-def test_the_terminal_line_goes_on_a_line_of_its_own_and_quiet_runs_have_none():
+def test_quiet_runs_have_no_terminal_line():
     assert terminal_writer(config(-1, Reporter(0))) is None
     assert terminal_writer(config(-2, Reporter(0))) is None
-    after_dots = Reporter(12)  # xdist's dots, written with no file name first
-    terminal_writer(config(0, after_dots))("gradient-sync: 1/2 cells")
-    assert after_dots.calls == ["ensure_newline", "\n", "gradient-sync: 1/2 cells"]
-    fresh = Reporter(0)
+    terminal_writer(config(0, None))("-p no:terminal: nowhere to write, no error")
+
+
+def test_a_line_that_comes_while_pytest_writes_its_dots_waits_for_the_end_of_their_line():
+    dots = Reporter(12)  # pytest is in the middle of a line of dots
+    lines = terminal_writer(config(0, dots))
+    lines("gradient-sync: 1/9 cells · 1 fail · fail: c[fp32-ws2]")
+    assert dots.calls == []  # never splits the dots' line (the file's header would be written again)
+    lines.flush()
+    assert dots.calls == []
+    dots.write(".F. [ 13%]\n")  # pytest ends the line at the edge
+    lines.flush()
+    assert dots.calls[1:] == ["ensure_newline", "gradient-sync: 1/9 cells · 1 fail · fail: c[fp32-ws2]"]
+    lines("gradient-sync: 2/9 cells")  # on an empty line: at once
+    assert dots.calls[-1] == "gradient-sync: 2/9 cells"
+
+
+def test_a_serial_run_writes_the_waiting_lines_when_it_moves_to_another_file_and_at_the_end():
+    dots = Reporter(0)
+    lines = terminal_writer(config(0, dots))
+    lines.next_file("cases/test_a.py::test_x[ws2]")
+    dots.write("cases/test_a.py F")
+    lines("gradient-sync: 1/3 cells · 1 fail · fail: x[ws2]")
+    lines.next_file("cases/test_a.py::test_x[ws1]")  # the same file: its dots go on
+    assert dots.calls == ["cases/test_a.py F"]
+    dots.write(".")
+    lines.next_file("cases/test_b.py::test_y[ws1]")  # pytest is about to start test_b's line
+    assert dots.calls[2:] == ["[ 40%]", "ensure_newline", "gradient-sync: 1/3 cells · 1 fail · fail: x[ws2]"]
+    dots.write("cases/test_b.py .")
+    lines("gradient-sync: 3/3 cells · 1 fail · done in 5s")
+    lines.flush(force=True)  # the end of the run
+    assert dots.calls[-2:] == ["ensure_newline", "gradient-sync: 3/3 cells · 1 fail · done in 5s"]
+
+
+def test_under_xdist_the_line_starts_a_line_of_its_own():
+    dots = Reporter(12)
+    dots.calls.append("xdist")  # no file name first: ensure_newline leaves the line open
+    lines = terminal_writer(config(0, dots))
+    lines("gradient-sync: 1/9 cells")
+    lines.flush(force=True)
+    assert dots.calls[1:] == ["ensure_newline", "\n", "gradient-sync: 1/9 cells"]
+
+
+def test_verbose_runs_write_the_line_at_once():
+    fresh = Reporter(30)  # under -v a test's line: the next one starts a line anyway
     terminal_writer(config(1, fresh))("gradient-sync: 1/2 cells")
     assert fresh.calls == ["ensure_newline", "gradient-sync: 1/2 cells"]
-    terminal_writer(config(0, None))("-p no:terminal: nowhere to write, no error")
 
 
 # end to end: small runs (world sizes 1-2, one case or two)
@@ -160,12 +210,15 @@ FUSED = ["cases/test_fused_loss.py", "-k", "fp32-ws"]
 LINE = re.compile(r"^gradient-sync: .*$", re.MULTILINE)
 
 
-def test_a_serial_run_writes_a_failing_cell_at_once_and_a_closing_line(run_pytest):
+def test_a_serial_run_writes_a_failing_cell_and_a_closing_line_without_splitting_the_dots(run_pytest):
     # largest world size first: the failing ws2 cell, then the passing ws1 one
     session = run_pytest(PLANTED, "-k", "left_out", "--world-sizes", "1,2")
     assert session.returncode == 1
     lines = LINE.findall(session.stdout)
     assert len(lines) == 2, session.stdout[-3000:]
+    # pytest's line of letters for the file is whole: its name once, both letters on it
+    headers = [line for line in session.stdout.splitlines() if line.startswith(os.path.relpath(PLANTED, ROOT))]
+    assert len(headers) == 1 and headers[0].split()[1] == "F.", session.stdout[-3000:]
     assert re.fullmatch(r"gradient-sync: 1/2 cells · 1 fail · fail: planted_left_out_of_no_sync\[fp32-ws2\]",
                         lines[0])
     assert re.fullmatch(r"gradient-sync: 2/2 cells · 1 fail · done in \d+s", lines[1])

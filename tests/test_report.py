@@ -231,6 +231,57 @@ def test_table_is_aligned_and_counts_are_right() -> None:
     assert counts == "9 cells: 3 pass, 1 fail, 1 error, 1 skip, 1 unsupported, 1 detected, 1 missed"
 
 
+def _wide_matrix() -> Matrix:
+    variants = ["steps=2-fp32", "steps=2-fp32-compile=aot_eager-wrapper=fsdp2",
+                "steps=3-pattern=per_rank-fp32-wrapper=deepspeed-z3-reduce=fp32-extra=long-value"]
+    statuses = iter(STATUSES * 10)
+    cells = [Cell(case, variant, ws, next(statuses)) for case in ("accumulate_token_loss_transformers", "no_sync")
+             for variant in variants for ws in (1, 2, 4, 8)]
+    return Matrix(environment={"world_sizes": [1, 2, 4, 8]}, cells=cells)
+
+
+def test_the_terminal_table_fits_the_terminal_and_keeps_every_cell() -> None:
+    matrix = _wide_matrix()
+    wide = render_table(matrix)
+    assert max(len(line) for line in wide.splitlines()) > 80  # as a row per (case, variant) it would wrap
+    assert render_table(matrix, 200) == wide  # where that fits, the table is unchanged
+    text = render_table(matrix, 80)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 80, text
+    assert lines[0].split() == ["case", "/", "variant", "ws=1", "ws=2", "ws=4", "ws=8"]
+    assert lines[-1] == render_table(matrix).splitlines()[-1]  # the counts
+    # each case once, then its variants indented, statuses on a variant's first line and the rest of
+    # a long variant below it, broken after a whole key=value (deepspeed-z3 stays whole)
+    body = lines[1:-1]
+    assert [line for line in body if not line.startswith(" ")] == ["accumulate_token_loss_transformers", "no_sync"]
+    by_case: dict[str, list[tuple[str, list[str]]]] = {}
+    case = ""
+    for line in body:
+        if not line.startswith(" "):
+            case = line
+        elif line.startswith("    "):
+            variant, shown = by_case[case][-1]
+            by_case[case][-1] = (variant + line.strip(), shown)
+        else:
+            words = line.split()
+            by_case.setdefault(case, []).append((words[0], words[1:]))
+    assert "wrapper=deepspeed-z3-" in "".join(v for v, _ in by_case["no_sync"])
+    for cell in matrix.cells:
+        variant, shown = next((v, s) for v, s in by_case[cell.case] if v == cell.variant)
+        assert shown[[1, 2, 4, 8].index(cell.world_size)] == cell.status
+
+
+def test_the_reports_line_breaks_into_one_line_per_report_where_it_would_not_fit() -> None:
+    from harness.render.matrix import terminal_summary
+
+    reports = ["reports/a-long-directory-name/matrix.json", "reports/a-long-directory-name/matrix.md",
+               "reports/a-long-directory-name/matrix.html"]
+    _, lines = terminal_summary(make_matrix(), reports, width=80)
+    assert lines[-4:] == ["reports:"] + ["  " + r for r in reports]
+    _, lines = terminal_summary(make_matrix(), reports, width=200)
+    assert lines[-1] == "reports: " + ", ".join(reports)
+
+
 def test_table_of_empty_matrix_says_so() -> None:
     assert render_table(Matrix(environment={}, cells=[])) == "no cells ran"
 

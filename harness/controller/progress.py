@@ -91,20 +91,66 @@ class Progress:
         self.write(line)
 
 
-def terminal_writer(config: Any) -> Optional[Callable[[str], None]]:
-    """Writes a line on a line of its own in pytest's terminal output; None under ``-q``."""
-    if (config.getoption("verbose", 0) or 0) < 0:
-        return None
+class TerminalLines:
+    """Writes progress lines into pytest's terminal output on lines of their own, without splitting
+    pytest's line of dots (or letters): a line that comes while one is open waits for its end.
 
-    def write(line: str) -> None:
+    Under ``-v`` every test has a line of its own, and a progress line is written at once. Else it is
+    written when the reporter's line is empty (pytest has just ended a line of dots at the edge: call
+    ``flush`` after each report), when a serial run moves on to another file (``next_file``: pytest's
+    header for it starts a line anyway), and at the end of the run (``flush(force=True)``).
+    """
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.pending: list[str] = []
+        self.at_once = (config.getoption("verbose", 0) or 0) > 0
+        self.file = ""  # the file of the last reported test (a serial run's header)
+
+    def _reporter(self) -> Any:
         # looked up at each line: the terminal reporter is registered after the harness's configure
-        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        return self.config.pluginmanager.get_plugin("terminalreporter")
+
+    def __call__(self, line: str) -> None:
+        self.pending.append(line)
+        self.flush(force=self.at_once)
+
+    def flush(self, *, force: bool = False) -> None:
+        reporter = self._reporter()
         if reporter is None:  # -p no:terminal
+            self.pending.clear()
+            return
+        if not self.pending:
+            return
+        if _line_width(reporter) and not force:
             return
         reporter.ensure_newline()
         # under xdist pytest writes its dots with no file name first, which ensure_newline misses
-        if getattr(getattr(reporter, "_tw", None), "width_of_current_line", 0):
+        if _line_width(reporter):
             reporter.write("\n")
-        reporter.write_line(line)
+        for line in self.pending:
+            reporter.write_line(line)
+        self.pending.clear()
 
-    return write
+    def next_file(self, nodeid: str) -> None:
+        """A serial run's next test starts (``pytest_runtest_logstart``, before pytest's own): in
+        another file than the last, pytest is about to end the dots' line; the waiting lines go first."""
+        file = nodeid.split("::", 1)[0]
+        if self.file and file != self.file and self.pending:
+            reporter = self._reporter()
+            fill = getattr(reporter, "_write_progress_information_filling_space", None)
+            if fill is not None and getattr(reporter, "_show_progress_info", False) and _line_width(reporter):
+                fill()  # the line's "[ 40%]", which pytest would have written before its next header
+            self.flush(force=True)
+        self.file = file
+
+
+def _line_width(reporter: Any) -> int:
+    return getattr(getattr(reporter, "_tw", None), "width_of_current_line", 0)
+
+
+def terminal_writer(config: Any) -> Optional[TerminalLines]:
+    """Where the progress lines go in pytest's terminal output; None under ``-q``."""
+    if (config.getoption("verbose", 0) or 0) < 0:
+        return None
+    return TerminalLines(config)

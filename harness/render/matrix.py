@@ -65,29 +65,82 @@ def render_html(matrix: Matrix, fragments: CellFragments | None = None) -> str:
                               notes=notes, fragments=fragments)
 
 
-def render_table(matrix: Matrix) -> str:
-    """A compact plain-text table for the pytest terminal summary."""
+def render_table(matrix: Matrix, width: int | None = None) -> str:
+    """A compact plain-text table for the pytest terminal summary, at most ``width`` columns wide
+    when one is given (the terminal's): a row per (case, variant) while that fits, else the variants
+    under their case, each split at its ``-`` parts over as many lines as it needs."""
     if not matrix.cells:
         return "no cells ran"
     world_sizes = _world_sizes(matrix)
-    header = ["case", "variant"] + [f"ws={ws}" for ws in world_sizes]
-    rows = [header]
-    for (case, variant), by_ws in _pivot(matrix).items():
-        row = [case, variant]
-        for ws in world_sizes:
-            cell = by_ws.get(ws)
-            row.append(cell.status if cell else "-")
-        rows.append(row)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    heads = [f"ws={ws}" for ws in world_sizes]
+    pivot = _pivot(matrix)
+    statuses = {key: [by_ws[ws].status if ws in by_ws else "-" for ws in world_sizes] for key, by_ws in pivot.items()}
+    rows = [["case", "variant"] + heads] + [[case, variant] + statuses[case, variant] for case, variant in pivot]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(text.ljust(w) for text, w in zip(row, widths)).rstrip() for row in rows]
+    if width is not None and max(len(line) for line in lines) > width:
+        lines = _grouped_table(pivot, statuses, heads, width)
     lines.append(_counts_line(matrix))
     return "\n".join(lines)
 
 
-def terminal_summary(matrix: Matrix, reports: list[str], write_error: str = "") -> tuple[str, list[str]]:
-    """The title and lines of the pytest terminal summary: the table, then where the reports are."""
+def _grouped_table(pivot: dict[tuple[str, str], dict[int, Cell]], statuses: dict[tuple[str, str], list[str]],
+                   heads: list[str], width: int) -> list[str]:
+    column = max([len(h) for h in heads] + [len(s) for row in statuses.values() for s in row])
+    status_width = len(heads) * (column + 2)
+    text_width = max(width - status_width, 24)  # a terminal narrower than that wraps, but keeps every part
+
+    def line(text: str, cells: list[str]) -> str:
+        return (text.ljust(text_width) + "".join("  " + c.ljust(column) for c in cells)).rstrip()
+
+    out = [line("case / variant", heads)]
+    case_seen = None
+    for case, variant in pivot:
+        if case != case_seen:
+            out.append(case)
+            case_seen = case
+        pieces = _split_variant(variant or "(no variant)", text_width - 2)
+        out.append(line("  " + pieces[0], statuses[case, variant]))
+        out += ["    " + piece for piece in pieces[1:]]
+    return out
+
+
+def _split_variant(variant: str, room: int) -> list[str]:
+    """``variant`` in lines of at most ``room`` characters, broken after a ``-`` that ends a part
+    (``key=value``; ``wrapper=deepspeed-z1`` stays whole). Continuation lines are indented two more,
+    so they get two less."""
+    chunks = variant.split("-")
+    units = [chunks[0]]
+    for chunk in chunks[1:]:
+        if "=" not in chunk and "=" in units[-1]:
+            units[-1] += "-" + chunk  # a value with a dash in it
+        else:
+            units.append(chunk)
+    parts = [unit + "-" for unit in units]
+    parts[-1] = parts[-1][:-1]
+    lines: list[str] = []
+    current = ""
+    for part in parts:
+        limit = room if not lines else room - 2
+        if current and len(current) + len(part) > limit:
+            lines.append(current)
+            current = ""
+        current += part
+    lines.append(current)
+    return lines
+
+
+def terminal_summary(matrix: Matrix, reports: list[str], write_error: str = "",
+                     width: int | None = None) -> tuple[str, list[str]]:
+    """The title and lines of the pytest terminal summary: the table, then where the reports are
+    (one line, or one per report where that line would not fit ``width``)."""
     title = "gradient-sync matrix" + ("" if matrix.complete else " (INCOMPLETE)")
-    lines = render_table(matrix).splitlines() + ["reports: " + ", ".join(reports)]
+    lines = render_table(matrix, width).splitlines()
+    one_line = "reports: " + ", ".join(reports)
+    if width is None or len(one_line) <= width:
+        lines.append(one_line)
+    else:
+        lines += ["reports:"] + ["  " + report for report in reports]
     if write_error:
         lines.append(f"while the run went on, the reports could not be rewritten: {write_error}")
     return title, lines
@@ -136,10 +189,25 @@ def _environment_items(matrix: Matrix) -> list[tuple[str, str]]:
     for key in keys:
         value = env.get(key, absent)
         if key == "environments" and isinstance(value, dict):
-            items.append((key, "; ".join(f"ws={ws}: {{{_plain(v)}}}" for ws, v in value.items())))
+            items.append((key, "; ".join(f"ws={ws}: {{{_plain(_shown(v))}}}" for ws, v in value.items())))
             continue
-        items.append((key, _plain(value)))
+        items.append((key, _plain(_shown({key: value})[key])))
     return items
+
+
+def _shown(environment: object) -> object:
+    """An environment with its ``selection`` as a person reads it: the paths, -k and -m, and how many
+    cells they selected (the cells themselves are for ``diff``)."""
+    if not isinstance(environment, dict) or not isinstance(environment.get("selection"), dict):
+        return environment
+    selection = environment["selection"]
+    parts = [" ".join(str(a) for a in selection.get("args") or [])]
+    parts += [f"-k {selection['keyword']}"] if selection.get("keyword") else []
+    parts += [f"-m {selection['markers']}"] if selection.get("markers") else []
+    selected = selection.get("selected")
+    if isinstance(selected, list):
+        parts.append(f"({len(selected)} cells)")
+    return {**environment, "selection": " ".join(p for p in parts if p)}
 
 
 def _plain_environment_line(matrix: Matrix) -> str:
