@@ -19,6 +19,7 @@ from harness.controller.options import DEFAULT_CASE_TIMEOUT_S, DEFAULT_SEED, Opt
 from harness.controller.pool import PoolSet
 from harness.controller.progress import Progress, terminal_writer
 from harness.decorator import case_info
+from harness.matrix.diff import selection_id
 from harness.matrix.schema import Cell, Matrix, merge_cells, with_unavailable_checks
 from harness.rank.runner import launcher_settings
 from harness.records import BAD_STATUSES, GOOD_STATUSES
@@ -142,6 +143,7 @@ class HarnessState:
         }
         if self.settings.fault is not None:  # a matrix made under an injected fault must say so
             environment["fault"] = self.settings.fault
+        environment["selection"] = self.selection()
         if self.launch is not None:  # the launcher, nodes, processes per node, hosts and devices
             environment.update(self.launch.environment())
         # the ranks drop these (harness/rank/runner.py): the matrix says that they were there
@@ -150,6 +152,16 @@ class HarnessState:
             environment["ignored_launcher_settings"] = ignored
         self._environment = environment
         return environment
+
+
+    def selection(self) -> dict[str, Any]:
+        """What this run selected besides --world-sizes and --wrappers: its paths, -k and -m, and the
+        cells that came of them with those two (``python -m harness diff`` tells a cell the
+        candidate did not select from one it lost). Known once collection is done, before any cell."""
+        option = self.config.option
+        return {"args": [str(a) for a in self.config.args], "keyword": getattr(option, "keyword", "") or "",
+                "markers": getattr(option, "markexpr", "") or "",
+                "selected": sorted(selection_id(i) for i in self.expected_ids)}
 
 
 def _installed_version(distribution: str) -> str:

@@ -440,3 +440,70 @@ def test_labels_name_the_torch_release_where_the_inputs_ran_different_ones():
     new.environment["torch"] = "2.9.1"
     assert label_matrices([("a/x.json", old), ("b/y.json", new)]) == [
         "accelerate 1.15.0 (x.json)", "accelerate 1.15.0 (y.json)"]
+
+
+def test_labels_that_are_the_same_name_the_path_once_and_never_the_file_name_twice():
+    run = make_matrix([], accelerate="1.15.0")
+    assert label_matrices([("reports/matrix.json", run), ("old/matrix.json", run)]) == [
+        "accelerate 1.15.0 (reports/matrix.json)", "accelerate 1.15.0 (old/matrix.json)"]
+    unlabelled = make_matrix([], accelerate=None)
+    assert label_matrices([("a/matrix.json", unlabelled), ("b/matrix.json", unlabelled)]) == [
+        "a/matrix.json", "b/matrix.json"]
+    assert label_matrices([("m.json", run), ("m.json", run)]) == ["accelerate 1.15.0 (m.json)",
+                                                                  "accelerate 1.15.0 (m.json) #2"]
+
+
+def _selected(matrix: Matrix, *nodeids: str, keyword: str = "", args=("cases/",)) -> Matrix:
+    matrix.environment["selection"] = {"args": list(args), "keyword": keyword, "markers": "",
+                                       "selected": sorted(nodeids)}
+    return matrix
+
+
+def _cell(case: str, ws: int, status: str = "pass") -> Cell:
+    return Cell(case, "fp32", ws, status, nodeid=f"cases/test_{case}.py::test_{case}[fp32-ws{ws}]")
+
+
+def test_a_candidate_that_ran_a_narrower_selection_has_its_other_cells_not_selected_not_vanished():
+    base = _selected(make_matrix([_cell("a", 1), _cell("a", 2), _cell("b", 1), _cell("b", 2, "detected")]),
+                     *(f"test_{c}.py::test_{c}[fp32-ws{ws}]" for c in "ab" for ws in (1, 2)))
+    # -k a: b's cells were not selected; a's ws2 was selected and is missing (the run stopped)
+    candidate = _selected(make_matrix([_cell("a", 1)]), "test_a.py::test_a[fp32-ws1]", "test_a.py::test_a[fp32-ws2]",
+                          keyword="a")
+    diff = diff_matrices(base, candidate)
+    assert [c.key for c in diff.not_selected] == [("b", "fp32", 1), ("b", "fp32", 2)]
+    assert [c.key for c in diff.vanished] == [("a", "fp32", 2)]
+    assert diff.regression_count == 1
+    text = render_diff_text(diff, "base", "candidate")
+    assert "note: the candidate ran a narrower selection (-k 'a'): 2 cells of the base it did not select" in text
+    assert text.rstrip().endswith("1 regression (1 vanished), 0 improvements, 0 other changes, 0 cells only in base, "
+                                  "0 only in candidate, 2 not selected")
+    assert "not selected" in render_diff_markdown(diff, "base", "candidate")
+    # the ids are the case files' names: the installed catalogue's paths select the same cells
+    installed = _selected(make_matrix([_cell("a", 1), _cell("a", 2)]), "test_a.py::test_a[fp32-ws1]",
+                          "test_a.py::test_a[fp32-ws2]")
+    for cell in installed.cells:
+        cell.nodeid = "/site-packages/harness/cases/" + cell.nodeid.split("/", 1)[1]
+    assert [c.key for c in diff_matrices(base, installed).not_selected] == [("b", "fp32", 1), ("b", "fp32", 2)]
+    # a candidate that records no selection (an older harness): every missing held cell is vanished
+    assert len(diff_matrices(base, make_matrix([_cell("a", 1)])).vanished) == 3
+
+
+def test_diff_of_a_full_run_against_a_k_subset_of_it_has_no_regression(run_pytest, tmp_path):
+    from conftest import PLANTED
+
+    full = run_pytest(PLANTED, "-k", "rank_fault or left_out", "--world-sizes", "1,2")
+    subset = run_pytest(PLANTED, "-k", "left_out", "--world-sizes", "1,2")
+    selection = subset.matrix["environment"]["selection"]
+    assert selection["keyword"] == "left_out" and selection["args"] == [PLANTED]
+    assert len(selection["selected"]) == len(subset.matrix["cells"]) < len(full.matrix["cells"])
+    shown = subprocess.run([sys.executable, "-m", "harness", "diff", str(full.report_dir / "matrix.json"),
+                            str(subset.report_dir / "matrix.json")], cwd=REPO_ROOT, capture_output=True, text=True,
+                           timeout=120)
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    assert "narrower selection (-k 'left_out'" in shown.stdout
+    assert "0 regressions" in shown.stdout and "not selected" in shown.stdout
+    # the other way round the subset's cells are all in the full run: nothing is left out
+    back = subprocess.run([sys.executable, "-m", "harness", "diff", str(subset.report_dir / "matrix.json"),
+                           str(full.report_dir / "matrix.json")], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert "not selected" not in back.stdout

@@ -33,6 +33,12 @@ def notes(diff: MatrixDiff) -> list[str]:
             f"base world sizes {format_world_sizes(base_ws)}, "
             f"candidate {format_world_sizes(cand_ws)}"
         )
+    if diff.not_selected:
+        lines.append(
+            f"the candidate ran a narrower selection{_selection_text(diff.candidate_selection)}: "
+            f"{_plural(len(diff.not_selected), 'cell', 'cells')} of the base it did not select "
+            "are not compared (not selected); a selected cell it lacks is still a regression"
+        )
     for name, (before, after) in diff.changed_environment.items():
         lines.append(f"the runs used different {name}s: base {before}, candidate {after}")
     if not diff.base_complete:
@@ -42,6 +48,17 @@ def notes(diff: MatrixDiff) -> list[str]:
             "the candidate run did not finish; a cell it did not reach that held in base counts as vanished"
         )
     return lines
+
+
+def _selection_text(selection: dict) -> str:
+    parts = []
+    if selection.get("keyword"):
+        parts.append(f"-k {selection['keyword']!r}")
+    if selection.get("markers"):
+        parts.append(f"-m {selection['markers']!r}")
+    if selection.get("args"):
+        parts.append(" ".join(str(a) for a in selection["args"]))
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def _plural(count: int, singular: str, plural: str) -> str:
@@ -60,6 +77,7 @@ def count_line(diff: MatrixDiff) -> str:
             _plural(len(diff.only_in_base), "cell only in base", "cells only in base"),
             f"{len(diff.only_in_candidate)} only in candidate",
         ]
+        + ([f"{len(diff.not_selected)} not selected"] if diff.not_selected else [])
     )
 
 
