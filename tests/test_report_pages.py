@@ -128,6 +128,33 @@ def test_filters_hide_what_they_should_and_show_all_brings_it_back(page, planted
     assert sorted(visible()) == sorted(anchor(c) for c in cells if c["status"] == "fail" and c["case"] == case)
 
 
+def assert_the_panel_is_in_view_from_its_top(page) -> None:
+    """After the load and the browser's own scroll to the fragment's square (two frames after the
+    load event): the panel's top at the top of the window, the panel whole below it unless it is
+    taller than the window (1400x900)."""
+    page.wait_for("document.readyState === 'complete'")
+    page.wait_for("new Promise(r => requestAnimationFrame(() => requestAnimationFrame(() => "
+                  "requestAnimationFrame(() => r(true)))))")
+    box = page.evaluate("(() => { const r = document.getElementById('panel').getBoundingClientRect(); "
+                        "return {top: r.top, bottom: r.bottom, height: r.height, window: innerHeight}; })()")
+    assert abs(box["top"]) <= 2, box  # the panel's heading at the top, nothing blank above it
+    assert box["bottom"] <= box["window"] + 1 or box["height"] > box["window"], box  # not cut off
+
+
+def test_a_permalink_opens_its_panel_at_the_top_of_the_window_every_time(browser, planted):
+    directory, data = planted
+    failing = [c for c in data["cells"] if c["status"] == "fail"]
+    # the first square, one in the middle and the last: a square far down the page and one near its top
+    for cell in (failing[0], failing[len(failing) // 2], failing[-1]):
+        page = browser.open((directory / "matrix.html").as_uri() + "#" + anchor(cell))
+        try:
+            page.wait_for("!document.getElementById('panel').hidden")
+            assert_the_panel_is_in_view_from_its_top(page)
+            assert not page.console_errors, page.console_errors
+        finally:
+            page.close()
+
+
 def test_a_permalink_opens_its_cell_and_the_keyboard_moves_between_cells(browser, planted):
     directory, data = planted
     failing = next(c for c in data["cells"] if c["status"] == "fail")
@@ -138,6 +165,7 @@ def test_a_permalink_opens_its_cell_and_the_keyboard_moves_between_cells(browser
         assert f"{failing['case']} · {failing['variant']} · ws={failing['world_size']}" in panel
         assert page.evaluate("document.querySelector('#panel .timeline svg') !== null")
         assert page.evaluate("document.activeElement.id") == "panel"
+        assert_the_panel_is_in_view_from_its_top(page)
         page.press("Escape")
         assert page.evaluate("document.getElementById('panel').hidden")
         assert page.evaluate("document.activeElement.id") == anchor(failing)  # focus back on its square

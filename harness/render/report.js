@@ -191,7 +191,7 @@
     if (back) back.focus();
   }
 
-  function fromHash() {
+  function fromHash(event, where) {
     // the fragment as written is the id (its parts are percent-encoded); a browser or a person
     // may have decoded it once more
     var id = location.hash.slice(1);
@@ -199,11 +199,13 @@
       try { id = decodeURIComponent(id); } catch (e) { return; }
     }
     if (id.indexOf("cell-") !== 0) return;
-    if (showCell(id)) focusPanel();
+    if (showCell(id)) focusPanel(where);
   }
 
-  function focusPanel() {
-    panel.scrollIntoView({ block: "nearest" });
+  // block "nearest" within the page (a square chosen here: the heatmap stays in view); "start" for a
+  // page opened at a permalink, so that the panel's heading is at the top and the panel below it
+  function focusPanel(where) {
+    panel.scrollIntoView({ block: where || "nearest" });
     panel.focus({ preventScroll: true });
   }
 
@@ -319,10 +321,14 @@
   });
 
   window.addEventListener("hashchange", fromHash);
-  fromHash();
-  // Opened at a permalink, the browser goes to the cell's square after the page has loaded: the
-  // panel it opened is where the reader wants to be.
+  fromHash(null, "start");
+  // Opened at a permalink, the browser scrolls to the cell's square itself, at a time of its own
+  // choosing around the load (after this script, after the load event's handlers: it varies): the
+  // panel is where the reader wants to be, so it is brought back to the top after the load and once
+  // more after the next two frames, whatever ran in between.
   window.addEventListener("load", function () {
-    setTimeout(function () { if (panel && !panel.hidden) focusPanel(); }, 0);
+    var again = function () { if (panel && !panel.hidden) focusPanel("start"); };
+    setTimeout(again, 0);
+    requestAnimationFrame(function () { requestAnimationFrame(again); });
   });
 })();
