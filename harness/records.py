@@ -2,7 +2,7 @@
 
 Plain data with no dependency (not torch, not pytest, nothing of the harness): the rank side builds
 them, the controller judges and reports them. The enums are ``str`` enums whose values are the
-public names of the report schema (CONTRACT.md), so a member is equal to, hashes like and prints as
+public names of the report schema (docs/matrix-schema.md), so a member is equal to, hashes like and prints as
 its name, and matrices from any harness version keep comparing.
 """
 
@@ -66,7 +66,7 @@ SYNC_KINDS = frozenset({FailureKind.NOT_SYNCED, FailureKind.SYNCED_EARLY, Failur
                         FailureKind.COMM_MISSING})
 
 
-# The checks that can be unavailable on some installations (CONTRACT.md, "Checks that cannot run"),
+# The checks that can be unavailable on some installations (docs/upgrade-checks.md),
 # by the name the reports give them, with the failure kinds only they can give: a cell where one
 # did not run says so, and a canary that must show one of those kinds there is ``skip``.
 UNCHECKED_KINDS: dict[str, frozenset[str]] = {

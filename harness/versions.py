@@ -1,4 +1,4 @@
-"""The supported range: the lowest torch and accelerate the harness supports (CONTRACT.md,
+"""The supported range: the lowest torch and accelerate the harness supports (docs/upgrade-checks.md,
 "Supported versions"; pyproject.toml declares the same, and a test holds the two together).
 
 Inside the range a cell that a release cannot run is ``skip`` or ``unsupported``, found by asking

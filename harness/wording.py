@@ -188,7 +188,7 @@ def evidence_summary(cell: Cell) -> str:
 
 
 def unchecked_suffix(unchecked: Mapping[str, str]) -> str:
-    """What a cell did not check and why (CONTRACT.md, "Checks that cannot run"), or nothing."""
+    """What a cell did not check and why (docs/upgrade-checks.md), or nothing."""
     return "".join(f"; NOT CHECKED: {CHECK_TITLES.get(check, check)}: {reason}" for check, reason in unchecked.items())
 
 

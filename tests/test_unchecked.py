@@ -1,4 +1,4 @@
-"""A check that cannot run is never silent (CONTRACT.md, "Checks that cannot run"): the cell says
+"""A check that cannot run is never silent (docs/upgrade-checks.md, "Supported versions and checks that cannot run"): the cell says
 what it did not check and why, the matrix's environment names the check, matrix.md and matrix.html
 show it at the top, and a canary that needs it is ``skip`` rather than ``missed``.
 

@@ -1,4 +1,4 @@
-"""The supported range (CONTRACT.md, "Supported versions"): pyproject.toml and harness/versions.py
+"""The supported range (docs/upgrade-checks.md, "Supported versions"): pyproject.toml and harness/versions.py
 declare the same lowest releases, and below them a run with cells stops at start with one line.
 
 No torch below the range can be installed here (the registry serves 2.4 and later), so the runs

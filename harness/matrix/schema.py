@@ -39,7 +39,7 @@ class Cell:
     # written only where present, so that the JSON of every other cell is as before
     timeline: Timeline | None = None
     # the checks that could not run in this cell, by name (``collective_accounting``), each with its
-    # reason (CONTRACT.md, "Checks that cannot run"); written only where there is one
+    # reason (docs/upgrade-checks.md); written only where there is one
     unchecked: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -98,7 +98,7 @@ class Matrix:
         return data
 
 
-UNAVAILABLE_CHECKS = "unavailable_checks"  # the environment key (CONTRACT.md, "Checks that cannot run")
+UNAVAILABLE_CHECKS = "unavailable_checks"  # the environment key (docs/upgrade-checks.md)
 
 
 def unavailable_checks(environment: dict[str, Any]) -> dict[str, str]:

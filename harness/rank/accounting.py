@@ -1,5 +1,5 @@
 """Collective accounting: the gradient reductions each rank issues in each backward, against the
-contract (CONTRACT.md, failure kinds ``comm_unexpected`` and ``comm_missing``).
+contract (docs/matrix-schema.md, failure kinds ``comm_unexpected`` and ``comm_missing``).
 
 Final gradients cannot show every sync fault: a ``no_sync`` that is a no-op still ends the window
 with the right average (FSDP2 before accelerate PR #3762 reduce-scattered every micro-batch). So the
@@ -34,8 +34,8 @@ ENV = "TORCH_FR_BUFFER_SIZE"
 ENV_BEFORE = "TORCH_NCCL_TRACE_BUFFER_SIZE"
 # The readers torch has had: backend-neutral, then the NCCL-only one of earlier releases.
 READERS = ("_dump_fr_trace", "_dump_nccl_trace")
-# The check this module performs, by the name the reports give it (CONTRACT.md, "Checks that cannot
-# run"); harness/records.py, UNCHECKED_KINDS, holds the failure kinds only it can give.
+# The check this module performs, by the name the reports give it (docs/upgrade-checks.md);
+# harness/records.py, UNCHECKED_KINDS, holds the failure kinds only it can give.
 CHECK = "collective_accounting"
 
 

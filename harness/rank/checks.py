@@ -50,8 +50,8 @@ class Recorder:
     vacuous_checks: int = 0  # gradient checks where synced and local could not be told apart
     comm_checks: int = 0  # backwards whose collectives were judged (harness/rank/accounting.py)
     max_abs_diff: float = 0.0
-    # the checks that could not run here, by name, each with its reason (CONTRACT.md, "Checks that
-    # cannot run"): recorded where one would have run, so that the cell says so
+    # the checks that could not run here, by name, each with its reason (docs/upgrade-checks.md):
+    # recorded where one would have run, so that the cell says so
     unchecked: dict[str, str] = field(default_factory=dict)
     timeline: TimelineRecorder = field(init=False)
 

@@ -1,5 +1,5 @@
 """What the installed torch can do on this device, asked of torch itself, never read from its version
-number (CONTRACT.md, "Supported versions"): a wrapper cell that cannot run here is ``skip`` naming
+number (docs/upgrade-checks.md, "Supported versions"): a wrapper cell that cannot run here is ``skip`` naming
 what is missing, not a harness ``error``."""
 
 from __future__ import annotations

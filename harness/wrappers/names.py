@@ -8,7 +8,7 @@ has it: harness/wrappers/prepare.py.
 from __future__ import annotations
 
 DDP = "ddp"
-# The public names, in report order (CONTRACT.md).
+# The public names, in report order (docs/wrappers.md).
 WRAPPERS = (DDP, "fsdp2", "fsdp1", "deepspeed-z1", "deepspeed-z2", "deepspeed-z3")
 FSDP = ("fsdp2", "fsdp1")
 DEEPSPEED = {"deepspeed-z1": 1, "deepspeed-z2": 2, "deepspeed-z3": 3}

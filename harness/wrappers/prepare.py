@@ -1,10 +1,11 @@
 """The wrapper a cell trains under: DDP (every cell's until now), FSDP2, FSDP1 or DeepSpeed ZeRO.
 
-A cell under a wrapper other than DDP carries ``wrapper=<name>`` in its variant (CONTRACT.md,
-"Wrappers"). Here: which cells each wrapper gets (``--wrappers``), how accelerate is asked for it,
-how a cell makes sure that the prepared model really is it, and what the wrapper may communicate
-between sync points (harness/rank/accounting.py judges that).
+A cell under a wrapper other than DDP carries ``wrapper=<name>`` in its variant (docs/wrappers.md).
+Here: which cells each wrapper gets (``--wrappers``), how accelerate is asked for it, how a cell
+makes sure that the prepared model really is it, and what the wrapper may communicate between sync
+points (harness/rank/accounting.py judges that). The names themselves: harness/wrappers/names.py.
 """
+
 from __future__ import annotations
 
 import traceback

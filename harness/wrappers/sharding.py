@@ -3,8 +3,8 @@
 DDP (or no wrapper) keeps the whole of every tensor on every rank. FSDP2 keeps DTensors: each rank
 holds its shard of every parameter and, after a sync, of every gradient; between sync points its
 ``p.grad`` stays None while the unsharded gradients accumulate inside FSDP. The checks then compare
-this rank's shard with the same shard of the oracle's full expectation (DESIGN.md, "Sharded
-wrappers"). FSDP1 (``use_orig_params=True``) keeps flat shards; ``summon_full_params(with_grads=True)``
+this rank's shard with the same shard of the oracle's full expectation (docs/wrappers.md,
+"The sharded oracle"). FSDP1 (``use_orig_params=True``) keeps flat shards; ``summon_full_params(with_grads=True)``
 shows the full tensors, which are compared whole.
 
 Reading full tensors of a sharded model is a collective: every rank reads every model at every
