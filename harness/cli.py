@@ -59,10 +59,12 @@ def add_diff_parser(subparsers: argparse._SubParsersAction) -> None:
             "Compare two matrix.json files cell by cell, a cell being (case, variant, world_size).\n"
             "Prints the regressions first (a cell that was pass or detected in BASE and is anything\n"
             "else in CANDIDATE, or has vanished: is missing from CANDIDATE at a world size CANDIDATE\n"
-            "ran), then the improvements, then other status changes, then the cells present in only\n"
-            "one file, then a count line. The world sizes CANDIDATE ran are those it records and\n"
-            "those of its cells. Runs are labelled by the accelerate version they recorded, else by\n"
-            "file name."
+            "ran, inside the selection it ran), then the improvements, then other status changes,\n"
+            "then the cells present in only one file, then a count line. The world sizes CANDIDATE\n"
+            "ran are those it records and those of its cells. A CANDIDATE that ran a narrower\n"
+            "selection (-k, -m, paths, --world-sizes, --wrappers; its environment's 'selection')\n"
+            "has the BASE cells it did not select counted as 'not selected', not as regressions.\n"
+            "Runs are labelled by the accelerate version they recorded, else by file name."
         ),
         epilog=(
             "exit status:\n"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import site
 import subprocess
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT
+from test_docs import GUIDE, counts_line, documented_run, fenced_blocks
 
 EXAMPLE = ROOT / "examples" / "my_project"
 # the guide's planted bug: the user divides the loss by the accumulation steps, which
@@ -86,12 +88,35 @@ def test_the_example_project_passes_from_its_own_folder_against_the_installed_ha
         assert (case, cell["status"]) == ("my_train_step", expected), (variant, ws, cell["summary"])
         if expected == "pass" and ws == 2:
             assert cell["grad_checks"] > cell["vacuous_checks"]
+    # What docs/writing-a-case.md shows of this run: the same rows and statuses at the world sizes run
+    # here. Its ws=4 column is its ws=2 column: nothing in the example depends on the world size from
+    # two ranks on, and ws=4 is left out here to spare a pool. (test_docs.py checks each documented
+    # counts line against its own table.)
+    guide = GUIDE.read_text(encoding="utf-8")
+    shown = documented_run(guide, "cd examples/my_project && pytest -n auto gradsync/")
+    assert set(shown.rows) == {(case, variant) for case, variant, _ in got}
+    assert {(case, variant, ws): shown.rows[case, variant][ws] for case, variant, ws in got} == \
+        {key: cell["status"] for key, cell in got.items()}
+    assert all(by_ws[4] == by_ws[2] for by_ws in shown.rows.values())
+    assert counts_line([cell["status"] for cell in got.values()]) in result.stdout.splitlines()
+    launch = documented_run(guide, "cd examples/my_project && torchrun --nproc-per-node 2 -m harness launch gradsync/")
+    assert launch.counts == counts_line([cell["status"] for (_, _, ws), cell in got.items() if ws == 2])
+    quoted = re.search(r"A passing cell at world size 2 reads `([^`]+)`", guide)
+    assert quoted, "the guide no longer quotes a passing cell's summary"
+    assert {c["summary"] for (_, _, ws), c in got.items() if ws == 2 and c["status"] == "pass"} == {quoted.group(1)}
 
 
 def test_the_guides_planted_bug_fails_with_the_diagnosis_the_guide_shows(installed, tmp_path):
     project = copy_example(tmp_path, "my_project_buggy", buggy=True)
-    result = run(installed, ["-m", "pytest", "--world-sizes", "2", "-k", "fp32-ws", "-p", "no:cacheprovider"], project)
+    # the guide's command, whose output it shows
+    shown = documented_run(GUIDE.read_text(encoding="utf-8"), "pytest gradsync/ --world-sizes 2 -k fp32")
+    result = run(installed, ["-m", *shown.command.split(), "-p", "no:cacheprovider"], project)
     assert result.returncode == 1
+    assert {(case, variant): {ws: cell["status"]} for (case, variant, ws), cell in cells(project / "reports").items()} \
+        == shown.rows
+    assert shown.counts in result.stdout.splitlines()
+    diagnoses = next(line for line in shown.text.splitlines() if line.startswith("Diagnoses: "))
+    assert diagnoses in result.stdout.splitlines()
     got = cells(project / "reports")
     assert got[("my_train_step", "steps=1-fp32", 2)]["status"] == "pass"  # dividing by 1 changes nothing
     failing = got[("my_train_step", "steps=2-fp32", 2)]
@@ -128,3 +153,12 @@ def test_the_selfcheck_measures_the_examples_cases(installed, tmp_path):
     assert all(f["caught"] for f in faults.values())
     assert faults["grads_summed"]["caught_by"] == {"my_train_step[steps=2-fp32]": ["wrong_scale"]}
     assert "kill rate: 3/3 faults caught" in result.stdout
+    # the guide's table of the same cells: these faults' rows and the cells' legend as printed here
+    block = next(b for b in fenced_blocks(GUIDE.read_text(encoding="utf-8"))
+                 if b.startswith("$ python -m harness selfcheck --cases-dir gradsync --variants steps=2-fp32\n"))
+
+    def rows(text: str) -> set[tuple[str, ...]]:  # a fault's row, or a cell's line of the legend (" 1  case[...]")
+        lines = [tuple(line.split()) for line in text.splitlines() if line.strip()]
+        return {t for t in lines if t[0] in faults or (len(t) == 2 and t[0].isdigit() and t[1].endswith("]"))}
+
+    assert rows(block) == rows(result.stdout)
