@@ -1,6 +1,6 @@
 """The local controller: the options, the pools of rank processes, a cell's run and verdict, the
 progress lines. Runs in pytest's process (and every xdist worker) and never imports torch itself.
 
-May import: the core modules of ``harness``, ``harness.wrappers.names``, ``harness.matrix`` and
-``harness.render``; ``harness.rank.runner`` only as the target of the processes it starts.
+May import: the core modules of ``harness``, ``harness.wrappers.names`` and ``harness.matrix``;
+``harness.rank.runner`` only as the target of the processes it starts.
 """

@@ -2,5 +2,6 @@
 the launcher's processes are the ranks (``main``), what the launcher set (``environment``), the
 ranks' shared run (``group``, ``rank``) and the channel they talk over (``channel``).
 
-May import anything but ``harness.cli`` and ``harness.selfcheck``.
+May import: the core modules of ``harness``, ``harness.controller``, ``harness.rank`` and
+``harness.plugin`` (the launcher's rank 0 runs pytest with it).
 """
