@@ -103,22 +103,37 @@ def start_pytest(args: list[str], report_dir: Path, **extra_env: str) -> tuple[s
     return process, token
 
 
+def _finished(args: list[str], report_dir: Path, timeout: float = 600) -> Session:
+    started = time.monotonic()
+    process, token = start_pytest(list(args), report_dir)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, 9)
+        stdout, stderr = process.communicate()
+        raise AssertionError(f"pytest {' '.join(args)} did not finish in {timeout} s:\n{stdout[-3000:]}")
+    return Session(process.returncode, stdout, stderr, report_dir, token, time.monotonic() - started)
+
+
+# One serial run of the planted "model left out of no_sync" case at world sizes 1 and 2 (a fail at 2,
+# a pass at 1), shared by the tests that read it: its cells (tests/test_plugin.py), its terminal
+# output (tests/test_progress.py) and its matrix as a diff's base (tests/test_diff.py). Each session
+# costs seconds of rank start-up; what they assert does not depend on running it apart.
+LEFT_OUT_RUN = [PLANTED, "-k", "left_out", "--world-sizes", "1,2"]
+
+
+@pytest.fixture(scope="session")
+def left_out_run(tmp_path_factory) -> Session:
+    return _finished(LEFT_OUT_RUN, tmp_path_factory.mktemp("left-out-run") / "reports")
+
+
 @pytest.fixture
 def run_pytest(tmp_path):
     """Run ``python -m pytest ARGS`` from the checkout's root and return what came of it."""
     counter = iter(range(1000))
 
     def run(*args: str, timeout: float = 600, report_dir: Path | None = None) -> Session:
-        directory = report_dir or tmp_path / f"reports-{next(counter)}"
-        started = time.monotonic()
-        process, token = start_pytest(list(args), directory)
-        try:
-            stdout, stderr = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, 9)
-            stdout, stderr = process.communicate()
-            raise AssertionError(f"pytest {' '.join(args)} did not finish in {timeout} s:\n{stdout[-3000:]}")
-        return Session(process.returncode, stdout, stderr, directory, token, time.monotonic() - started)
+        return _finished(list(args), report_dir or tmp_path / f"reports-{next(counter)}", timeout)
 
     return run
 
@@ -129,6 +144,57 @@ BROWSER_MISSING = ("headless Chromium not found: install Debian's chromium packa
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "browser: needs headless Chromium (uses the `browser` fixture, tests/browser.py)")
+    # `pytest tests/` (the README's command, which CI runs) ends with the 15 slowest tests, where the
+    # suite's time goes; --durations given on the command line wins
+    if config.option.durations is None:
+        config.option.durations = 15
+
+
+# The quick subset, `pytest -m quick tests/` (under a minute; docs/contributing.md): the tests of the
+# harness's logic (closeness, diagnosis, records, options, the matrix files, diff, compare, merge,
+# render, progress, layout, launcher detection, the workflow scripts...), none of which starts a
+# pool of ranks, a pytest session of cells or a browser. Every test of these modules is quick but
+# those that use a fixture of SLOW_FIXTURES (a pytest session, a browser, a shared run of cells) and
+# those named in NOT_QUICK (ranks or subprocess runs of their own, or a long property search).
+QUICK_MODULES = {
+    "test_checks", "test_closeness", "test_comparison", "test_decorator", "test_diagnosis", "test_diff", "test_docs",
+    "test_faults", "test_fp16", "test_launch", "test_layout", "test_matrix_input", "test_matrix_page", "test_merge",
+    "test_options", "test_oracle", "test_progress", "test_report", "test_schedule", "test_selfcheck", "test_sweep",
+    "test_timeline", "test_tokens", "test_unchecked", "test_verdict", "test_versions", "test_workflow",
+    "test_wrappers",
+}
+SLOW_FIXTURES = {"run_pytest", "left_out_run", "perturbed_run", "browser", "planted", "fault_cells", "token_cells", "agents_run", "pool_run",
+                 "faults_run", "faults_session", "two_ranks", "runner", "installed"}
+NOT_QUICK = {
+    "test_a_raise_is_an_error_naming_rank_and_host_and_the_launch_goes_on",
+    "test_a_rank_that_dies_is_an_error_and_every_later_cell_is_not_run",
+    "test_a_world_size_other_than_the_launchers_stops_every_rank_with_one_line",
+    "test_accelerate_launch_is_a_launch_whose_settings_do_not_change_the_cells",
+    "test_srun_variables_are_a_launch",
+    "test_when_the_launcher_stops_a_nodes_ranks_the_running_cell_still_names_who_died",
+    "test_fault_injection_is_imported_only_for_a_cell_with_a_fault",
+    "test_near_valid_matrices_are_exit_0_1_or_2",
+    "test_two_ranks_a_hand_averaged_loop_matches_the_oracles_all_reduce_and_is_not_vacuous",
+    "test_no_false_alarm_over_seeds",
+    "test_selfcheck_command_exits_1_on_an_uncaught_fault_and_writes_its_table_and_json",
+    "test_selfcheck_command_rejects_bad_arguments_in_one_line",
+    "test_a_sweep_with_this_interpreter_writes_the_table_and_the_comparison",
+    "test_a_real_cell_with_one_bad_rank_draws_that_rank_failing_at_every_step_and_the_other_agreeing",
+    "test_the_oracle_at_a_sync_holds_the_gradient_of_the_token_mean_over_every_rank_and_micro_batch",
+    "test_with_the_flight_recorder_the_same_cells_check_collectives_and_say_nothing_of_it",
+    "test_without_the_flight_recorder_each_cell_says_what_it_did_not_check_and_the_canary_is_skip",
+    "test_a_run_with_cells_below_the_range_stops_at_start_with_one_line",
+    "test_a_run_without_cells_is_left_alone",
+    "test_a_rank_is_compared_with_its_own_shard_of_the_full_tensor_even_when_the_split_is_uneven",
+    "test_the_flight_recorder_sees_ddp_reduce_in_a_synced_backward_only",
+}
+
+
+def is_quick(item) -> bool:
+    module = getattr(item, "module", None)
+    name = getattr(item, "originalname", None) or item.name.partition("[")[0]
+    return (module is not None and module.__name__ in QUICK_MODULES and name not in NOT_QUICK
+            and not SLOW_FIXTURES & set(getattr(item, "fixturenames", ())))
 
 
 def pytest_collection_modifyitems(items):
@@ -136,6 +202,8 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if "browser" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.browser)
+        if is_quick(item):
+            item.add_marker(pytest.mark.quick)
 
 
 @pytest.fixture(scope="session")

@@ -488,12 +488,12 @@ def test_a_candidate_that_ran_a_narrower_selection_has_its_other_cells_not_selec
     assert len(diff_matrices(base, make_matrix([_cell("a", 1)])).vanished) == 3
 
 
-def test_diff_of_a_full_run_against_a_k_subset_of_it_has_no_regression(run_pytest, tmp_path):
+def test_diff_of_a_full_run_against_a_k_subset_of_it_has_no_regression(left_out_run, run_pytest):
     from conftest import PLANTED
 
     # two cells, then one of them: the subset's world sizes are the full run's, so before runs recorded
     # their selection its other cell (a pass at world size 1) read as vanished, a regression
-    full = run_pytest(PLANTED, "-k", "left_out", "--world-sizes", "1,2")
+    full = left_out_run
     subset = run_pytest(PLANTED, "-k", "left_out and ws2", "--world-sizes", "1,2")
     selection = subset.matrix["environment"]["selection"]
     assert selection["keyword"] == "left_out and ws2" and selection["args"] == [PLANTED]

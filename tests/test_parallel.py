@@ -31,28 +31,25 @@ def finish(process, token):
 
 
 def test_xdist_and_concurrent_sessions_give_the_serial_matrix(tmp_path):
-    serial = tmp_path / "serial"
-    finish(*start_pytest(SELECTION, serial))
+    # two sessions at once in one checkout, each with its own report dir (no shared ports: FileStore
+    # rendezvous; no shared temporary files): a serial one, whose matrix is pinned below cell by
+    # cell, and one under xdist; then one with more workers than world sizes
+    serial, second = tmp_path / "serial", tmp_path / "second"
+    a = start_pytest(SELECTION, serial)
+    b = start_pytest(["-n", "2", *SELECTION], second)
+    finish(*a)
+    finish(*b)
     expected = statuses(serial)
     assert len(expected) == 10
     # the gradients say it, and so does DDP's all-reduce in backwards the contract keeps local
     assert expected[FAILING][0] == "fail" and {kind for kind, *_ in expected[FAILING][1]} == {"synced_early", "comm_unexpected"}
     assert {status for key, (status, _) in expected.items() if key != FAILING} == {"pass"}
+    assert statuses(second) == expected
 
     xdist = tmp_path / "xdist"
     stdout = finish(*start_pytest(["-n", "4", *SELECTION], xdist))
     assert "gradient-sync matrix" in stdout
     assert statuses(xdist) == expected
-
-    # two sessions at once in one checkout, each with its own report dir: no shared ports
-    # (FileStore rendezvous), no shared temporary files
-    first, second = tmp_path / "first", tmp_path / "second"
-    a = start_pytest(SELECTION, first)
-    b = start_pytest(["-n", "2", *SELECTION], second)
-    finish(*a)
-    finish(*b)
-    assert statuses(first) == expected
-    assert statuses(second) == expected
 
 
 def test_no_rank_outlives_a_session_that_is_killed_outright(tmp_path):

@@ -14,9 +14,19 @@ import torch
 from conftest import PLANTED, ROOT, killed_if_failing, session_env, start_pytest, wait_for_no_processes, wait_until
 
 
-def test_a_perturbed_rank_fails_the_cell_naming_rank_step_model_and_kind(run_pytest):
-    session = run_pytest("cases/test_fused_loss.py", "-k", "fp32-ws", "--world-sizes", "2",
-                         "--harness-fault", "perturb_rank1")
+@pytest.fixture(scope="module")
+def perturbed_run(tmp_path_factory):
+    """One run with rank 1's gradients scaled by 1.01, read by the two tests below (a session's rank
+    start-up costs seconds; neither test changes what the other reads)."""
+    from conftest import _finished
+
+    report_dir = tmp_path_factory.mktemp("perturbed") / "full"
+    return _finished(["cases/test_fused_loss.py", "-k", "fp32-ws", "--world-sizes", "1,2",
+                      "--harness-fault", "perturb_rank1"], report_dir)
+
+
+def test_a_perturbed_rank_fails_the_cell_naming_rank_step_model_and_kind(perturbed_run):
+    session = perturbed_run
     assert session.returncode == 1
     cell = session.cells()[("fused_loss", "fp32", 2)]
     assert cell["status"] == "fail"
@@ -37,10 +47,9 @@ def test_a_perturbed_rank_fails_the_cell_naming_rank_step_model_and_kind(run_pyt
     assert wait_for_no_processes(session.token) == []
 
 
-def test_the_printed_rerun_command_runs_the_cell_without_replacing_the_runs_matrix(run_pytest, tmp_path):
-    report_dir = tmp_path / "full"
-    session = run_pytest("cases/test_fused_loss.py", "-k", "fp32-ws", "--world-sizes", "1,2",
-                         "--harness-fault", "perturb_rank1", report_dir=report_dir)
+def test_the_printed_rerun_command_runs_the_cell_without_replacing_the_runs_matrix(perturbed_run):
+    session = perturbed_run
+    report_dir = session.report_dir
     cell = session.cells()[("fused_loss", "fp32", 2)]
     rerun = shlex.split(cell["rerun"])
     assert rerun[0] == "pytest" and rerun[rerun.index("--report-dir") + 1] == str(report_dir / "rerun")
@@ -53,8 +62,8 @@ def test_the_printed_rerun_command_runs_the_cell_without_replacing_the_runs_matr
     assert [(c["case"], c["world_size"], c["status"]) for c in rerun_matrix["cells"]] == [("fused_loss", 2, "fail")]
 
 
-def test_a_model_left_out_of_no_sync_is_named_as_synced_early(run_pytest):
-    session = run_pytest(PLANTED, "-k", "left_out", "--world-sizes", "2")
+def test_a_model_left_out_of_no_sync_is_named_as_synced_early(left_out_run):
+    session = left_out_run
     assert session.returncode == 1
     cell = session.cells()[("planted_left_out_of_no_sync", "fp32", 2)]
     assert cell["status"] == "fail"
@@ -65,9 +74,8 @@ def test_a_model_left_out_of_no_sync_is_named_as_synced_early(run_pytest):
     assert min(f["step"] for f in grads) == 1
 
 
-def test_the_same_pattern_at_world_size_one_passes_and_says_its_checks_are_vacuous(run_pytest):
-    session = run_pytest(PLANTED, "-k", "left_out", "--world-sizes", "1")
-    cell = session.cells()[("planted_left_out_of_no_sync", "fp32", 1)]
+def test_the_same_pattern_at_world_size_one_passes_and_says_its_checks_are_vacuous(left_out_run):
+    cell = left_out_run.cells()[("planted_left_out_of_no_sync", "fp32", 1)]
     assert cell["status"] == "pass"
     assert cell["vacuous_checks"] == cell["checks"] > 0
     assert "all vacuous for sync (world size 1 cannot tell synced from local)" in cell["summary"]

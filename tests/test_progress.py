@@ -210,9 +210,9 @@ FUSED = ["cases/test_fused_loss.py", "-k", "fp32-ws"]
 LINE = re.compile(r"^gradient-sync: .*$", re.MULTILINE)
 
 
-def test_a_serial_run_writes_a_failing_cell_and_a_closing_line_without_splitting_the_dots(run_pytest):
+def test_a_serial_run_writes_a_failing_cell_and_a_closing_line_without_splitting_the_dots(left_out_run):
     # largest world size first: the failing ws2 cell, then the passing ws1 one
-    session = run_pytest(PLANTED, "-k", "left_out", "--world-sizes", "1,2")
+    session = left_out_run
     assert session.returncode == 1
     lines = LINE.findall(session.stdout)
     assert len(lines) == 2, session.stdout[-3000:]

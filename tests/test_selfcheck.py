@@ -212,17 +212,14 @@ def _false_alarm_targets(catalogue, seed_index: int) -> list[Target]:
     return targets
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_no_false_alarm_over_ten_seeds(catalogue, world_size):
-    """The clean catalogue passes for every seed. A fail here is a false alarm of the harness (or a
-    real accelerate bug that only some seeds show): report it with its data, and do not loosen the
-    tolerances in harness/compare.py to make it pass. A case that errors fails this test too, and is
-    not run again at this world size: each error costs a pool restart."""
-    started = time.monotonic()
+def sweep_false_alarms(catalogue, world_size: int, seeds) -> tuple[int, list[str], dict[str, str]]:
+    """Every seed's targets on one pool of ``world_size`` ranks, clean: the cells run, the fails (each
+    a false alarm) and the errors by case. A case that errors is not run again at this world size:
+    each error costs a pool restart. Also run by bench/false_alarms.py, the full sweep."""
     failed, errored = [], {}
     cells = 0
     with Runner(world_size=world_size) as runner:
-        for n, seed in enumerate(SEEDS):
+        for n, seed in enumerate(seeds):
             for target in _false_alarm_targets(catalogue, n):
                 if target.case.name in errored:
                     continue
@@ -232,8 +229,24 @@ def test_no_false_alarm_over_ten_seeds(catalogue, world_size):
                     failed.append(f"{target.label} seed {seed}: {cell.summary}\n  rerun: {cell.rerun}")
                 elif cell.status == Status.ERROR:
                     errored[target.case.name] = f"{target.label} seed {seed}: {cell.summary}"
+    return cells, failed, errored
+
+
+# Ten seeds at world sizes 2 and 3 (3: a mean over ranks that is not a power of two rounds apart from
+# the oracle's most); at world size 4 (4 ranks on a 2-core machine: half again the cost of 3) the
+# first two seeds, one fp32 and one bf16 lead variant of every case. The ten seeds at 2, 3 and 4 are
+# bench/false_alarms.py (run it before changing a tolerance or the seeding); CI's matrix runs world
+# size 4 at the default seed over every variant.
+@pytest.mark.parametrize("world_size, seeds", [(2, SEEDS), (3, SEEDS), (4, SEEDS[:2])],
+                         ids=["ws2-ten-seeds", "ws3-ten-seeds", "ws4-two-seeds"])
+def test_no_false_alarm_over_seeds(catalogue, world_size, seeds):
+    """The clean catalogue passes for every seed. A fail here is a false alarm of the harness (or a
+    real accelerate bug that only some seeds show): report it with its data, and do not loosen the
+    tolerances in harness/compare.py to make it pass. A case that errors fails this test too."""
+    started = time.monotonic()
+    cells, failed, errored = sweep_false_alarms(catalogue, world_size, seeds)
     elapsed = time.monotonic() - started
-    print(f"world size {world_size}: {cells} clean cells over {len(SEEDS)} seeds in {elapsed:.0f} s")
+    print(f"world size {world_size}: {cells} clean cells over {len(seeds)} seeds in {elapsed:.0f} s")
     assert not failed, (f"{len(failed)} of {cells} clean cells failed (false alarms) at world size {world_size}:\n"
                         + "\n".join(failed))
     assert not errored, f"clean cells errored at world size {world_size}:\n" + "\n".join(errored.values())
