@@ -153,7 +153,6 @@ class HarnessState:
         self._environment = environment
         return environment
 
-
     def selection(self) -> dict[str, Any]:
         """What this run selected besides --world-sizes and --wrappers: its paths, -k and -m, and the
         cells that came of them with those two (``python -m harness diff`` tells a cell the

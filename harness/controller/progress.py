@@ -28,6 +28,7 @@ class Progress:
 
     A line is written when a cell ends and ``interval_s`` has passed since the last line (or since
     the start), at once when a cell ends fail, error or missed (naming it), and once by ``finish``.
+    Where it lands in pytest's output (never inside its line of dots) is ``TerminalLines``' part.
     """
 
     def __init__(self, write: Optional[Callable[[str], None]], clock: Callable[[], float] = time.monotonic,
