@@ -85,6 +85,13 @@ def killed_if_failing(process: subprocess.Popen):
         raise
 
 
+# The tests start hundreds of Python processes (sessions, xdist workers, ranks), each of which
+# compiles the harness and the case files from source where bytecode is never written
+# (PYTHONDONTWRITEBYTECODE, set on some machines, CI's among them). The processes the tests start
+# write it, into the checkout's __pycache__ folders (which git ignores), and read it from then on.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+
 def session_env(token: str, **extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env["HARNESS_TEST_TOKEN"] = token
