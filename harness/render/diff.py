@@ -6,6 +6,7 @@ from typing import Sequence
 
 from harness.matrix.diff import CellChange, CellKey, MatrixDiff
 from harness.matrix.schema import Cell
+from harness.render.matrix import selection_text
 from harness.render.style import STATUS_SYMBOLS, md_status
 from harness.text import md_text, printable_line
 
@@ -35,7 +36,7 @@ def notes(diff: MatrixDiff) -> list[str]:
         )
     if diff.not_selected:
         lines.append(
-            f"the candidate ran a narrower selection{_selection_text(diff.candidate_selection)}: "
+            f"the candidate ran a narrower selection{_narrower(diff.candidate_selection)}: "
             f"{_plural(len(diff.not_selected), 'cell', 'cells')} of the base it did not select "
             "are not compared (not selected); a selected cell it lacks is still a regression"
         )
@@ -50,15 +51,8 @@ def notes(diff: MatrixDiff) -> list[str]:
     return lines
 
 
-def _selection_text(selection: dict) -> str:
-    parts = []
-    if selection.get("keyword"):
-        parts.append(f"-k {selection['keyword']!r}")
-    if selection.get("markers"):
-        parts.append(f"-m {selection['markers']!r}")
-    if selection.get("args"):
-        parts.append(" ".join(str(a) for a in selection["args"]))
-    return f" ({'; '.join(parts)})" if parts else ""
+def _narrower(selection: dict) -> str:
+    return f" ({selection_text(selection)})" if selection else ""
 
 
 def _plural(count: int, singular: str, plural: str) -> str:

@@ -191,8 +191,17 @@ def _environment_items(matrix: Matrix) -> list[tuple[str, str]]:
         if key == "environments" and isinstance(value, dict):
             items.append((key, "; ".join(f"ws={ws}: {{{_plain(_shown(v))}}}" for ws, v in value.items())))
             continue
-        items.append((key, _plain(_shown({key: value})[key])))
+        items.append((key, _plain(_shown(env)[key] if key == "selection" else value)))
     return items
+
+
+def selection_text(selection: dict) -> str:
+    """A run's selection as a command line reads it: its paths, then ``-k`` and ``-m`` (each only
+    where it has one): ``cases/ -k 'fp32'``."""
+    parts = [str(a) for a in selection.get("args") or []]
+    parts += [f"-k {selection['keyword']!r}"] if selection.get("keyword") else []
+    parts += [f"-m {selection['markers']!r}"] if selection.get("markers") else []
+    return " ".join(parts)
 
 
 def _shown(environment: object) -> object:
@@ -201,13 +210,9 @@ def _shown(environment: object) -> object:
     if not isinstance(environment, dict) or not isinstance(environment.get("selection"), dict):
         return environment
     selection = environment["selection"]
-    parts = [" ".join(str(a) for a in selection.get("args") or [])]
-    parts += [f"-k {selection['keyword']}"] if selection.get("keyword") else []
-    parts += [f"-m {selection['markers']}"] if selection.get("markers") else []
     selected = selection.get("selected")
-    if isinstance(selected, list):
-        parts.append(f"({len(selected)} cells)")
-    return {**environment, "selection": " ".join(p for p in parts if p)}
+    counted = f"({len(selected)} cells)" if isinstance(selected, list) else ""
+    return {**environment, "selection": " ".join(p for p in (selection_text(selection), counted) if p)}
 
 
 def _plain_environment_line(matrix: Matrix) -> str:
