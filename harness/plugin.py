@@ -83,6 +83,7 @@ class HarnessState:
         self.created = ""
         self.write_error = ""
         self.signals_installed = False
+        self.pools_prepared = False
         self._environment: dict[str, Any] | None = None
         self.progress = Progress(None if _is_worker(config) else terminal_writer(config))
         self.cell_texts = CellTexts()  # each cell's JSON made once, though the reports are rewritten after every cell
@@ -124,6 +125,20 @@ class HarnessState:
         self.reports_written = [str(p) for p in write_reports(matrix, self.settings.report_dir, texts=self.cell_texts)]
         self.matrix = matrix
 
+    def prepare_pools(self, file_path: Path) -> None:
+        """When the first test file that names the harness is about to be collected, start what the
+        pools' ranks are forked from (harness/rank/preload.py): it imports torch on one core while
+        this process imports the case files (and torch) on the other, a second or two of every
+        run. The plugin is loaded in every pytest run where the harness is installed: a run with no
+        such file starts nothing; nor does one under a launcher, whose ranks are its own, or one
+        that only collects."""
+        if self.pools_prepared or self.launch is not None or self.config.option.collectonly:
+            return
+        if file_path.suffix != ".py" or "harness" not in _source(file_path):
+            return
+        self.pools_prepared = True
+        self.pools.prepare()
+
     def pytest_keyboard_interrupt(self, excinfo: Any) -> None:
         self.interrupted = True
 
@@ -161,6 +176,13 @@ class HarnessState:
         return {"args": [str(a) for a in self.config.args], "keyword": getattr(option, "keyword", "") or "",
                 "markers": getattr(option, "markexpr", "") or "",
                 "selected": sorted(selection_id(i) for i in self.expected_ids)}
+
+
+def _source(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
 
 
 def _installed_version(distribution: str) -> str:
@@ -239,6 +261,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     metafunc.parametrize(
         "harness_cell", params, ids=[cell_id(v.name, ws) for _, v, ws in params], indirect=True
     )
+
+
+def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> None:
+    state = parent.config.stash.get(STATE, None)
+    if state is not None:
+        state.prepare_pools(file_path)
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:

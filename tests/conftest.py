@@ -192,6 +192,7 @@ NOT_QUICK = {
     "test_without_the_flight_recorder_each_cell_says_what_it_did_not_check_and_the_canary_is_skip",
     "test_a_run_with_cells_below_the_range_stops_at_start_with_one_line",
     "test_a_run_without_cells_is_left_alone",
+    "test_a_file_that_imports_the_harness_has_the_fork_server_started_as_it_is_collected",
     "test_a_rank_is_compared_with_its_own_shard_of_the_full_tensor_even_when_the_split_is_uneven",
     "test_the_flight_recorder_sees_ddp_reduce_in_a_synced_backward_only",
 }

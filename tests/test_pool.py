@@ -1,10 +1,13 @@
 """The controller side of a pool, driven directly: start-up failures and the typed protocol."""
 
+import os
+import subprocess
+import sys
 import time
 
 import pytest
 
-from harness.controller.pool import PoolSet, PoolStartError
+from harness.controller.pool import PoolSet, PoolStartError, start_rank_server
 from harness.messages import CellSpec, ProtocolError, RankResult, Ready, RunCell, expect
 
 
@@ -43,3 +46,57 @@ def test_a_cell_of_a_missing_case_file_is_an_error_on_every_rank_and_the_pool_li
         assert pools.get(2).alive
     finally:
         pools.close()
+
+
+ENVIRONMENT_CASE = '''
+import os
+
+from harness import Variant, case
+
+
+@case("environment", wrappers=["ddp"], variants=[Variant("v")])
+def test_environment(ctx):
+    raise LookupError(f"mark={os.environ.get('HARNESS_TEST_MARK', 'unset')}")
+'''
+
+
+def test_ranks_see_the_controllers_environment_as_it_was_when_their_pool_started(tmp_path, monkeypatch):
+    """Ranks are forked from a server that was started before (harness/rank/preload.py), with the
+    environment of that moment: what a rank sees is the controller's when the pool starts."""
+    start_rank_server()
+    monkeypatch.setenv("HARNESS_TEST_MARK", "first")
+    case_file = tmp_path / "environment_case.py"
+    case_file.write_text(ENVIRONMENT_CASE)
+    spec = CellSpec(case="environment", variant="v", variant_params={}, world_size=2, seed=1, backend="gloo",
+                    case_file=str(case_file), case_attr="test_environment")
+    pools = PoolSet(backend="gloo")
+    try:
+        details = [f.detail for f in pools.get(2).run(spec, timeout_s=60).faults]
+        assert len(details) == 2 and all("LookupError: mark=first" in d for d in details), details
+        monkeypatch.setenv("HARNESS_TEST_MARK", "second")  # the pool restarts after the fault
+        details = [f.detail for f in pools.get(2).run(spec, timeout_s=60).faults]
+        assert len(details) == 2 and all("LookupError: mark=second" in d for d in details), details
+    finally:
+        pools.close()
+
+
+def test_where_the_fork_server_cannot_start_the_ranks_are_spawned(tmp_path):
+    """The server's socket is a file in the temporary folder; under a deep TMPDIR its path is longer
+    than a Unix socket's address may be. The run is the same, its ranks spawned."""
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    script = (
+        "import multiprocessing, sys\n"
+        "from harness.controller import pool\n"
+        "from harness.controller.pool import PoolSet\n"
+        "pools = PoolSet(backend='gloo')\n"
+        "try:\n"
+        "    assert pools.get(2).alive\n"
+        "finally:\n"
+        "    pools.close()\n"
+        "print(pool._rank_server['failed'], '|', pool.rank_context().get_start_method())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TMPDIR": str(deep)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "AF_UNIX path too long | spawn"

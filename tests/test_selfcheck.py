@@ -86,8 +86,8 @@ def fault_cells(catalogue):
 @pytest.mark.parametrize("fault", sorted(EXPECTED_DIAGNOSES))
 def test_each_fault_is_caught_by_its_cell_with_its_diagnosis(fault_cells, fault):
     clean, faulty = fault_cells[fault]
-    assert clean.status == Status.PASS, clean.summary
-    assert faulty.status == Status.FAIL, faulty.summary
+    assert clean.status == Status.PASS, f"{clean.summary}\n{clean.detail}"
+    assert faulty.status == Status.FAIL, f"{faulty.summary}\n{faulty.detail}"
     expected = EXPECTED_DIAGNOSES[fault][2]
     assert expected <= set(first_kinds(faulty)), (first_kinds(faulty), faulty.summary)
 

@@ -61,8 +61,28 @@ def test_a_run_with_cells_below_the_range_stops_at_start_with_one_line(tmp_path,
     assert not (tmp_path / "reports").exists()
 
 
+# A test file of a user's, run where the harness is installed (its plugin loaded), which looks at
+# whether the ranks' fork server (harness/rank/preload.py) was started for it.
+SERVER_STARTED = """{imports}
+from multiprocessing import forkserver
+
+def test_mine():
+    assert (forkserver._forkserver._forkserver_pid is not None) is {started}
+"""
+
+
 def test_a_run_without_cells_is_left_alone(tmp_path):
-    (tmp_path / "test_mine.py").write_text("def test_mine():\n    assert True\n")
+    # ... below the range, and without a fork server for ranks it will never start
+    (tmp_path / "test_mine.py").write_text(SERVER_STARTED.format(imports="", started=False))
     returncode, output = run(tmp_path, str(tmp_path / "test_mine.py"))
     assert returncode == 0, output[-2000:]
     assert "1 passed" in output
+
+
+def test_a_file_that_imports_the_harness_has_the_fork_server_started_as_it_is_collected(tmp_path):
+    (tmp_path / "test_mine.py").write_text(SERVER_STARTED.format(imports="import harness  # noqa: F401",
+                                                                 started=True))
+    process = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--report-dir",
+                              str(tmp_path / "reports"), str(tmp_path / "test_mine.py")], cwd=ROOT,
+                             env=session_env("versions"), capture_output=True, text=True, timeout=600)
+    assert process.returncode == 0, (process.stdout + process.stderr)[-2000:]

@@ -31,26 +31,57 @@ DUMP_SIGNAL = signal.SIGUSR1
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """A rank must never outlive the process that owns its pool, however that process ends."""
+def _die_with_parent(controller_pid: int) -> None:
+    """A rank must never outlive the process that owns its pool, however that process ends.
+
+    A spawned rank's parent is that process, and the kernel kills the rank when it goes (a
+    parent-death signal). A forked rank's parent is the pools' fork server, which exits when the
+    controller does, if no rank holds the end of the pipe it watches for that: the rank lets go of
+    it (multiprocessing hands each forked child that end, for starting children of its own), and
+    also polls for the controller, so that the rank goes even where the server would stay."""
+    parent_pid = os.getppid()
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         armed = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) == 0
     except (OSError, AttributeError):
         armed = False
-    if os.getppid() != parent_pid:
-        os._exit(70)
-    if armed:
+    if os.getppid() != parent_pid or not _alive(controller_pid):
+        os._exit(70)  # the parent, or the controller, went before the signal was armed
+    if parent_pid != controller_pid:
+        _release_fork_server()
+    elif armed:
         return
-    # no parent-death signal on this platform: poll for the parent instead
 
     def watch() -> None:
         while True:
             time.sleep(0.5)
-            if os.getppid() != parent_pid:
+            if os.getppid() != parent_pid or not _alive(controller_pid):
                 os._exit(70)
 
     threading.Thread(target=watch, name="harness-parent-watch", daemon=True).start()
+
+
+def _release_fork_server() -> None:
+    """Close this forked rank's copy of the pipe whose end tells the fork server that its
+    controller is gone: while a rank held it, the server (and so the rank) would outlive the run."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        server._forkserver_alive_fd = None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 # accelerate reads its launcher's settings from ACCELERATE_* variables (`accelerate launch` sets
@@ -296,9 +327,13 @@ def _freeze_imports() -> None:
 
 
 def main(rank: int, world_size: int, backend: str, store_path: str, log_path: str, stack_path: str,
-         conn: Any, watch_conn: Any, parent_pid: int, pg_timeout_s: float) -> None:
-    """Entry point of a rank process (the target of a spawned process)."""
-    _die_with_parent(parent_pid)
+         conn: Any, watch_conn: Any, controller_pid: int, pg_timeout_s: float, environ: dict[str, str]) -> None:
+    """Entry point of a rank process (the target of a forked or spawned process). ``environ`` is
+    the controller's environment when the pool started: a forked rank would otherwise keep its fork
+    server's, from the server's start."""
+    _die_with_parent(controller_pid)
+    os.environ.clear()
+    os.environ.update(environ)
     log = open(log_path, "a", buffering=1, encoding="utf-8")
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
