@@ -149,6 +149,30 @@ BROWSER_MISSING = ("headless Chromium not found: install Debian's chromium packa
                    "or set HARNESS_CHROMIUM to a Chromium/Chrome binary")
 
 
+TESTS_DIR = Path(__file__).resolve().parent
+# `pytest tests/` runs its files on this many xdist workers, each file whole on one (its shared runs
+# are module fixtures). Half the suite's time is one process waiting on another (a session starting,
+# a rank importing torch, a launch waiting out a timeout), so two files at once use the second core:
+# 6 min 53 s in one process, 4 min 48 s on two workers, on an idle 2-core machine.
+SUITE_WORKERS = 2
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """`pytest tests/` (the whole suite, or `-m quick` of it) runs on SUITE_WORKERS xdist workers,
+    file by file, unless the command says otherwise (`-n 0` for one process, `-n 4`, `--dist`).
+    A run of some files or tests stays in one process, as does a worker itself."""
+    if not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput"):
+        return
+    if config.option.numprocesses is not None or config.option.collectonly or config.option.usepdb:
+        return
+    if not any(Path(arg).resolve() == TESTS_DIR for arg in config.args):
+        return
+    config.option.numprocesses = SUITE_WORKERS
+    if config.option.dist == "no":
+        config.option.dist = "loadfile"
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "browser: needs headless Chromium (uses the `browser` fixture, tests/browser.py)")
     # `pytest tests/` (the README's command, which CI runs) ends with the 15 slowest tests, where the
