@@ -20,9 +20,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from harness.catalogue import load_case_file  # noqa: E402
+from harness.controller import pool  # noqa: E402
 from harness.controller.cells import run_cell  # noqa: E402
 from harness.controller.options import resolve  # noqa: E402
-from harness.controller import pool  # noqa: E402
 from harness.controller.pool import PoolSet, start_rank_server  # noqa: E402
 from harness.records import Status  # noqa: E402
 

@@ -126,7 +126,7 @@ class HarnessState:
         self.matrix = matrix
 
     def prepare_pools(self, file_path: Path) -> None:
-        """When the first test file that names the harness is about to be collected, start what the
+        """When the first test module that names the harness is about to be imported, start what the
         pools' ranks are forked from (harness/rank/preload.py): it imports torch on one core while
         this process imports the case files (and torch) on the other, a second or two of every
         run. The plugin is loaded in every pytest run where the harness is installed: a run with no
@@ -263,10 +263,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     )
 
 
-def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> None:
-    state = parent.config.stash.get(STATE, None)
-    if state is not None:
-        state.prepare_pools(file_path)
+def pytest_collectstart(collector: pytest.Collector) -> None:
+    # a test module about to be imported (not every file pytest passes on its way to the arguments)
+    state = collector.config.stash.get(STATE, None)
+    if state is not None and isinstance(collector, pytest.Module):
+        state.prepare_pools(collector.path)
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:

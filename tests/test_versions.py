@@ -72,8 +72,10 @@ def test_mine():
 
 
 def test_a_run_without_cells_is_left_alone(tmp_path):
-    # ... below the range, and without a fork server for ranks it will never start
+    # ... below the range, and without a fork server for ranks it will never start, though a module
+    # beside it, which pytest passes on the way but does not import, names the harness
     (tmp_path / "test_mine.py").write_text(SERVER_STARTED.format(imports="", started=False))
+    (tmp_path / "test_not_selected.py").write_text("import harness  # noqa: F401\n")
     returncode, output = run(tmp_path, str(tmp_path / "test_mine.py"))
     assert returncode == 0, output[-2000:]
     assert "1 passed" in output
