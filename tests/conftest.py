@@ -229,7 +229,16 @@ def is_quick(item) -> bool:
             and not SLOW_FIXTURES & set(getattr(item, "fixturenames", ())))
 
 
+# The files that take longest (each half a minute to a minute and a quarter, from the durations CI
+# prints), run first: the xdist workers take files in collection order, and a long file taken last
+# would leave the other worker idle at the end.
+LONGEST_FILES = ("test_launch.py", "test_plugin.py", "test_selfcheck.py", "test_example.py", "test_wrappers.py",
+                 "test_parallel.py", "test_rank_faults.py", "test_matrix_input.py")
+
+
 def pytest_collection_modifyitems(items):
+    first = {name: n for n, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: within a file, as written
     # Every test that uses the browser fixture carries the marker, so `-m "not browser"` leaves them out.
     for item in items:
         if "browser" in getattr(item, "fixturenames", ()):
