@@ -23,7 +23,6 @@ from harness.catalogue import load_case_file  # noqa: E402
 from harness.controller import pool  # noqa: E402
 from harness.controller.cells import run_cell  # noqa: E402
 from harness.controller.options import resolve  # noqa: E402
-from harness.controller.pool import PoolSet, start_rank_server  # noqa: E402
 from harness.records import Status  # noqa: E402
 
 # (case file, variant): a one-step cell and an accumulating one
@@ -45,17 +44,16 @@ def main() -> int:
         case = load_case_file(ROOT / path)[0]
         cells.append((case, next(v for v in case.info.variants if v.name == variant_name)))
     started = time.perf_counter()
-    start_rank_server()
-    first = PoolSet(backend="gloo")
+    first = pool.PoolSet(backend="gloo")
     try:
-        first.get(1)  # the server's imports are done once it has forked a rank
+        first.get(1)  # starts the fork server; its imports are done once it has forked a rank
     finally:
         first.close()
     server_s = time.perf_counter() - started
     for world_size in [int(w) for w in args.world_sizes.split(",")]:
         settings = resolve(world_sizes=str(world_size), backend="gloo", report_dir="reports", case_timeout="120",
                            seed="1234")
-        pools = PoolSet(backend="gloo")
+        pools = pool.PoolSet(backend="gloo")
         started = time.perf_counter()
         pools.get(world_size).kill()
         start_s = time.perf_counter() - started

@@ -86,7 +86,6 @@ def test_where_the_fork_server_cannot_start_the_ranks_are_spawned(tmp_path):
     deep = tmp_path / ("d" * 100)
     deep.mkdir()
     script = (
-        "import multiprocessing, sys\n"
         "from harness.controller import pool\n"
         "from harness.controller.pool import PoolSet\n"
         "pools = PoolSet(backend='gloo')\n"
