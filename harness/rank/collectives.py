@@ -18,18 +18,21 @@ collective rides along with it:
   a rank's stray collective (one rank hung in a collective no other joins must stay a hang).
   ``finish`` sends what still waits when a case stops early.
 - ``same_everywhere``: whether every rank holds the same bytes, from one all-reduce of digests.
+- ``ring_average``: FSDP2's reduce-scatter on gloo reproduced bit for bit (its summation order,
+  ``ring_segments``), for the bf16 cells, whose reduction in bf16 no bound would judge sharply.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
-from typing import Callable, Hashable, Iterable, Mapping
+from typing import Callable, Hashable, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
-from harness.rank.closeness import Expectation, reduction_allowance
+from harness.rank.closeness import Expectation, floor, reduction_allowance
 
 
 def flat(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
@@ -54,12 +57,88 @@ class Reduction:
     tensors: Mapping[Hashable, torch.Tensor]
     carried: Mapping[Hashable, torch.Tensor] | None = None
     magnitudes: Mapping[Hashable, torch.Tensor] | None = None
+    # the dtype the wrapper sums in, where lower than the tensors' (FSDP2's bf16 reduce-scatter): the
+    # sum is rounded to it and the bound is its own. Two terms round once, in either order, and the
+    # division by 2 is exact: at world size 2 the average is reproduced exactly, with no bound.
+    summed_in: torch.dtype | None = None
 
 
 @dataclass
 class _Waiting:
     mine: torch.Tensor  # this rank's values (flat)
     deliver: Callable[[torch.Tensor], None]  # called with rank 0's
+
+
+def ring_segments(sizes: Sequence[torch.Size], world_size: int) -> list[torch.Tensor]:
+    """For each of the gradients one FSDP2 reduce-scatter carries (``sizes``, in its order), the ring
+    segment each element is summed in on gloo (flat, in the gradient's own element order).
+
+    FSDP2 lays the reduce-scatter input out as ``world_size`` chunks of equal size, chunk ``c`` being
+    every gradient's dim-0 shard ``c`` (``ceil(rows / world_size)`` rows, padded), flattened and
+    concatenated in order (``torch._chunk_cat``). Gloo cuts that flat input into ``world_size``
+    segments of ``S = 2 * ceil(total / (2 * world_size))`` elements and sums the elements of
+    segment ``k`` in one order (``_ring_sum``). When a chunk's size is even the segments are the
+    chunks. Found on torch 2.13's gloo at world sizes 2 to 6, every element; tests/test_collectives.py
+    checks it at 2, 3 and 4 ranks with uneven shapes, and ``ring_order_holds`` on the installed gloo."""
+    shapes = [(s[0] if len(s) else 1, math.prod(s[1:]) if len(s) > 1 else 1) for s in sizes]
+    rows_each = [-(-rows // world_size) for rows, _ in shapes]
+    chunk = sum(r * rest for r, (_, rest) in zip(rows_each, shapes))
+    segment = 2 * -(-(chunk * world_size) // (2 * world_size))
+    out, offset = [], 0
+    for r, (rows, rest) in zip(rows_each, shapes):
+        row = torch.arange(rows)
+        c = row // r
+        start = c * chunk + offset + (row - c * r) * rest  # each row's first element in the flat input
+        index = start[:, None] + torch.arange(rest)[None, :]
+        out.append((index // segment).reshape(-1))
+        offset += r * rest
+    return out
+
+
+def _ring_sum(every: Sequence[torch.Tensor], segment: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Every rank's values (``every[r]``) summed in ``dtype``, each element in its ring segment's order:
+    rank k-1's value first, then k-2's and so on down the ring to k+1's, rank k's own last."""
+    world_size = len(every)
+    total = torch.empty(every[0].shape, dtype=dtype)
+    for k in range(world_size):
+        at = segment == k
+        order = [(k - j) % world_size for j in range(1, world_size)] + [k]
+        s = every[order[0]][at].to(dtype)
+        for r in order[1:]:
+            s = s + every[r][at].to(dtype)
+        total[at] = s
+    return total
+
+
+_ORDER_HOLDS: dict[tuple[int, torch.dtype], str] = {}
+
+
+def ring_order_holds(world_size: int, dtype: torch.dtype) -> str:
+    """Why the ring order does not hold for reduce-scatters in ``dtype`` on the default group, or ""
+    where it does: the backend is gloo and one reduce-scatter of values drawn to round differently
+    in every order (odd chunks, so that segments and chunks differ) comes out as ``_ring_sum`` makes
+    it, on every rank. Asked once per process, world size and dtype; a collective, so every rank asks."""
+    key = (world_size, dtype)
+    if key not in _ORDER_HOLDS:
+        backend = dist.get_backend() if world_size > 1 else "gloo"
+        if backend != "gloo":
+            _ORDER_HOLDS[key] = f"the {backend} backend's summation order is not known"
+        elif world_size <= 2:
+            _ORDER_HOLDS[key] = ""  # two terms, one rounding, in either order
+        else:
+            rank, chunk = dist.get_rank(), 37
+            g = torch.Generator().manual_seed(28)
+            every = [(torch.randn(chunk * world_size, generator=g)
+                      * torch.exp(torch.randn(chunk * world_size, generator=g) * 3)).to(dtype)
+                     for _ in range(world_size)]
+            out = torch.empty(chunk, dtype=dtype)
+            dist.reduce_scatter_tensor(out, every[rank].clone(), op=dist.ReduceOp.AVG)
+            segments = ring_segments([torch.Size([chunk * world_size])], world_size)[0]
+            expected = (_ring_sum(every, segments, dtype) / world_size)[rank * chunk:(rank + 1) * chunk]
+            agree = torch.tensor([int(torch.equal(out, expected))])
+            dist.all_reduce(agree, op=dist.ReduceOp.MIN)
+            _ORDER_HOLDS[key] = "" if agree.item() else "gloo's reduce-scatter here adds in another order"
+    return _ORDER_HOLDS[key]
 
 
 class Collectives:
@@ -96,8 +175,13 @@ class Collectives:
             offset = 0
             for index in indices:
                 reduction, n = reductions[index], values[index].numel()
-                average = buffer[offset : offset + n] / self.world_size
-                allowed = reduction_allowance(buffer[offset + n : offset + 2 * n], dtype=dtype)
+                total = buffer[offset : offset + n]
+                if reduction.summed_in is not None:
+                    total = total.to(reduction.summed_in).to(dtype)
+                average = total / self.world_size
+                allowed = reduction_allowance(buffer[offset + n : offset + 2 * n], dtype=reduction.summed_in or dtype)
+                if reduction.summed_in is not None and self.world_size <= 2:
+                    allowed = torch.full_like(allowed, floor(reduction.summed_in))  # halving a subnormal rounds
                 offset += 2 * n
                 if reduction.carried is not None:
                     allowed = allowed + buffer[offset : offset + n].double() / self.world_size
@@ -106,6 +190,26 @@ class Collectives:
                 results[index] = {k: Expectation(averages[k], allowances[k]) for k in reduction.tensors}
             self._deliver(riding, buffer[offset:])
         return results
+
+    def ring_average(self, tensors: Mapping[Hashable, torch.Tensor], segments: Mapping[Hashable, torch.Tensor],
+                     dtype: torch.dtype) -> dict[Hashable, Expectation]:
+        """The average of ``tensors`` over the ranks as gloo's reduce-scatter with ReduceOp.AVG makes it
+        on CPU (what FSDP2 issues there): each element summed in ``dtype`` in its ring segment's order
+        (``segments``, per element, from ``ring_segments``): segment k's elements from rank k-1's
+        value down the ring to rank k+1's, rank k's own last; then divided by the world size in
+        ``dtype``. Reproduced, it leaves nothing to allow but the floor. One all-gather of every
+        rank's values. Use it where ``ring_order_holds``."""
+        mine = flat(t.detach() for t in tensors.values())
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        if self.world_size > 1:
+            dist.all_gather(every, mine)
+        else:
+            every = [mine]
+        total = _ring_sum(every, flat(segments.values()), dtype)
+        average = (total / self.world_size).to(mine.dtype)
+        allowed = torch.full(mine.shape, floor(dtype), dtype=torch.float64)
+        averages, allowances = pieces(average, tensors), pieces(allowed, tensors)
+        return {k: Expectation(averages[k], allowances[k]) for k in tensors}
 
     def later(self, tensors: Mapping[Hashable, torch.Tensor],
               deliver: Callable[[dict[Hashable, torch.Tensor]], None], *, wait: bool) -> None:
