@@ -159,6 +159,42 @@ def test_fsdp_cells_pass_shard_by_shard_with_their_collectives_checked(run_pytes
     assert session.matrix["environment"]["wrappers"] == "fsdp2,fsdp1"
 
 
+def test_fsdp2_bf16_is_the_wrappers_arithmetic_exactly_and_a_1e_5_error_fails_it(run_pytest):
+    """accelerate's bf16 under FSDP2 (param, reduce and output dtype bf16) and an explicit policy
+    reducing in fp32: the oracle computes in bf16 from the fp32 masters, accumulates in the reduce
+    dtype and sums the ranks in gloo's ring order (odd chunks at 3 ranks), so nothing differs."""
+    session = run_pytest("cases/test_fused_loss.py", "cases/test_accumulate.py", "-k", "bf16",
+                         "--wrappers", "fsdp2", "--world-sizes", "2,3", "-q", timeout=900)
+    bf16 = {k: c for k, c in session.cells().items() if k[0] in ("fused_loss", "accumulate")}
+    assert {k[1] for k in bf16} >= {"bf16-wrapper=fsdp2", "bf16-reduce=fp32-wrapper=fsdp2",
+                                    "steps=3-bf16-wrapper=fsdp2", "steps=3-bf16-reduce=fp32-wrapper=fsdp2"}
+    for key, cell in bf16.items():
+        assert (cell["status"], cell["max_abs_diff"]) == ("pass", 0.0), (key, cell["summary"])
+    # rank 1's gradient scaled by 1 + 1e-5 once, after the cell's first backward: far below bf16's
+    # rounding (3.9e-3), seen because nothing else is allowed. In no_sync's first backward FSDP2
+    # holds the gradient inside itself (fp32 under reduce=fp32, where the error stays; bf16 under
+    # accelerate's policy, where it rounds away): the fault reaches it there.
+    perturbed = run_pytest("cases/test_fused_loss.py", "cases/test_no_sync.py", "-k", "bf16", "--wrappers", "fsdp2",
+                           "--world-sizes", "2", "--harness-fault", "perturb_once:1e-5", "-q", timeout=600)
+    statuses = {(k[0], k[1]): c["status"] for k, c in perturbed.cells().items()}
+    assert statuses == {("fused_loss", "bf16-wrapper=fsdp2"): "fail", ("fused_loss", "bf16-reduce=fp32-wrapper=fsdp2"): "fail",
+                        ("no_sync", "bf16-reduce=fp32-wrapper=fsdp2"): "fail", ("no_sync", "bf16-wrapper=fsdp2"): "pass"}
+
+
+def test_fsdp2_bf16_where_the_reduction_order_is_not_known_is_judged_within_the_bound_and_says_so(run_pytest):
+    """Where FSDP2 does not reduce-scatter with AVG (here the self-check fault that makes it SUM, as
+    torch does at world size 1), the oracle cannot reproduce the order: it allows the bf16
+    reduction's bound, the cell says that check did not run, and the wrong scale is still found."""
+    session = run_pytest("cases/test_fused_loss.py", "-k", "bf16", "--wrappers", "fsdp2", "--world-sizes", "3",
+                         "--harness-fault", "fsdp2_reduce_sums", "-q", timeout=600)
+    cells = {k[1]: c for k, c in session.cells().items()}
+    assert set(cells) == {"bf16-wrapper=fsdp2", "bf16-reduce=fp32-wrapper=fsdp2"}
+    for variant, cell in cells.items():
+        assert cell["status"] == "fail", (variant, cell["summary"])
+        assert "wrong_scale" in {f["kind"] for f in cell["failures"]}, cell["summary"]
+        assert "NOT CHECKED: exact reduction order" in cell["summary"], cell["summary"]
+
+
 def test_a_cell_prepared_as_another_wrapper_is_an_error_and_a_logged_reduce_is_not_a_gradient_collective(
         run_pytest):
     session = run_pytest(PLANTED, "--world-sizes", "2", "--wrappers", "ddp,fsdp2", "-q", timeout=300)

@@ -118,7 +118,8 @@ class RankContext:
         self._scaler_kwargs = _scaler_kwargs_of(kwargs)
         kwargs.update(wrappers.accelerator_kwargs(self.wrapper, kwargs, device_type=self.device.type,
                                                   num_steps=self.accumulation.num_steps,
-                                                  world_size=self.world_size))
+                                                  world_size=self.world_size,
+                                                  reduce=self.variant.get("reduce")))
         if self.compile is not None:
             self.require_parameter(Accelerator, "dynamo_backend", "Accelerator(dynamo_backend=...)")
             kwargs.setdefault("dynamo_backend", self.compile)
@@ -320,6 +321,7 @@ class RankContext:
             replay_rng=self.replay_rng,
             scaler_kwargs=scaler,
             wrapper=self.wrapper,
+            reduce=self.variant.get("reduce"),
             accounting=self.accounting,
             more_checks=self._more_checks,
         )

@@ -13,10 +13,11 @@ from harness.decorator import ALL_PRECISIONS
 from harness.rank.accounting import Accounting
 from harness.rank.checks import Checks, Recorder, as_optimizers
 from harness.rank.closeness import Expectation, norm_rounding, rounding_allowance
-from harness.rank.collectives import Collectives, Reduction, flat
-from harness.rank.replica import forward_as, unwrap
+from harness.rank.collectives import Collectives, Reduction, flat, ring_order_holds, ring_segments
+from harness.rank.replica import AUTOCAST_DTYPES, SHARDED_MIXED, autocast_of, forward_as, unwrap
 from harness.rank.schedule import MicroStep
 from harness.rank.weighting import TokenWeighting, token_seeds
+from harness.wrappers import sharding
 from harness.wrappers.names import ADDS_AFTER_REDUCING
 
 # ``optimizer=``: called with a replica's parameters, as ``torch.optim.SGD(params, lr=...)`` is.
@@ -26,6 +27,9 @@ ModelOptimizers = Callable[[nn.Module], Union[torch.optim.Optimizer, Sequence[to
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 # What ``backward(rng=key)`` replays: the RNG state the case's own forward ran under for that key.
 RngReplay = Callable[[Hashable], ContextManager[None]]
+
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 class Oracle:
@@ -56,6 +60,7 @@ class Oracle:
         replay_rng: RngReplay | None = None,
         scaler_kwargs: Mapping[str, Any] | None = None,
         wrapper: str = "ddp",
+        reduce: str | None = None,
         accounting: Accounting | None = None,
         more_checks: Callable[[MicroStep | int], bool] | None = None,
     ) -> None:
@@ -80,9 +85,20 @@ class Oracle:
         self.collectives = Collectives(rank=rank, world_size=world_size)
         self.replicas = {name: copy.deepcopy(unwrap(m)) for name, m in models.items()}
         self._require_equal_on_every_rank()
-        self.models = forward_as(self.replicas, precision)
+        self.models = forward_as(self.replicas, precision, wrapper=wrapper, reduce=reduce)
+        # FSDP2 in bf16 (harness/rank/replica.py): each rank's unsharded gradients since the last
+        # sync accumulate in the reduce dtype (bf16 adds, or fp32 adds of the upcast bf16 gradients),
+        # are averaged in it at the sync, and the result (fp32) is added to the sharded gradient held
+        self.summed_in = (None if not (wrapper in SHARDED_MIXED and precision in AUTOCAST_DTYPES)
+                          else torch.float32 if reduce == "fp32" else AUTOCAST_DTYPES[precision])
         self.params = {name: dict(r.named_parameters()) for name, r in self.replicas.items()}
         self.local = {name: {p: torch.zeros_like(t) for p, t in ps.items()} for name, ps in self.params.items()}
+        # since the last sync, in the reduce dtype (FSDP2 in bf16 only), and which took part: FSDP2
+        # reduce-scatters only the gradients it holds, and their layout sets each element's order
+        self.pending = {name: {p: torch.zeros_like(t) for p, t in ps.items()} for name, ps in self.params.items()}
+        self._pending_from: set[tuple[str, str]] = set()
+        # the user's models, which FSDP2 shards in place: read at a sync for its reduce-scatter groups
+        self._sharded = dict(models) if self.summed_in is not None else {}
         # the all-rank average of ``local`` as it is now, by model: made with a sync's average, in
         # the same all-reduce, and forgotten whenever ``local`` changes
         self._synced: dict[str, dict[str, Expectation]] = {}
@@ -161,6 +177,11 @@ class Oracle:
         ``closure(models)`` computes the loss from the replicas (a dict by model name), the same way
         the case computed it from the prepared models. ``rng``: the key the case's forward ran under
         ``ctx.replay_rng(key)``; the closure runs under the same RNG state (the same dropout masks)."""
+        unsharded = None
+        if self.summed_in is not None:
+            for name, m in self.models.items():
+                m.autocast = autocast_of(unwrap(self._sharded[name]))  # prepared by now, in place
+            unsharded = {name: m.unshard() for name, m in self.models.items()}
         with self._replayed(rng):
             loss = closure(self.models)
         self._synced.clear()
@@ -180,18 +201,30 @@ class Oracle:
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
             other = None if other is None else self.scaler.scale(other)
-        params = [p for _, _, p in flat]
+        params = [p for _, _, p in flat] if unsharded is None else [unsharded[name][pname] for name, pname, _ in flat]
         grads = torch.autograd.grad(loss, params, allow_unused=True, retain_graph=other is not None)
         others = torch.autograd.grad(other, params, allow_unused=True) if other is not None else [None] * len(grads)
+        if unsharded is not None:  # bf16 gradients of the unsharded parameters, upcast exactly
+            grads = tuple(None if g is None else g.float() for g in grads)
+            others = [None if g is None else g.float() for g in others]
         self.backward_syncs.append((sync, sum(g.numel() for g in grads if g is not None)))
         for (name, pname, p), g, g_other in zip(flat, grads, others):
             if g is None:
                 continue
-            p.grad = g.detach().clone() if p.grad is None else p.grad + g.detach()
+            if self.summed_in is not None:
+                # held apart until the sync; the sharded gradient (p.grad) is what the last sync left
+                self.pending[name][pname] = (self.pending[name][pname] + g.detach()).to(self.summed_in).to(g.dtype)
+                self._pending_from.add((name, pname))
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            else:
+                p.grad = g.detach().clone() if p.grad is None else p.grad + g.detach()
             self.local[name][pname] += g.detach()
             if self.terms is not None:
                 self.terms[name][pname] += g.detach().abs()
-            self.allowed[name][pname] = self.allowed[name][pname] + rounding_allowance(p.grad)
+            if self.summed_in is None:
+                # (in bf16 under FSDP2 the same kernels run on the same bf16 values: the same bits)
+                self.allowed[name][pname] = self.allowed[name][pname] + rounding_allowance(p.grad)
             if g_other is not None:
                 self.allowed[name][pname] += (g.detach().double() - g_other.detach().double()).abs()
             if tokens is not None:
@@ -233,6 +266,9 @@ class Oracle:
     def _average_grads(self) -> None:
         """Every model's gradients averaged, and the average of its local gradients (the synced
         hypothesis a check asks for next), in one all-reduce."""
+        if self.summed_in is not None:
+            self._average_pending()
+            return
         reductions = []
         for name, ps in self.params.items():
             for p in ps.values():
@@ -249,6 +285,54 @@ class Oracle:
             for pname, p in ps.items():
                 p.grad = average[pname].value
                 self.allowed[name][pname] = average[pname].allowed
+
+    def _average_pending(self) -> None:
+        """FSDP2 in bf16: what accumulated since the last sync, averaged in the reduce dtype, added
+        to the gradient the last sync left (in fp32, as FSDP2 adds it to the sharded gradient).
+
+        On gloo the average is reproduced bit for bit: each element summed in its ring segment's
+        order, from FSDP2's reduce-scatter layout (``Collectives.ring_average``). Where that order is
+        not known (another backend, another FSDP2 divide, a layout that cannot be read), the average
+        is allowed the bf16 reduction's bound, and the cell says so (``unchecked``)."""
+        synced = self.collectives.reduce_all([Reduction(self.local[name]) for name in self.params])
+        pending = {(name, pname): self.pending[name][pname] for name, ps in self.params.items() for pname in ps}
+        segments, why = self._ring_segments()
+        if segments is not None:
+            averaged = self.collectives.ring_average(pending, segments, self.summed_in)
+        else:
+            self.checks.recorder.unchecked["exact reduction order"] = (
+                f"the {DTYPE_NAMES.get(self.summed_in, self.summed_in)} reduce-scatter is judged within its "
+                f"rounding bound: {why}")
+            [averaged] = self.collectives.reduce_all([Reduction(pending, summed_in=self.summed_in)])
+        self._pending_from.clear()
+        for index, (name, ps) in enumerate(self.params.items()):
+            self._synced[name] = synced[index]  # type: ignore[assignment]
+            for pname, p in ps.items():
+                base = p.grad if p.grad is not None else torch.zeros_like(p)
+                average = averaged[(name, pname)]
+                p.grad = base + average.value
+                self.allowed[name][pname] = self.allowed[name][pname] + average.allowed + rounding_allowance(p.grad)
+                self.pending[name][pname].zero_()
+
+    def _ring_segments(self) -> tuple[dict[tuple[str, str], torch.Tensor] | None, str]:
+        """Each pending gradient element's ring segment in FSDP2's reduce-scatter (``ring_segments``),
+        or None and why the order is not known here."""
+        why = "" if self.world_size == 1 else sharding.fsdp2_reduce_op(self.summed_in) or ring_order_holds(
+            self.world_size, self.summed_in)
+        if why:
+            return None, why
+        segments = {(name, pname): torch.zeros(p.numel(), dtype=torch.long)
+                    for name, ps in self.params.items() for pname, p in ps.items()}
+        for name, model in self._sharded.items():
+            groups = sharding.fsdp2_reduce_groups(model)
+            if not groups:
+                return None, f"FSDP2's parameter groups of {name!r} could not be read"
+            for group in groups:
+                taking_part = [pname for pname in group if (name, pname) in self._pending_from]
+                sizes = [self.params[name][pname].shape for pname in taking_part]
+                for pname, segment in zip(taking_part, ring_segments(sizes, self.world_size)):
+                    segments[(name, pname)] = segment
+        return segments, ""
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> dict[str, float]:
         """Clip each model's replica gradients, as ``clip_grad_norm_`` on synced gradients does;
@@ -322,10 +406,12 @@ class Oracle:
             for name, ps in self.params.items()
         }
         self._synced.clear()
+        self._pending_from.clear()
         for name, ps in self.params.items():
             for pname, p in ps.items():
                 p.grad = None
                 self.local[name][pname].zero_()
+                self.pending[name][pname].zero_()
             self.allowed[name] = self._no_allowance(name)
             if self.terms is not None:
                 self.terms[name] = {pname: torch.zeros_like(p) for pname, p in ps.items()}

@@ -20,6 +20,7 @@ from harness.wrappers.names import (
     DEFAULT_PRECISIONS,
     FSDP,
     PRECISIONS,
+    REDUCE_AXIS,
     WRAPPERS,
     WrongWrapper,
 )
@@ -44,19 +45,25 @@ def cell_variants(variants: Iterable[Variant], applies: Iterable[str], selection
             out.extend(variants)
             continue
         precisions = PRECISIONS.get(wrapper, DEFAULT_PRECISIONS)
+        # compiled variants in fp32 only: the mixed-precision model is of the eager kernels
         eligible = [v for v in variants if str(v.params.get("precision", "fp32")) in precisions
-                    and ("compile" not in v.params or wrapper in COMPILED)]
+                    and ("compile" not in v.params or wrapper in COMPILED and v.params.get("precision", "fp32") == "fp32")]
         if selection == AUTO:
             eligible = _lead(eligible)
-        out.extend(Variant(f"{v.name}-wrapper={wrapper}", {**v.params, "wrapper": wrapper}) for v in eligible)
+        for v in eligible:
+            out.append(Variant(f"{v.name}-wrapper={wrapper}", {**v.params, "wrapper": wrapper}))
+            if v.params.get("precision", "fp32") != "fp32":
+                out.extend(Variant(f"{v.name}-reduce={reduce}-wrapper={wrapper}",
+                                   {**v.params, "reduce": reduce, "wrapper": wrapper})
+                           for reduce in REDUCE_AXIS.get(wrapper, ()))
     return out
 
 
 def _lead(variants: list[Variant]) -> list[Variant]:
-    """The first variant of each compile setting (not compiled, then each backend)."""
+    """The first variant of each compile setting (not compiled, then each backend) and precision."""
     seen: dict[Any, Variant] = {}
     for v in variants:
-        seen.setdefault(v.params.get("compile"), v)
+        seen.setdefault((v.params.get("compile"), v.params.get("precision", "fp32")), v)
     return list(seen.values())
 
 
@@ -64,7 +71,7 @@ def _lead(variants: list[Variant]) -> list[Variant]:
 
 
 def accelerator_kwargs(wrapper: str, kwargs: Mapping[str, Any], *, device_type: str, num_steps: int,
-                       world_size: int) -> dict[str, Any]:
+                       world_size: int, reduce: str | None = None) -> dict[str, Any]:
     """The ``Accelerator`` keyword arguments that ask for ``wrapper``; SkipCell when it cannot run here."""
     if wrapper == DDP:
         return {}
@@ -89,8 +96,15 @@ def accelerator_kwargs(wrapper: str, kwargs: Mapping[str, Any], *, device_type: 
             missing = capabilities.fsdp2_missing(device_type)
             if missing:
                 raise SkipCell(f"wrapper=fsdp2 cannot run here: {missing}")
+            options: dict[str, Any] = {"fsdp_version": 2}
+            if reduce is not None:
+                import torch
+                from torch.distributed.fsdp import MixedPrecisionPolicy
+
+                options["mixed_precision_policy"] = MixedPrecisionPolicy(
+                    param_dtype=torch.bfloat16, reduce_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[reduce])
             try:
-                return {"fsdp_plugin": plugin(fsdp_version=2)}
+                return {"fsdp_plugin": plugin(**options)}
             except ImportError as exc:  # accelerate's own word on this torch ("FSDP2 requires PyTorch >= 2.6.0")
                 raise SkipCell(f"wrapper=fsdp2 cannot run here: accelerate refuses it: {exc}") from None
         # FSDP1 with the user's parameters kept (their names, and full gradients when summoned);

@@ -112,3 +112,43 @@ def _fsdp1(model: nn.Module, *, with_grads: bool) -> Observed:
             grads = {_clean(n): None if p.grad is None else p.grad.detach().clone() for n, p in inner.named_parameters()}
     shown = [n for n, g in grads.items() if g is not None and n in params and g.shape != params[n].shape]
     return Observed(params=params, grads=grads, shards_shown=shown)
+
+
+def fsdp2_reduce_groups(model: nn.Module) -> list[list[str]]:
+    """The parameters of ``model`` (prepared under FSDP2) by reduce-scatter: one list per FSDP2
+    parameter group (each ``fully_shard``ed module), in the group's order, by name in the
+    user's module. Read from FSDP2's own state (private: ``_get_fsdp_state``, ``fsdp_params``);
+    empty when that cannot be read."""
+    names = {id(p): n for n, p in unwrap(model).named_parameters()}
+    groups = []
+    for module in unwrap(model).modules():
+        try:
+            group = module._get_fsdp_state()._fsdp_param_group  # type: ignore[operator,union-attr]
+        except AttributeError:
+            continue
+        if group is None:
+            continue
+        try:
+            groups.append([names[id(fp.sharded_param)] for fp in group.fsdp_params])
+        except (AttributeError, KeyError):
+            return []
+    return groups
+
+
+def fsdp2_reduce_op(dtype: Any) -> str:
+    """Why FSDP2 on this torch does not reduce-scatter gradients in ``dtype`` with ReduceOp.AVG and
+    nothing divided before or after on the default group, or "" where it does (asked of FSDP2's own
+    ``_get_gradient_divide_factors``; a torch that has another one is said not to)."""
+    import torch.distributed as dist
+
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
+
+        pre, post, op, _ = _get_gradient_divide_factors(dist.group.WORLD, None, dtype, "cpu")
+    except Exception as exc:  # noqa: BLE001 - another torch's private function: its word is unknown
+        return f"FSDP2's divide factors could not be read on this torch ({type(exc).__name__})"
+    if (pre, post) != (None, None) or op != dist.ReduceOp.AVG:
+        name = str(op).rsplit(".", 1)[-1]
+        divides = "".join(f", dividing by {f:g} {when}" for f, when in ((pre, "before"), (post, "after")) if f)
+        return f"FSDP2 reduce-scatters with {name}{divides} here, not AVG"
+    return ""
