@@ -31,6 +31,12 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
 
+def _kind(target: selfcheck.Target) -> str:
+    """The table's row label: wrapper and precision, and the reduce dtype where the variant names one."""
+    reduce = target.variant.params.get("reduce")
+    return f"{target.wrapper} {target.precision}" + (f" reduce={reduce}" if reduce else "")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", type=_ints, default=[2, 4])
@@ -38,10 +44,13 @@ def main() -> int:
     parser.add_argument("--backward", type=_ints, default=[1, 3],
                         help="which backward of the cell (from 1) gets the error, one run each")
     parser.add_argument("--cases", default=None, help="comma list of case names (default: all)")
+    parser.add_argument("--variants", default=None,
+                        help="comma list of variant patterns, e.g. bf16-wrapper=fsdp2 (default: every variant)")
     parser.add_argument("--seed", type=int, default=selfcheck.DEFAULT_SEED)
     args = parser.parse_args()
     cases = catalogue.discover(ROOT / "cases")
-    targets = [t for t in selfcheck.select_targets(cases, all_variants=True,
+    targets = [t for t in selfcheck.select_targets(cases, all_variants=not args.variants,
+                                                    variants=args.variants.split(",") if args.variants else None,
                                                     cases=args.cases.split(",") if args.cases else None)
                if not t.case.info.canary]
     caught: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
@@ -56,7 +65,7 @@ def main() -> int:
                     for target in targets:
                         if clean[target.label] != "pass":
                             continue
-                        key = (relative, target.precision, world_size)
+                        key = (relative, _kind(target), world_size)
                         cell = runner.run(target, fault=fault)
                         caught[key][1] += 1
                         if cell.status == Status.FAIL:
@@ -69,7 +78,7 @@ def main() -> int:
             if not_clean:
                 print(f"  world size {world_size}: not run, not pass when clean: {', '.join(not_clean)}",
                       file=sys.stderr)
-    rows = [("relative error", "precision", "world size", "caught", "of cells x backwards")]
+    rows = [("relative error", "wrapper, precision", "world size", "caught", "of cells x backwards")]
     for (relative, precision, world_size), (n, total) in sorted(caught.items()):
         rows.append((f"{relative:g}", precision, str(world_size), str(n), str(total)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -57,6 +57,8 @@ EXPECTED_DIAGNOSES = {
     # (and the shards the wrapper then shows between sync points) give it away
     "fsdp2_no_sync_noop": ("no_sync", "fp32-wrapper=fsdp2", {"comm_unexpected", "synced_early"}),
     "fsdp2_reduce_sums": ("fused_loss", "fp32-wrapper=fsdp2", {"wrong_scale"}),
+    # a reduction in bf16 where fp32 was asked: each rank's sum rounded to bf16 (pytorch #190626)
+    "fsdp2_reduce_in_param_dtype": ("fused_loss", "bf16-reduce=fp32-wrapper=fsdp2", {"mismatch"}),
     "fsdp1_no_sync_noop": ("no_sync", "fp32-wrapper=fsdp1", {"comm_unexpected", "synced_early"}),
     # the token count gathered from every rank is the rank's own: each rank's tokens weigh n_all/n_rank
     "gather_drops_ranks": ("accumulate_token_loss", "sync_each_batch=false-fp32", {"misweighted"}),

@@ -90,7 +90,8 @@ def render(result: SelfcheckResult) -> str:
     rate = caught / len(counted_faults) if counted_faults else math.nan
     lines.append(f"kill rate: {caught}/{len(counted_faults)} faults caught by at least one case ({rate:.0%})")
     for r in result.not_run:
-        lines.append(f"  not run here: {r.fault.name} (no cell of {', '.join(r.fault.wrappers)} passed clean)")
+        needs = f"{r.fault.needs} " if r.fault.needs else ""
+        lines.append(f"  not run here: {r.fault.name} (no {needs}cell of {', '.join(r.fault.wrappers)} passed clean)")
     for r in result.uncaught:
         errors = [c for c in r.cells if c.status == Status.ERROR]
         note = f"; {len(errors)} cells errored, e.g. {errors[0].case}: {errors[0].summary}" if errors else ""

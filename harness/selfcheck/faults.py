@@ -66,13 +66,44 @@ def _perturb_rank(target_rank: int, relative: float, *, only: int | None = None)
                 for model in self._models:
                     for p in model.parameters():
                         if p.grad is not None:
-                            p.grad.mul_(1.0 + relative)
+                            _scale(p.grad, relative)
+                    for held in _fsdp2_held_grads(model):
+                        _scale(held, relative)
             return result
 
         with _patched(Accelerator, "backward", backward):
             yield
 
     return patch
+
+
+def _scale(grad: Any, relative: float) -> None:
+    """``grad`` scaled by ``1 + relative`` in place. A bf16 or fp16 gradient is scaled in fp32 and
+    rounded back: multiplied by the Python number directly, the factor itself would be rounded to
+    the gradient's dtype first, and 1 + 1e-3 is 1 in bf16 (nothing would change at all)."""
+    if grad.is_floating_point() and grad.element_size() < 4:
+        grad.copy_(grad.float() * (1.0 + relative))
+    else:
+        grad.mul_(1.0 + relative)
+
+
+def _fsdp2_held_grads(model: Any) -> list[Any]:
+    """The gradients FSDP2 holds inside itself between sync points (none in ``p.grad``): each
+    parameter's unsharded gradient, or its fp32 accumulation where the reduce dtype is wider than the
+    parameter dtype. Empty for a model that is not FSDP2's, or a torch whose FSDP2 keeps them elsewhere."""
+    held = []
+    for module in getattr(model, "modules", lambda: ())():
+        try:
+            group = module._get_fsdp_state()._fsdp_param_group
+        except AttributeError:
+            continue
+        for fsdp_param in getattr(group, "fsdp_params", ()) if group is not None else ():
+            accumulated = getattr(fsdp_param, "unsharded_accumulated_grad", None)
+            if accumulated is not None:
+                held.append(accumulated)
+            elif hasattr(fsdp_param, "_unsharded_param") and fsdp_param._unsharded_param.grad is not None:
+                held.append(fsdp_param._unsharded_param.grad)
+    return held
 
 
 @contextlib.contextmanager

@@ -45,6 +45,27 @@ def _fsdp2_reduce_sums(rank: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _fsdp2_reduce_in_param_dtype(rank: int) -> Iterator[None]:
+    # FSDP2 reduce-scatters in the parameter dtype (bf16) although MixedPrecisionPolicy asked for
+    # reduce_dtype=fp32, the shape of pytorch #190626 (fix PR #190627): foreach_reduce is given bf16.
+    import torch
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    original = _fsdp_param_group.foreach_reduce
+
+    def foreach_reduce(*args: Any, **kwargs: Any) -> Any:
+        args = list(args)
+        if len(args) > 6 and args[6] == torch.float32:  # (fsdp_params, grads, group, stream, comm, orig, reduce, ...)
+            args[6] = torch.bfloat16
+        elif kwargs.get("reduce_dtype") == torch.float32:
+            kwargs["reduce_dtype"] = torch.bfloat16
+        return original(*args, **kwargs)
+
+    with _patched(_fsdp_param_group, "foreach_reduce", foreach_reduce):
+        yield
+
+
+@contextlib.contextmanager
 def _fsdp1_no_sync_noop(rank: int) -> Iterator[None]:
     # FullyShardedDataParallel.no_sync does nothing: FSDP1 reduce-scatters every micro-batch and
     # shows each rank its shard where the full local gradient was due.
@@ -62,5 +83,7 @@ register(Fault("fsdp2_no_sync_noop", "FSDP2's set_requires_gradient_sync(False) 
                "1.11.0: no_sync a no-op under FSDP2)", _fsdp2_no_sync_noop, wrappers=("fsdp2",)))
 register(Fault("fsdp2_reduce_sums", "FSDP2 reduce-scatters the gradients without dividing by the world size",
                _fsdp2_reduce_sums, wrappers=("fsdp2",)))
+register(Fault("fsdp2_reduce_in_param_dtype", "FSDP2 reduce-scatters in bf16 although reduce_dtype=fp32 was asked "
+               "(pytorch #190626)", _fsdp2_reduce_in_param_dtype, wrappers=("fsdp2",), needs="reduce=fp32"))
 register(Fault("fsdp1_no_sync_noop", "FullyShardedDataParallel.no_sync does nothing (FSDP1 syncs every micro-batch)",
                _fsdp1_no_sync_noop, wrappers=("fsdp1",)))

@@ -23,6 +23,9 @@ class Fault:
     # the wrappers whose cells the self-check runs it on (a fault of accelerate's own logic is
     # caught on DDP cells; one of FSDP2's needs FSDP2 cells)
     wrappers: tuple[str, ...] = ("ddp",)
+    # a variant parameter its path needs (``reduce=fp32``: a fault of the reduce dtype asked for):
+    # the self-check runs it only on cells of variants that have it
+    needs: str = ""
 
 
 @contextlib.contextmanager
