@@ -19,10 +19,11 @@ def _classes():
     from accelerate.state import GradientState
     from accelerate.utils.deepspeed import DeepSpeedEngineWrapper
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param_group
 
     return [Accelerator, AcceleratedOptimizer, AcceleratedScheduler, GradientState, DataLoaderDispatcher,
-            DataLoaderShard, DeepSpeedEngineWrapper, FSDPModule, FullyShardedDataParallel, _fsdp_collectives]
+            DataLoaderShard, DeepSpeedEngineWrapper, FSDPModule, FullyShardedDataParallel, _fsdp_collectives,
+            _fsdp_param_group]
 
 
 def _snapshot():

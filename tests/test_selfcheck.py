@@ -141,7 +141,14 @@ def test_selfcheck_command_rejects_bad_arguments_in_one_line(argv, reason):
 
 
 def test_default_variants_are_the_first_fp32_one_of_each_case_and_wrapper(catalogue):
-    targets = selfcheck.select_targets(catalogue)
+    every = selfcheck.select_targets(catalogue)
+    # and the first with an explicit reduce dtype (FSDP2's bf16-reduce=fp32), the path of a reduction
+    # in another dtype than the one asked for
+    reduced = [t for t in every if "reduce" in t.variant.params]
+    assert {(t.wrapper, t.precision, t.variant.params["reduce"]) for t in reduced} == {("fsdp2", "bf16", "fp32")}
+    assert len(reduced) == sum("fsdp2" in c.info.wrappers and any(v.params.get("precision") == "bf16"
+                                                                  for v in c.info.variants) for c in catalogue)
+    targets = [t for t in every if t not in reduced]
     assert len(targets) == sum(len(c.info.wrappers) for c in catalogue)
     assert all(t.precision == "fp32" for t in targets)
     # not compiled, unless the case has compiled variants only (the compiled-trigger canary)
@@ -150,7 +157,7 @@ def test_default_variants_are_the_first_fp32_one_of_each_case_and_wrapper(catalo
     accumulate = {t.wrapper: t.variant.name for t in targets if t.case.name == "accumulate"}
     assert accumulate["ddp"] == "steps=2-fp32" and accumulate["fsdp2"] == "steps=2-fp32-wrapper=fsdp2"
     bf16 = selfcheck.select_targets(catalogue, cases=["fused_loss"], variants=["bf16"])
-    assert [t.variant.name for t in bf16] == ["bf16"]
+    assert [t.variant.name for t in bf16] == ["bf16", "bf16-wrapper=fsdp2", "bf16-reduce=fp32-wrapper=fsdp2"]
 
 
 class _ThresholdRunner:

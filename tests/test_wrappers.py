@@ -22,17 +22,22 @@ def test_ddp_keeps_its_variant_ids_and_other_wrappers_add_a_part():
     every = cell_variants(variants, WRAPPERS, ("ddp", "fsdp2"))
     names = [v.name for v in every]
     assert names[:5] == [v.name for v in variants]  # DDP: today's ids
-    # FSDP2 at every fp32 variant (the oracle does not model FSDP's bf16 policy), compiled too
-    assert names[5:] == ["steps=2-fp32-wrapper=fsdp2", "steps=3-fp32-wrapper=fsdp2",
+    # FSDP2 at every fp32 and bf16 variant, each bf16 one also with reduce_dtype=fp32; compiled in fp32 only
+    assert names[5:] == ["steps=2-fp32-wrapper=fsdp2", "steps=2-bf16-wrapper=fsdp2",
+                         "steps=2-bf16-reduce=fp32-wrapper=fsdp2", "steps=3-fp32-wrapper=fsdp2",
+                         "steps=3-bf16-wrapper=fsdp2", "steps=3-bf16-reduce=fp32-wrapper=fsdp2",
                          "steps=2-fp32-compile=aot_eager-wrapper=fsdp2"]
+    assert every[7].params == {"steps": 2, "precision": "bf16", "reduce": "fp32", "wrapper": "fsdp2"}
     assert every[-1].params == {"steps": 2, "precision": "fp32", "compile": "aot_eager", "wrapper": "fsdp2"}
 
 
 def test_auto_runs_every_other_wrapper_at_the_lead_variants_of_the_wrappers_a_case_applies_to():
     variants = grid(steps=[2, 3], precision=["fp32", "bf16"]) + compiled(Variant("steps=2-fp32", {"steps": 2, "precision": "fp32"}))
     auto = [v.name for v in cell_variants(variants, ("ddp", "fsdp2", "fsdp1"), AUTO)]
-    # compiled variants run under DDP and FSDP2 only
-    assert auto[5:] == ["steps=2-fp32-wrapper=fsdp2", "steps=2-fp32-compile=aot_eager-wrapper=fsdp2",
+    # compiled variants run under DDP and FSDP2 only; FSDP2's lead bf16 variant too, with each reduce dtype;
+    # FSDP1 in fp32 only (its MixedPrecision is not modelled)
+    assert auto[5:] == ["steps=2-fp32-wrapper=fsdp2", "steps=2-bf16-wrapper=fsdp2",
+                        "steps=2-bf16-reduce=fp32-wrapper=fsdp2", "steps=2-fp32-compile=aot_eager-wrapper=fsdp2",
                         "steps=2-fp32-wrapper=fsdp1"]
     assert [v.name for v in cell_variants(variants, ("ddp",), ("fsdp2",))] == []
 
