@@ -203,3 +203,57 @@ def test_gloos_reduce_scatter_of_fsdp2s_layout_is_the_ring_order_bit_for_bit_and
         assert (why, ring_differ, outside) == ("", 0, 0)
     if world_size > 2 and dtype == "bf16":  # not vacuous: the order shows, summed from rank 0 up it differs
         assert sum(order_matters for *_, order_matters in results) > 0
+
+
+def _fsdp1_reduce_scatter(rank, world_size):
+    """Gradients laid out as FSDP1's padded flat gradient (alignment padding between parameters, the
+    whole padded to a multiple of the world size), each rank's divided by FSDP1's predivide factor,
+    through gloo's reduce-scatter with ReduceOp.SUM, then divided by the postdivide factor (as
+    FSDP1's ``_reduce_grad`` does), against ``ring_average`` with the same factors."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms._comm_hooks.default_hooks import DefaultState
+
+    from harness.rank.collectives import Collectives, flat_segments, ring_order_holds
+
+    dtype = torch.bfloat16
+    pre = float(DefaultState._get_gradient_predivide_factor(world_size))
+    post = world_size / pre
+    spans = [(0, 15), (16, 2), (24, 7)]  # numels 15, 2, 7 at aligned offsets, with gaps
+    total = -(-31 // world_size) * world_size
+
+    def grads(r):
+        g = torch.Generator().manual_seed(70 + r)
+        return {i: (torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 3)).to(dtype)
+                for i, (_, n) in enumerate(spans)}
+
+    mine = grads(rank)
+    flat_input = torch.zeros(total, dtype=dtype)
+    for (offset, n), t in zip(spans, mine.values()):
+        flat_input[offset:offset + n] = t
+    if pre > 1:
+        flat_input.div_(pre)
+    out = torch.empty(total // world_size, dtype=dtype)
+    dist.reduce_scatter_tensor(out, flat_input, op=dist.ReduceOp.SUM)
+    if post > 1:
+        out.div_(post)
+    segments = dict(enumerate(flat_segments(spans, total, world_size)))
+    ring = Collectives(rank=rank, world_size=world_size).ring_average(
+        {i: t.float() for i, t in mine.items()}, segments, dtype, pre=pre, post=post)
+    expected = torch.zeros(total)
+    for (offset, n), i in zip(spans, ring):
+        expected[offset:offset + n] = ring[i].value
+    chunk = total // world_size
+    differ = int((out.float() != expected[rank * chunk:(rank + 1) * chunk]).sum())
+    return ring_order_holds(world_size, dtype, average=False), differ, (pre, post)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_gloos_reduce_scatter_of_fsdp1s_flat_gradient_with_its_divide_factors_is_reproduced_bit_for_bit(world_size):
+    """FSDP1's bf16 reduction on gloo (pre-divide, SUM, post-divide: 2 then 1 at two ranks, 2 then 1.5
+    at three, which rounds, 2 then 2 at four), over a padded flat gradient whose segments are not its chunks:
+    ``ring_average`` with ``flat_segments`` gives every rank's shard exactly."""
+    results = run_on_ranks(_fsdp1_reduce_scatter, world_size)
+    for why, differ, factors in results:
+        assert (why, differ) == ("", 0), factors
+    assert {factors for *_, factors in results} == {{2: (2.0, 1.0), 3: (2.0, 1.5), 4: (2.0, 2.0)}[world_size]}

@@ -18,8 +18,9 @@ collective rides along with it:
   a rank's stray collective (one rank hung in a collective no other joins must stay a hang).
   ``finish`` sends what still waits when a case stops early.
 - ``same_everywhere``: whether every rank holds the same bytes, from one all-reduce of digests.
-- ``ring_average``: FSDP2's reduce-scatter on gloo reproduced bit for bit (its summation order,
-  ``ring_segments``), for the bf16 cells, whose reduction in bf16 no bound would judge sharply.
+- ``ring_average``: FSDP's reduce-scatter on gloo reproduced bit for bit (its summation order,
+  ``ring_segments``, ``flat_segments``), for the bf16 cells, whose reduction in bf16 no bound would
+  judge sharply.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def ring_segments(sizes: Sequence[torch.Size], world_size: int) -> list[torch.Te
     shapes = [(s[0] if len(s) else 1, math.prod(s[1:]) if len(s) > 1 else 1) for s in sizes]
     rows_each = [-(-rows // world_size) for rows, _ in shapes]
     chunk = sum(r * rest for r, (_, rest) in zip(rows_each, shapes))
-    segment = 2 * -(-(chunk * world_size) // (2 * world_size))
+    segment = segment_size(chunk * world_size, world_size)
     out, offset = [], 0
     for r, (rows, rest) in zip(rows_each, shapes):
         row = torch.arange(rows)
@@ -93,6 +94,19 @@ def ring_segments(sizes: Sequence[torch.Size], world_size: int) -> list[torch.Te
         out.append((index // segment).reshape(-1))
         offset += r * rest
     return out
+
+
+def segment_size(total: int, world_size: int) -> int:
+    """The elements in each of gloo's ring segments of a reduce-scatter input of ``total`` elements."""
+    return 2 * -(-total // (2 * world_size))
+
+
+def flat_segments(spans: Sequence[tuple[int, int]], total: int, world_size: int) -> list[torch.Tensor]:
+    """For each tensor laid out at ``(offset, numel)`` in a flat reduce-scatter input of ``total``
+    elements (FSDP1's padded unsharded flat gradient), the ring segment each element is summed in on
+    gloo (``ring_segments`` says how gloo cuts it)."""
+    segment = segment_size(total, world_size)
+    return [(offset + torch.arange(numel)) // segment for offset, numel in spans]
 
 
 def _ring_sum(every: Sequence[torch.Tensor], segment: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -110,15 +124,16 @@ def _ring_sum(every: Sequence[torch.Tensor], segment: torch.Tensor, dtype: torch
     return total
 
 
-_ORDER_HOLDS: dict[tuple[int, torch.dtype], str] = {}
+_ORDER_HOLDS: dict[tuple[int, torch.dtype, bool], str] = {}
 
 
-def ring_order_holds(world_size: int, dtype: torch.dtype) -> str:
+def ring_order_holds(world_size: int, dtype: torch.dtype, *, average: bool = True) -> str:
     """Why the ring order does not hold for reduce-scatters in ``dtype`` on the default group, or ""
-    where it does: the backend is gloo and one reduce-scatter of values drawn to round differently
-    in every order (odd chunks, so that segments and chunks differ) comes out as ``_ring_sum`` makes
-    it, on every rank. Asked once per process, world size and dtype; a collective, so every rank asks."""
-    key = (world_size, dtype)
+    where it does: the backend is gloo and one reduce-scatter (ReduceOp.AVG, or SUM where not
+    ``average``) of values drawn to round differently in every order (odd chunks, so that segments
+    and chunks differ) comes out as ``_ring_sum`` makes it, on every rank. Asked once per process,
+    world size, dtype and op; a collective, so every rank asks."""
+    key = (world_size, dtype, average)
     if key not in _ORDER_HOLDS:
         backend = dist.get_backend() if world_size > 1 else "gloo"
         if backend != "gloo":
@@ -132,9 +147,10 @@ def ring_order_holds(world_size: int, dtype: torch.dtype) -> str:
                       * torch.exp(torch.randn(chunk * world_size, generator=g) * 3)).to(dtype)
                      for _ in range(world_size)]
             out = torch.empty(chunk, dtype=dtype)
-            dist.reduce_scatter_tensor(out, every[rank].clone(), op=dist.ReduceOp.AVG)
+            dist.reduce_scatter_tensor(out, every[rank].clone(), op=dist.ReduceOp.AVG if average else dist.ReduceOp.SUM)
             segments = ring_segments([torch.Size([chunk * world_size])], world_size)[0]
-            expected = (_ring_sum(every, segments, dtype) / world_size)[rank * chunk:(rank + 1) * chunk]
+            total = _ring_sum(every, segments, dtype)
+            expected = (total / world_size if average else total)[rank * chunk:(rank + 1) * chunk]
             agree = torch.tensor([int(torch.equal(out, expected))])
             dist.all_reduce(agree, op=dist.ReduceOp.MIN)
             _ORDER_HOLDS[key] = "" if agree.item() else "gloo's reduce-scatter here adds in another order"
@@ -192,21 +208,27 @@ class Collectives:
         return results
 
     def ring_average(self, tensors: Mapping[Hashable, torch.Tensor], segments: Mapping[Hashable, torch.Tensor],
-                     dtype: torch.dtype) -> dict[Hashable, Expectation]:
-        """The average of ``tensors`` over the ranks as gloo's reduce-scatter with ReduceOp.AVG makes it
-        on CPU (what FSDP2 issues there): each element summed in ``dtype`` in its ring segment's order
-        (``segments``, per element, from ``ring_segments``): segment k's elements from rank k-1's
-        value down the ring to rank k+1's, rank k's own last; then divided by the world size in
-        ``dtype``. Reproduced, it leaves nothing to allow but the floor. One all-gather of every
-        rank's values. Use it where ``ring_order_holds``."""
+                     dtype: torch.dtype, *, pre: float = 1.0, post: float | None = None) -> dict[Hashable, Expectation]:
+        """The average of ``tensors`` over the ranks as a sharded wrapper's reduce-scatter on gloo makes it
+        on CPU: each rank's values divided by ``pre`` in ``dtype`` (FSDP1's predivide factor; not at
+        1), each element summed in ``dtype`` in its ring segment's order (``segments``, per element,
+        from ``ring_segments`` or ``flat_segments``): segment k's elements from rank k-1's value down
+        the ring to rank k+1's, rank k's own last; then divided by ``post`` in ``dtype`` (FSDP1's
+        postdivide factor; the world size, as gloo's ReduceOp.AVG does, which FSDP2 issues; not at
+        1). Reproduced, it leaves nothing to allow but the floor. One all-gather of every rank's
+        values. Use it where ``ring_order_holds``."""
+        post = self.world_size if post is None else post
         mine = flat(t.detach() for t in tensors.values())
-        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        low = mine.to(dtype)
+        if pre > 1:
+            low = low / pre
+        every = [torch.empty_like(low) for _ in range(self.world_size)]
         if self.world_size > 1:
-            dist.all_gather(every, mine)
+            dist.all_gather(every, low)
         else:
-            every = [mine]
+            every = [low]
         total = _ring_sum(every, flat(segments.values()), dtype)
-        average = (total / self.world_size).to(mine.dtype)
+        average = (total / post if post > 1 else total).to(mine.dtype)
         allowed = torch.full(mine.shape, floor(dtype), dtype=torch.float64)
         averages, allowances = pieces(average, tensors), pieces(allowed, tensors)
         return {k: Expectation(averages[k], allowances[k]) for k in tensors}
