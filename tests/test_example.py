@@ -79,12 +79,12 @@ def test_the_example_project_passes_from_its_own_folder_against_the_installed_ha
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     got = cells(project / "reports")
     ddp = {k: c for k, c in got.items() if "wrapper=" not in k[1]}
-    assert len(ddp) == 12 and len(got) == 20  # the case names ddp, fsdp2 and fsdp1: no DeepSpeed cells
+    assert len(ddp) == 12 and len(got) == 22  # the case names ddp, fsdp2 and fsdp1: no DeepSpeed cells
     # the user's loop under every other wrapper too, at its lead variants (--wrappers auto): FSDP2's
-    # bf16 with accelerate's policy and with reduce_dtype=fp32
+    # bf16 with accelerate's policy and with reduce_dtype=fp32, FSDP1's with accelerate's
     assert {k[1] for k in got if "wrapper=fsdp" in k[1]} == {
         "steps=1-fp32-wrapper=fsdp2", "steps=1-fp32-wrapper=fsdp1", "steps=1-bf16-wrapper=fsdp2",
-        "steps=1-bf16-reduce=fp32-wrapper=fsdp2"}
+        "steps=1-bf16-reduce=fp32-wrapper=fsdp2", "steps=1-bf16-wrapper=fsdp1"}
     for (case, variant, ws), cell in got.items():
         skipped = variant.endswith("fp16") or ("wrapper=fsdp" in variant and ws == 1)
         expected = "skip" if skipped else "pass"

@@ -35,10 +35,10 @@ def test_auto_runs_every_other_wrapper_at_the_lead_variants_of_the_wrappers_a_ca
     variants = grid(steps=[2, 3], precision=["fp32", "bf16"]) + compiled(Variant("steps=2-fp32", {"steps": 2, "precision": "fp32"}))
     auto = [v.name for v in cell_variants(variants, ("ddp", "fsdp2", "fsdp1"), AUTO)]
     # compiled variants run under DDP and FSDP2 only; FSDP2's lead bf16 variant too, with each reduce dtype;
-    # FSDP1 in fp32 only (its MixedPrecision is not modelled)
+    # FSDP1's lead fp32 and bf16 variants (accelerate's MixedPrecision: no reduce axis)
     assert auto[5:] == ["steps=2-fp32-wrapper=fsdp2", "steps=2-bf16-wrapper=fsdp2",
                         "steps=2-bf16-reduce=fp32-wrapper=fsdp2", "steps=2-fp32-compile=aot_eager-wrapper=fsdp2",
-                        "steps=2-fp32-wrapper=fsdp1"]
+                        "steps=2-fp32-wrapper=fsdp1", "steps=2-bf16-wrapper=fsdp1"]
     assert [v.name for v in cell_variants(variants, ("ddp",), ("fsdp2",))] == []
 
 
@@ -184,6 +184,30 @@ def test_fsdp2_bf16_is_the_wrappers_arithmetic_exactly_and_a_1e_5_error_fails_it
     statuses = {(k[0], k[1]): c["status"] for k, c in perturbed.cells().items()}
     assert statuses == {("fused_loss", "bf16-wrapper=fsdp2"): "fail", ("fused_loss", "bf16-reduce=fp32-wrapper=fsdp2"): "fail",
                         ("no_sync", "bf16-reduce=fp32-wrapper=fsdp2"): "fail", ("no_sync", "bf16-wrapper=fsdp2"): "pass"}
+
+
+def test_fsdp1_bf16_is_the_wrappers_arithmetic_exactly_and_a_1e_5_error_fails_it(run_pytest):
+    """accelerate's bf16 under FSDP1 (MixedPrecision with param, reduce and buffer dtype bf16, and
+    accelerate's autocast inside the wrapper): the oracle views one bf16 flat parameter per forward,
+    adds each forward's contribution into the unsharded gradient in bf16 (the last forward's
+    first), and reduces as FSDP1 does (divide by 2, SUM in gloo's ring order, divide by the rest:
+    1.5 at three ranks), so nothing differs; a discriminator called three times in one loss
+    (accumulate_multi_model) included."""
+    session = run_pytest("cases/test_fused_loss.py", "cases/test_accumulate.py", "-k",
+                         "bf16 and (fused or multi_model)", "--wrappers", "fsdp1",
+                         "--world-sizes", "2,3", "-q", timeout=900)
+    cells = session.cells()
+    assert {k[1] for k in cells} == {"bf16-wrapper=fsdp1"} | {f"steps={s}-models={m}-bf16-wrapper=fsdp1"
+                                                               for s in (2, 3) for m in (2, 3)}
+    assert {k[2] for k in cells} == {2, 3}
+    for key, cell in cells.items():
+        assert (cell["status"], cell["max_abs_diff"]) == ("pass", 0.0), (key, cell["summary"])
+        assert "NOT CHECKED" not in cell["summary"], (key, cell["summary"])
+    # rank 1's gradient scaled by 1 + 1e-5 once, after the first backward: fused_loss syncs there,
+    # and FSDP1 holds the reduced gradient in fp32, where nothing else is allowed
+    perturbed = run_pytest("cases/test_fused_loss.py", "-k", "bf16", "--wrappers", "fsdp1", "--world-sizes", "2",
+                           "--harness-fault", "perturb_once:1e-5", "-q", timeout=600)
+    assert {k[1]: c["status"] for k, c in perturbed.cells().items()} == {"bf16-wrapper=fsdp1": "fail"}
 
 
 def test_fsdp2_bf16_where_the_reduction_order_is_not_known_is_judged_within_the_bound_and_says_so(run_pytest):

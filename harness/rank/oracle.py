@@ -13,11 +13,11 @@ from harness.decorator import ALL_PRECISIONS
 from harness.rank.accounting import Accounting
 from harness.rank.checks import Checks, Recorder, as_optimizers
 from harness.rank.closeness import Expectation, norm_rounding, rounding_allowance
-from harness.rank.collectives import Collectives, Reduction, flat, ring_order_holds, ring_segments
-from harness.rank.replica import AUTOCAST_DTYPES, SHARDED_MIXED, autocast_of, forward_as, unwrap
+from harness.rank.collectives import Collectives, Reduction, flat
+from harness.rank.replica import AUTOCAST_DTYPES, SHARDED_MIXED, autocast_of, forward_as, unsharded_grads, unwrap
 from harness.rank.schedule import MicroStep
+from harness.rank.sharded_reduce import ShardedReduce
 from harness.rank.weighting import TokenWeighting, token_seeds
-from harness.wrappers import sharding
 from harness.wrappers.names import ADDS_AFTER_REDUCING
 
 # ``optimizer=``: called with a replica's parameters, as ``torch.optim.SGD(params, lr=...)`` is.
@@ -27,9 +27,6 @@ ModelOptimizers = Callable[[nn.Module], Union[torch.optim.Optimizer, Sequence[to
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 # What ``backward(rng=key)`` replays: the RNG state the case's own forward ran under for that key.
 RngReplay = Callable[[Hashable], ContextManager[None]]
-
-
-DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 class Oracle:
@@ -86,19 +83,13 @@ class Oracle:
         self.replicas = {name: copy.deepcopy(unwrap(m)) for name, m in models.items()}
         self._require_equal_on_every_rank()
         self.models = forward_as(self.replicas, precision, wrapper=wrapper, reduce=reduce)
-        # FSDP2 in bf16 (harness/rank/replica.py): each rank's unsharded gradients since the last
-        # sync accumulate in the reduce dtype (bf16 adds, or fp32 adds of the upcast bf16 gradients),
-        # are averaged in it at the sync, and the result (fp32) is added to the sharded gradient held
-        self.summed_in = (None if not (wrapper in SHARDED_MIXED and precision in AUTOCAST_DTYPES)
-                          else torch.float32 if reduce == "fp32" else AUTOCAST_DTYPES[precision])
         self.params = {name: dict(r.named_parameters()) for name, r in self.replicas.items()}
         self.local = {name: {p: torch.zeros_like(t) for p, t in ps.items()} for name, ps in self.params.items()}
-        # since the last sync, in the reduce dtype (FSDP2 in bf16 only), and which took part: FSDP2
-        # reduce-scatters only the gradients it holds, and their layout sets each element's order
-        self.pending = {name: {p: torch.zeros_like(t) for p, t in ps.items()} for name, ps in self.params.items()}
-        self._pending_from: set[tuple[str, str]] = set()
-        # the user's models, which FSDP2 shards in place: read at a sync for its reduce-scatter groups
-        self._sharded = dict(models) if self.summed_in is not None else {}
+        # FSDP2 and FSDP1 in bf16 (harness/rank/replica.py): each rank's unsharded gradients since the
+        # last sync accumulate apart, as the wrapper accumulates them, and are reduced at the sync as
+        # it reduces them; the result (fp32) is added to the gradient held (harness/rank/sharded_reduce.py)
+        self.sharded = (ShardedReduce(wrapper, precision, reduce, self.params, models, self.collectives)
+                        if wrapper in SHARDED_MIXED and precision in AUTOCAST_DTYPES else None)
         # the all-rank average of ``local`` as it is now, by model: made with a sync's average, in
         # the same all-reduce, and forgotten whenever ``local`` changes
         self._synced: dict[str, dict[str, Expectation]] = {}
@@ -177,11 +168,10 @@ class Oracle:
         ``closure(models)`` computes the loss from the replicas (a dict by model name), the same way
         the case computed it from the prepared models. ``rng``: the key the case's forward ran under
         ``ctx.replay_rng(key)``; the closure runs under the same RNG state (the same dropout masks)."""
-        unsharded = None
-        if self.summed_in is not None:
+        if self.sharded is not None:
             for name, m in self.models.items():
-                m.autocast = autocast_of(unwrap(self._sharded[name]))  # prepared by now, in place
-            unsharded = {name: m.unshard() for name, m in self.models.items()}
+                m.autocast = autocast_of(unwrap(self.sharded.models[name]))  # prepared by now
+                m.unshard(self.sharded.flat_groups(name))
         with self._replayed(rng):
             loss = closure(self.models)
         self._synced.clear()
@@ -201,29 +191,37 @@ class Oracle:
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
             other = None if other is None else self.scaler.scale(other)
-        params = [p for _, _, p in flat] if unsharded is None else [unsharded[name][pname] for name, pname, _ in flat]
-        grads = torch.autograd.grad(loss, params, allow_unused=True, retain_graph=other is not None)
-        others = torch.autograd.grad(other, params, allow_unused=True) if other is not None else [None] * len(grads)
-        if unsharded is not None:  # bf16 gradients of the unsharded parameters, upcast exactly
-            grads = tuple(None if g is None else g.float() for g in grads)
-            others = [None if g is None else g.float() for g in others]
+        parts: list[list[torch.Tensor]] = []
+        if self.sharded is None:
+            params = [p for _, _, p in flat]
+            grads = torch.autograd.grad(loss, params, allow_unused=True, retain_graph=other is not None)
+            others = torch.autograd.grad(other, params, allow_unused=True) if other is not None else [None] * len(grads)
+        else:  # bf16 gradients of the unsharded parameters, upcast exactly, as the wrapper adds them
+            keys = [(name, pname) for name, pname, _ in flat]
+            parts = [[c.float() for c in cs] for cs in unsharded_grads(loss, self.models, keys,
+                                                                       retain_graph=other is not None)]
+            grads = [sum(cs[1:], cs[0]) if cs else None for cs in parts]
+            others = ([sum(cs[1:], cs[0]) if cs else None for cs in unsharded_grads(other, self.models, keys)]
+                      if other is not None else [None] * len(grads))
         self.backward_syncs.append((sync, sum(g.numel() for g in grads if g is not None)))
-        for (name, pname, p), g, g_other in zip(flat, grads, others):
+        for index, ((name, pname, p), g, g_other) in enumerate(zip(flat, grads, others)):
             if g is None:
                 continue
-            if self.summed_in is not None:
-                # held apart until the sync; the sharded gradient (p.grad) is what the last sync left
-                self.pending[name][pname] = (self.pending[name][pname] + g.detach()).to(self.summed_in).to(g.dtype)
-                self._pending_from.add((name, pname))
+            if self.sharded is not None:
+                # held apart until the sync; the sharded gradient (p.grad) is what the last sync left;
+                # the rank's own since the window began, as the wrapper would hold it unsynced
+                for part in parts[index]:
+                    self.sharded.add(name, pname, part)
+                    self.local[name][pname] = self.sharded.round(self.local[name][pname] + part)
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             else:
                 p.grad = g.detach().clone() if p.grad is None else p.grad + g.detach()
-            self.local[name][pname] += g.detach()
+                self.local[name][pname] += g.detach()
             if self.terms is not None:
                 self.terms[name][pname] += g.detach().abs()
-            if self.summed_in is None:
-                # (in bf16 under FSDP2 the same kernels run on the same bf16 values: the same bits)
+            if self.sharded is None:
+                # (in bf16 under FSDP the same kernels run on the same bf16 values: the same bits)
                 self.allowed[name][pname] = self.allowed[name][pname] + rounding_allowance(p.grad)
             if g_other is not None:
                 self.allowed[name][pname] += (g.detach().double() - g_other.detach().double()).abs()
@@ -266,7 +264,7 @@ class Oracle:
     def _average_grads(self) -> None:
         """Every model's gradients averaged, and the average of its local gradients (the synced
         hypothesis a check asks for next), in one all-reduce."""
-        if self.summed_in is not None:
+        if self.sharded is not None:
             self._average_pending()
             return
         reductions = []
@@ -287,52 +285,20 @@ class Oracle:
                 self.allowed[name][pname] = average[pname].allowed
 
     def _average_pending(self) -> None:
-        """FSDP2 in bf16: what accumulated since the last sync, averaged in the reduce dtype, added
-        to the gradient the last sync left (in fp32, as FSDP2 adds it to the sharded gradient).
-
-        On gloo the average is reproduced bit for bit: each element summed in its ring segment's
-        order, from FSDP2's reduce-scatter layout (``Collectives.ring_average``). Where that order is
-        not known (another backend, another FSDP2 divide, a layout that cannot be read), the average
-        is allowed the bf16 reduction's bound, and the cell says so (``unchecked``)."""
+        """FSDP in bf16: what accumulated since the last sync, reduced as the wrapper reduces it
+        (harness/rank/sharded_reduce.py), added to the gradient the last sync left in fp32, as FSDP
+        adds it to the sharded gradient it holds: the same fp32 add, so nothing more to allow."""
         synced = self.collectives.reduce_all([Reduction(self.local[name]) for name in self.params])
-        pending = {(name, pname): self.pending[name][pname] for name, ps in self.params.items() for pname in ps}
-        segments, why = self._ring_segments()
-        if segments is not None:
-            averaged = self.collectives.ring_average(pending, segments, self.summed_in)
-        else:
-            self.checks.recorder.unchecked["exact reduction order"] = (
-                f"the {DTYPE_NAMES.get(self.summed_in, self.summed_in)} reduce-scatter is judged within its "
-                f"rounding bound: {why}")
-            [averaged] = self.collectives.reduce_all([Reduction(pending, summed_in=self.summed_in)])
-        self._pending_from.clear()
+        averaged, why = self.sharded.average()  # type: ignore[union-attr]
+        if why:
+            self.checks.recorder.unchecked["exact reduction order"] = why
         for index, (name, ps) in enumerate(self.params.items()):
             self._synced[name] = synced[index]  # type: ignore[assignment]
             for pname, p in ps.items():
                 base = p.grad if p.grad is not None else torch.zeros_like(p)
                 average = averaged[(name, pname)]
                 p.grad = base + average.value
-                self.allowed[name][pname] = self.allowed[name][pname] + average.allowed + rounding_allowance(p.grad)
-                self.pending[name][pname].zero_()
-
-    def _ring_segments(self) -> tuple[dict[tuple[str, str], torch.Tensor] | None, str]:
-        """Each pending gradient element's ring segment in FSDP2's reduce-scatter (``ring_segments``),
-        or None and why the order is not known here."""
-        why = "" if self.world_size == 1 else sharding.fsdp2_reduce_op(self.summed_in) or ring_order_holds(
-            self.world_size, self.summed_in)
-        if why:
-            return None, why
-        segments = {(name, pname): torch.zeros(p.numel(), dtype=torch.long)
-                    for name, ps in self.params.items() for pname, p in ps.items()}
-        for name, model in self._sharded.items():
-            groups = sharding.fsdp2_reduce_groups(model)
-            if not groups:
-                return None, f"FSDP2's parameter groups of {name!r} could not be read"
-            for group in groups:
-                taking_part = [pname for pname in group if (name, pname) in self._pending_from]
-                sizes = [self.params[name][pname].shape for pname in taking_part]
-                for pname, segment in zip(taking_part, ring_segments(sizes, self.world_size)):
-                    segments[(name, pname)] = segment
-        return segments, ""
+                self.allowed[name][pname] = self.allowed[name][pname] + average.allowed
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> dict[str, float]:
         """Clip each model's replica gradients, as ``clip_grad_norm_`` on synced gradients does;
@@ -406,12 +372,12 @@ class Oracle:
             for name, ps in self.params.items()
         }
         self._synced.clear()
-        self._pending_from.clear()
+        if self.sharded is not None:
+            self.sharded.clear()
         for name, ps in self.params.items():
             for pname, p in ps.items():
                 p.grad = None
                 self.local[name][pname].zero_()
-                self.pending[name][pname].zero_()
             self.allowed[name] = self._no_allowance(name)
             if self.terms is not None:
                 self.terms[name] = {pname: torch.zeros_like(p) for pname, p in ps.items()}
@@ -434,10 +400,14 @@ class Oracle:
         self.collectives.finish()
 
     def expected_grads(self, name: str) -> dict[str, Expectation]:
-        return {
-            pname: Expectation(p.grad if p.grad is not None else torch.zeros_like(p), self.allowed[name][pname])
-            for pname, p in self.params[name].items()
-        }
+        """What the rank's gradients must be now: under FSDP in bf16 the gradient held plus what
+        accumulated since the last sync (FSDP1 shows the latter between syncs; none after one)."""
+        pending = self.sharded.pending[name] if self.sharded is not None else {}
+        out = {}
+        for pname, p in self.params[name].items():
+            value = p.grad if p.grad is not None else torch.zeros_like(p)
+            out[pname] = Expectation(value + pending[pname] if pname in pending else value, self.allowed[name][pname])
+        return out
 
     def local_grads(self, name: str) -> dict[str, Expectation]:
         """This rank's own gradients since the window began: what a backward that did not sync leaves."""
@@ -476,6 +446,10 @@ class Oracle:
                 # only this rank's shard is shown (FSDP1 after a sync the schedule did not expect,
                 # reported as synced_early): the whole gradient cannot be read without a collective
                 # the other ranks may not make, so the replica keeps its own
+                continue
+            if self.sharded is not None and grad is not None and grad.dtype != replica_param.dtype:
+                # FSDP1 in bf16 between syncs shows its unsharded gradient since the last sync (bf16)
+                self.sharded.adopt(name, pname, grad)
                 continue
             replica_param.grad = None if grad is None else grad.detach().clone()
             if self.terms is not None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -37,58 +37,111 @@ class MixedPrecisionReplica(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         with torch.autocast(device_type=self.device_type, dtype=self.dtype):
             out = self.inner(*args, **kwargs)
-        return _to_fp32(out)
-
-
-def _to_fp32(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.float() if value.dtype in (torch.float16, torch.bfloat16) else value
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_fp32(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _to_fp32(v) for k, v in value.items()}
-    return value
+        return _cast_floating(out, torch.float32, low_only=True)
 
 
 class ShardedMixedReplica(nn.Module):
-    """A replica computing as FSDP2 under ``MixedPrecisionPolicy(param_dtype=bf16, ...)`` does:
-    floating inputs cast to bf16 (``cast_forward_inputs``), the module run with its fp32 parameters
-    cast to bf16 (FSDP2's all-gather in the param dtype), its outputs cast to the policy's
-    ``output_dtype`` (FSDP2's post-forward; None leaves them as computed). accelerate 1.15 prepares
-    an FSDP2 model without its autocast and fp32-outputs wrapper (``Accelerator._prepare_fsdp2``
-    never calls ``prepare_model``); where a release wraps it (``_original_forward`` on the prepared
-    model, ``autocast_of``), ``autocast`` is set and the module runs under autocast with outputs made
-    fp32 first. The parameters stay the fp32 masters; the oracle takes the gradients of the bf16
-    ones (``unshard``)."""
+    """A replica computing as FSDP2 under ``MixedPrecisionPolicy(param_dtype=bf16, ...)``, or FSDP1
+    under ``MixedPrecision(param_dtype=bf16, ...)``, does: floating inputs cast to bf16
+    (``cast_forward_inputs``; FSDP1's root), the module run with its fp32 parameters cast to bf16
+    (the all-gather in the param dtype; FSDP1 casts the floating buffers too, ``buffer_dtype``), its
+    outputs cast to the policy's ``output_dtype`` (FSDP2's post-forward; None leaves them as
+    computed). accelerate 1.15 prepares an FSDP2 model without its autocast and fp32-outputs wrapper
+    (``Accelerator._prepare_fsdp2`` never calls ``prepare_model``), an FSDP1 model with it, inside
+    FSDP1; where the prepared model has it (``_original_forward``, ``autocast_of``), ``autocast`` is
+    set and the module runs under autocast with outputs made fp32 first. The parameters stay the
+    fp32 masters; the oracle takes the gradients of the bf16 ones (``unshard``)."""
 
-    def __init__(self, inner: nn.Module, device_type: str, dtype: torch.dtype, output_dtype: torch.dtype | None) -> None:
+    def __init__(self, inner: nn.Module, device_type: str, dtype: torch.dtype, output_dtype: torch.dtype | None,
+                 *, cast_buffers: bool = False) -> None:
         super().__init__()
         self.inner = inner
         self.device_type = device_type
         self.dtype = dtype
         self.output_dtype = output_dtype
+        self.cast_buffers = cast_buffers
         self.autocast = False
         self.unsharded: dict[str, torch.Tensor] = {}
+        self.flats: list[tuple[list[str], torch.Tensor]] = []
+        self.calls: list[list[torch.Tensor]] = []
         self.unshard()
 
-    def unshard(self) -> dict[str, torch.Tensor]:
-        """The bf16 parameters one backward differentiates: each a leaf, as FSDP2's unsharded
-        parameter is, so that a parameter used twice before a backward (two forwards, one loss)
-        sums its two contributions in bf16 there, as FSDP2's does."""
-        self.unsharded = {n: p.detach().to(self.dtype).requires_grad_(p.requires_grad)
-                          for n, p in self.inner.named_parameters()}
-        return self.unsharded
+    def unshard(self, groups: Sequence[Sequence[str]] | None = None) -> None:
+        """The bf16 parameters of the next backward, cast anew from the fp32 masters. FSDP2: one
+        leaf per parameter, as its unsharded parameter is: a parameter used in several forwards
+        before a backward (two forwards, one loss) sums its contributions there, in bf16, before
+        FSDP2 takes the sum. FSDP1 (``groups``: each flat parameter's parameters, in its order): the
+        flat parameter, which every forward views anew (``_use_unsharded_views``), and whose
+        gradient takes each forward's contribution apart, last forward first, each added into
+        the gradient it already holds in bf16 (measured on torch 2.13: a discriminator called
+        three times in one loss, after a ``no_sync`` backward); so here each forward has a leaf of
+        its own (``contributions``)."""
+        masters = dict(self.inner.named_parameters())
+        self.calls = []
+        if groups is None:
+            self.unsharded = {n: p.detach().to(self.dtype).requires_grad_(p.requires_grad) for n, p in masters.items()}
+            self.flats = []
+            return
+        self.unsharded = {}
+        self.flats = [(list(names), torch.cat([masters[n].detach().reshape(-1) for n in names]).to(self.dtype))
+                      for names in groups]
+
+    def leaves(self) -> list[torch.Tensor]:
+        """The leaves of this backward: FSDP2's unsharded parameters, or one flat leaf per FSDP1
+        flat parameter and forward since ``unshard``."""
+        if not self.flats:
+            return list(self.unsharded.values())
+        return [leaf for call in self.calls for leaf in call]
+
+    def contributions(self, grads: Sequence[torch.Tensor | None]) -> dict[str, list[torch.Tensor]]:
+        """The gradients of ``leaves()`` (in its order) by parameter name, as the wrapper adds them
+        into the parameter's gradient, in that order (one under FSDP2, one per forward under FSDP1)."""
+        if not self.flats:
+            return {n: [g] for n, g in zip(self.unsharded, grads) if g is not None}
+        out: dict[str, list[torch.Tensor]] = {}
+        per_call = [grads[i:i + len(self.flats)] for i in range(0, len(grads), len(self.flats))]
+        for call in reversed(per_call):
+            for (names, _), grad in zip(self.flats, call):
+                if grad is not None:
+                    for n, piece in zip(names, self._views(names, grad)):
+                        out.setdefault(n, []).append(piece.detach())
+        return out
+
+    def _views(self, names: Sequence[str], flat: torch.Tensor) -> list[torch.Tensor]:
+        masters = dict(self.inner.named_parameters())
+        pieces = flat.split([masters[n].numel() for n in names])
+        return [piece.view(masters[n].shape) for n, piece in zip(names, pieces)]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         from torch.func import functional_call
 
         args, kwargs = _cast_floating((args, kwargs), self.dtype)
+        tensors = dict(self.unsharded)
+        if self.flats:
+            call = [values.detach().requires_grad_() for _, values in self.flats]
+            self.calls.append(call)
+            for (names, _), leaf in zip(self.flats, call):
+                tensors.update(zip(names, self._views(names, leaf)))
+        if self.cast_buffers:
+            tensors.update((n, _cast_floating(b, self.dtype)) for n, b in self.inner.named_buffers())
         if self.autocast:
             with torch.autocast(device_type=self.device_type, dtype=self.dtype):
-                out = _to_fp32(functional_call(self.inner, self.unsharded, args, kwargs))
+                out = _cast_floating(functional_call(self.inner, tensors, args, kwargs), torch.float32, low_only=True)
         else:
-            out = functional_call(self.inner, self.unsharded, args, kwargs)
+            out = functional_call(self.inner, tensors, args, kwargs)
         return out if self.output_dtype is None else _cast_floating(out, self.output_dtype)
+
+
+def unsharded_grads(outputs: torch.Tensor, models: Mapping[str, ShardedMixedReplica], keys: Sequence[tuple[str, str]],
+                    *, retain_graph: bool = False) -> list[list[torch.Tensor]]:
+    """The gradients of ``outputs`` (a loss) with respect to the sharded replicas' bf16 leaves of this
+    backward, for ``keys`` (model, parameter), in order: each as the contributions the wrapper adds
+    into the parameter's gradient one after the other (none: the parameter took no part)."""
+    leaves = {name: m.leaves() for name, m in models.items()}
+    every = [leaf for ls in leaves.values() for leaf in ls]
+    grads = iter(torch.autograd.grad(outputs, every, allow_unused=True, retain_graph=retain_graph))
+    by_name = {name: models[name].contributions([next(grads) for _ in ls]) for name, ls in leaves.items()}
+    return [by_name[name].get(pname, []) for name, pname in keys]
 
 
 def autocast_of(prepared: nn.Module) -> bool:
@@ -97,32 +150,41 @@ def autocast_of(prepared: nn.Module) -> bool:
     return "_original_forward" in vars(prepared)
 
 
-def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
+def _cast_floating(value: Any, dtype: torch.dtype, *, low_only: bool = False) -> Any:
+    """``value``'s floating tensors (in lists, tuples and dicts) cast to ``dtype``; ``low_only``: only
+    the fp16 and bf16 ones (accelerate's ``convert_outputs_to_fp32``)."""
     if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
+        cast = value.dtype in (torch.float16, torch.bfloat16) if low_only else value.is_floating_point()
+        return value.to(dtype) if cast else value
     if isinstance(value, (list, tuple)):
-        return type(value)(_cast_floating(v, dtype) for v in value)
+        return type(value)(_cast_floating(v, dtype, low_only=low_only) for v in value)
     if isinstance(value, dict):
-        return {k: _cast_floating(v, dtype) for k, v in value.items()}
+        return {k: _cast_floating(v, dtype, low_only=low_only) for k, v in value.items()}
     return value
 
 
-# The wrappers whose bf16 is not autocast over fp32 parameters, and the output dtype of each
-# reduce dtype's policy: accelerate's own (no ``reduce`` in the variant) casts outputs to bf16, an
-# explicit MixedPrecisionPolicy leaves them as computed.
-SHARDED_MIXED = {"fsdp2"}
+# The wrappers whose bf16 is not autocast over fp32 parameters (harness/rank/sharded_reduce.py
+# reduces as they do), and how each runs the forward: whether it casts the floating buffers, and the
+# output dtype of accelerate's own policy (no ``reduce`` in the variant; an explicit
+# MixedPrecisionPolicy leaves the outputs as computed). FSDP2: accelerate's policy has
+# output_dtype=bf16; FSDP1's MixedPrecision has no output cast, and accelerate's policy casts the
+# buffers (buffer_dtype=bf16).
+SHARDED_MIXED = {"fsdp2": {"cast_buffers": False, "outputs_low": True},
+                 "fsdp1": {"cast_buffers": True, "outputs_low": False}}
 
 
 def forward_as(replicas: Mapping[str, nn.Module], precision: str, *, wrapper: str = "ddp",
                reduce: str | None = None) -> dict[str, nn.Module]:
     """The modules the oracle runs its micro-batches through: the replicas themselves in fp32, under
     autocast for ``bf16`` and ``fp16`` (the parameters, and so the gradients, stay fp32 either way);
-    under FSDP2 in bf16, as the sharded replica above."""
+    under FSDP2 or FSDP1 in bf16, as the sharded replica above."""
     if precision not in AUTOCAST_DTYPES:
         return dict(replicas)
     device_type = next(next(iter(replicas.values())).parameters()).device.type
     dtype = AUTOCAST_DTYPES[precision]
     if wrapper in SHARDED_MIXED:
-        output = dtype if reduce is None else None
-        return {name: ShardedMixedReplica(r, device_type, dtype, output) for name, r in replicas.items()}
+        how = SHARDED_MIXED[wrapper]
+        output = dtype if how["outputs_low"] and reduce is None else None
+        return {name: ShardedMixedReplica(r, device_type, dtype, output, cast_buffers=how["cast_buffers"])
+                for name, r in replicas.items()}
     return {name: MixedPrecisionReplica(r, device_type, dtype) for name, r in replicas.items()}

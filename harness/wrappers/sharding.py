@@ -152,3 +152,37 @@ def fsdp2_reduce_op(dtype: Any) -> str:
         divides = "".join(f", dividing by {f:g} {when}" for f, when in ((pre, "before"), (post, "after")) if f)
         return f"FSDP2 reduce-scatters with {name}{divides} here, not AVG"
     return ""
+
+
+def fsdp1_reduce_layout(model: nn.Module) -> tuple[list[tuple[int, dict[str, tuple[int, int]]]], float, float] | str:
+    """How FSDP1 reduce-scatters the gradients of ``model`` (the user's module, as prepare wrapped it):
+    one entry per flat parameter (each FSDP1 unit), its padded unsharded size and each parameter's
+    ``(offset, numel)`` in it by name in the user's module (alignment padding between them, as
+    ``_numels_with_padding`` lays it out); and the divide factors before and after the SUM. Read from
+    FSDP1's own state (private: ``_handle``, ``flat_param``); a string saying why where it cannot be."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from harness.wrappers.prepare import fsdp1_root
+
+    root = fsdp1_root(model)
+    if root is None:
+        return "FSDP1's wrapper of the model was not seen at prepare"
+    try:
+        if root._comm_hook is not None:
+            return "a communication hook reduces FSDP1's gradients"
+        pre, post = float(root._gradient_predivide_factor), float(root._gradient_postdivide_factor)
+        names = {id(p): _clean(n) for n, p in model.named_parameters()}
+        handles = []
+        for unit in FullyShardedDataParallel.fsdp_modules(root):
+            if unit._handle is None:
+                continue
+            flat_param = unit._handle.flat_param
+            params, spans, offset = iter(flat_param._params), {}, 0
+            for numel, padding in zip(flat_param._numels_with_padding, flat_param._is_padding_mask):
+                if not padding:
+                    spans[names[id(next(params))]] = (offset, numel)
+                offset += numel
+            handles.append((flat_param._padded_unsharded_size.numel(), spans))
+    except (AttributeError, KeyError, StopIteration, TypeError) as exc:
+        return f"FSDP1's flat parameters could not be read on this torch ({type(exc).__name__})"
+    return handles, pre, post

@@ -1,0 +1,138 @@
+"""FSDP's gradient reduction under a bf16 policy, reproduced on one rank for the oracle.
+
+FSDP2 and FSDP1 in bf16 differentiate bf16 copies of the fp32 masters (harness/rank/replica.py,
+``ShardedMixedReplica``), so each backward's unsharded gradient is bf16. What happens to it until
+the sync, and at the sync, is the wrapper's own arithmetic, and the oracle repeats it:
+
+- between syncs the unsharded gradients accumulate: FSDP2 casts each backward's to the reduce dtype
+  and adds it there (``FSDPParam.unsharded_accumulated_grad``); FSDP1 lets autograd add it into the
+  flat parameter's gradient, in the param dtype (the flat parameter is bf16 in the backward), and
+  casts the sum to the reduce dtype at the sync (``_post_backward_hook``);
+- at the sync they are reduce-scattered in the reduce dtype: FSDP2 with ReduceOp.AVG (gloo sums,
+  then divides by the world size), FSDP1 with SUM between its own pre- and post-divide factors
+  (``_gradient_predivide_factor``: 2 at world sizes 2 to 5, the post factor the rest: 1.5 at 3);
+- the reduced shard, cast to fp32, is added to the sharded gradient held (FSDP2's ``sharded_param.grad``,
+  FSDP1's ``_saved_grad_shard``): the fp32 add the oracle does on the whole gradient, bit for bit.
+
+On gloo the reduce-scatter is reproduced bit for bit (harness/rank/collectives.py, ``ring_average``)
+from the wrapper's layout: FSDP2's per-group ``_chunk_cat`` of dim-0 shards, FSDP1's flat parameter
+with its alignment padding. Where the order is not known (another backend, another divide, a layout
+that cannot be read), the reduction is allowed the bf16 sum's bound and the cell says so.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Mapping
+
+import torch
+from torch import nn
+
+from harness.rank.closeness import Expectation
+from harness.rank.collectives import Collectives, Reduction, flat_segments, ring_order_holds, ring_segments
+from harness.rank.replica import AUTOCAST_DTYPES, unwrap
+from harness.wrappers import sharding
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+Key = tuple[str, str]  # (model name, parameter name)
+
+
+class ShardedReduce:
+    """One rank's unsharded gradients since the last sync under ``wrapper``'s bf16 policy, and their
+    reduction at the sync. ``models``: the user's models by name, which FSDP prepares in place
+    (FSDP2) or wraps (FSDP1; its wrapper recorded at prepare), read at a sync for the layout."""
+
+    def __init__(self, wrapper: str, precision: str, reduce: str | None, params: Mapping[str, Mapping[str, torch.Tensor]],
+                 models: Mapping[str, nn.Module], collectives: Collectives) -> None:
+        self.wrapper = wrapper
+        param_dtype = AUTOCAST_DTYPES[precision]
+        self.reduce_dtype = torch.float32 if reduce == "fp32" else param_dtype
+        self.accumulate_dtype = self.reduce_dtype if wrapper == "fsdp2" else param_dtype
+        self.models = dict(models)
+        self.collectives = collectives
+        self.world_size = collectives.world_size
+        # since the last sync (fp32 tensors holding accumulate-dtype values), and which took part:
+        # FSDP2 reduce-scatters only the gradients it holds, and their layout sets each element's order
+        self.pending = {name: {p: torch.zeros_like(t) for p, t in ps.items()} for name, ps in params.items()}
+        self.taking_part: set[Key] = set()
+
+    def flat_groups(self, name: str) -> list[list[str]] | None:
+        """FSDP1: the parameters of each of the model's flat parameters, in their order (one group of
+        every parameter where the layout cannot be read); FSDP2 (no flat parameters): None."""
+        if self.wrapper == "fsdp2":
+            return None
+        layout = sharding.fsdp1_reduce_layout(unwrap(self.models[name]))
+        if isinstance(layout, str):
+            return [list(self.pending[name])]
+        return [list(spans) for _, spans in layout[0]]
+
+    def add(self, name: str, pname: str, grad: torch.Tensor) -> None:
+        """One backward's unsharded gradient (bf16 values, upcast exactly), added as the wrapper adds it."""
+        self.pending[name][pname] = self.round(self.pending[name][pname] + grad)
+        self.taking_part.add((name, pname))
+
+    def round(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` as the wrapper's accumulation holds it (rounded to its dtype), in ``value``'s dtype."""
+        return value.to(self.accumulate_dtype).to(value.dtype)
+
+    def adopt(self, name: str, pname: str, grad: torch.Tensor) -> None:
+        """The rank's own unsharded gradient since the last sync (FSDP1 shows it between syncs)."""
+        self.pending[name][pname] = grad.detach().to(self.pending[name][pname].dtype)
+
+    def clear(self) -> None:
+        for ps in self.pending.values():
+            for t in ps.values():
+                t.zero_()
+        self.taking_part.clear()
+
+    def average(self) -> tuple[dict[Key, Expectation], str]:
+        """Every pending gradient reduced as the wrapper reduces it at a sync, by (model, parameter),
+        then cleared; and why the reduction is judged within its bound instead, or "" where it is
+        reproduced exactly."""
+        pending: dict[Hashable, torch.Tensor] = {(n, p): t for n, ps in self.pending.items() for p, t in ps.items()}
+        layout, why = self._layout()
+        if layout is not None:
+            segments, pre, post = layout
+            averaged = self.collectives.ring_average(pending, segments, self.reduce_dtype, pre=pre, post=post)
+        else:
+            [averaged] = self.collectives.reduce_all([Reduction(pending, summed_in=self.reduce_dtype)])
+            why = (f"the {DTYPE_NAMES.get(self.reduce_dtype, self.reduce_dtype)} reduce-scatter is judged "
+                   f"within its rounding bound: {why}")
+        self.clear()
+        return averaged, why  # type: ignore[return-value]
+
+    def _layout(self) -> tuple[tuple[dict[Hashable, torch.Tensor], float, float | None] | None, str]:
+        """Each pending element's ring segment and the divide factors before and after the sum (None:
+        the world size after, as ReduceOp.AVG), or None and why the order is not known here."""
+        segments: dict[Hashable, torch.Tensor] = {(n, p): torch.zeros(t.numel(), dtype=torch.long)
+                                                  for n, ps in self.pending.items() for p, t in ps.items()}
+        if self.wrapper == "fsdp2":
+            why = "" if self.world_size == 1 else sharding.fsdp2_reduce_op(self.reduce_dtype) or ring_order_holds(
+                self.world_size, self.reduce_dtype)
+            if why:
+                return None, why
+            for name, model in self.models.items():
+                groups = sharding.fsdp2_reduce_groups(model)
+                if not groups:
+                    return None, f"FSDP2's parameter groups of {name!r} could not be read"
+                for group in groups:
+                    taking_part = [pname for pname in group if (name, pname) in self.taking_part]
+                    sizes = [self.pending[name][pname].shape for pname in taking_part]
+                    for pname, segment in zip(taking_part, ring_segments(sizes, self.world_size)):
+                        segments[(name, pname)] = segment
+            return (segments, 1.0, None), ""
+        factors: set[tuple[float, float]] = set()
+        for name, model in self.models.items():
+            layout = sharding.fsdp1_reduce_layout(unwrap(model))
+            if isinstance(layout, str):
+                return None, f"{name!r}: {layout}"
+            handles, pre, post = layout
+            factors.add((pre, post))
+            for total, spans in handles:
+                pnames = list(spans)
+                for pname, segment in zip(pnames, flat_segments([spans[p] for p in pnames], total, self.world_size)):
+                    segments[(name, pname)] = segment
+        if len(factors) != 1:  # one world, one pair: FSDP1 derives them from the world size alone
+            return None, f"FSDP1 divides by {sorted(factors)} in different models"
+        [(pre, post)] = factors
+        why = ring_order_holds(self.world_size, self.reduce_dtype, average=False) if self.world_size > 1 else ""
+        return (None, why) if why else ((segments, pre, post), "")
