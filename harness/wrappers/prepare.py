@@ -9,11 +9,9 @@ points (harness/rank/accounting.py judges that). The names themselves: harness/w
 from __future__ import annotations
 
 import traceback
-import weakref
 from typing import Any, Iterable, Mapping
 
 from harness.decorator import SkipCell, Unsupported, Variant
-from harness.rank.replica import unwrap
 from harness.wrappers.names import (
     AUTO,
     COMPILED,
@@ -201,25 +199,13 @@ def _prepare_says_what_it_cannot_do(accelerator: Any, wrapper: str) -> None:
     accelerator.prepare = prepare
 
 
-# Each FSDP1 wrapper prepare made, by the user's module inside it: FSDP1 leaves the module no way
-# back to its wrapper, and the oracle, made before prepare, holds the user's module; its bf16
-# reduction is laid out by the wrapper's flat parameters (harness/wrappers/sharding.py).
-_FSDP1_ROOTS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
-
-
 def _remember_fsdp1(obj: Any) -> None:
     from torch import nn
 
-    if not isinstance(obj, nn.Module):
-        return
-    root = peel_compiled(obj)
-    if prepared_as(root) == "fsdp1":
-        _FSDP1_ROOTS[unwrap(root)] = root
+    from harness.wrappers import prepared
 
-
-def fsdp1_root(model: Any) -> Any:
-    """The FSDP1 wrapper prepare put around ``model`` (the user's module), or None."""
-    return _FSDP1_ROOTS.get(model)
+    if isinstance(obj, nn.Module) and prepared_as(peel_compiled(obj)) == "fsdp1":
+        prepared.remember(peel_compiled(obj))
 
 
 def fsdp_on_cpu(accelerator: Any, plugin: Any) -> None:

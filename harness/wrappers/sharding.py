@@ -162,10 +162,10 @@ def fsdp1_reduce_layout(model: nn.Module) -> tuple[list[tuple[int, dict[str, tup
     FSDP1's own state (private: ``_handle``, ``flat_param``); a string saying why where it cannot be."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    from harness.wrappers.prepare import fsdp1_root
+    from harness.wrappers.prepared import wrapper_of
 
-    root = fsdp1_root(model)
-    if root is None:
+    root = wrapper_of(model)
+    if not isinstance(root, FullyShardedDataParallel):
         return "FSDP1's wrapper of the model was not seen at prepare"
     try:
         if root._comm_hook is not None:
