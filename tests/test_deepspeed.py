@@ -68,6 +68,28 @@ def test_each_zero_stage_passes_accumulate_at_world_size_2(runner, wrapper):
     assert cell.grad_checks > 0 and cell.comm_checks > 0
 
 
+def test_bf16_at_every_zero_stage_is_deepspeeds_arithmetic_exactly_and_a_1e_2_error_fails_it(run_pytest):
+    """DeepSpeed's bf16 (bf16 module, fp32 masters made from it, gradients accumulated and reduced in
+    bf16: divided by the world size, summed in gloo's ring order over ZeRO-1's bucket in parameter
+    order, ZeRO-2's in backward order every micro-batch, ZeRO-3's chunks by rank) reproduced at three
+    ranks, where the order shows: nothing differs. An error of 1e-2 in one rank's gradient once
+    (two bf16 ulps; the gradient DeepSpeed holds is bf16, where less rounds away) fails every cell."""
+    stages = "deepspeed-z1,deepspeed-z2,deepspeed-z3"
+    session = run_pytest("cases/test_fused_loss.py", "cases/test_accumulate_optim.py", "-k", "bf16 and (fused or adamw)",
+                         "--wrappers", stages, "--world-sizes", "3", "-q", timeout=900)
+    cells = session.cells()
+    assert {(k[0], k[1]) for k in cells} == {
+        (case, f"{steps}bf16-wrapper=deepspeed-z{stage}") for stage in (1, 2, 3)
+        for case, steps in (("fused_loss", ""), ("accumulate_adamw", "steps=2-"), ("accumulate_adamw", "steps=3-"))}
+    for key, cell in cells.items():
+        assert (cell["status"], cell["max_abs_diff"]) == ("pass", 0.0), (key, cell["summary"])
+        assert "NOT CHECKED" not in cell["summary"], (key, cell["summary"])
+    perturbed = run_pytest("cases/test_fused_loss.py", "-k", "bf16", "--wrappers", stages, "--world-sizes", "2",
+                           "--harness-fault", "perturb_once:1e-2", "-q", timeout=600)
+    assert {c["status"] for c in perturbed.cells().values()} == {"fail"}
+    assert len(perturbed.cells()) == 3
+
+
 def test_the_boundary_fault_is_caught_by_a_zero2_cell_that_passes_clean(runner):
     """accelerate telling the engine that every micro-batch is a boundary: ZeRO-2 moves each
     micro-batch's reduced gradient into its partition as if the window ended there."""

@@ -158,7 +158,7 @@ def test_default_variants_are_the_first_fp32_one_of_each_case_and_wrapper(catalo
     assert accumulate["ddp"] == "steps=2-fp32" and accumulate["fsdp2"] == "steps=2-fp32-wrapper=fsdp2"
     bf16 = selfcheck.select_targets(catalogue, cases=["fused_loss"], variants=["bf16"])
     assert [t.variant.name for t in bf16] == ["bf16", "bf16-wrapper=fsdp2", "bf16-reduce=fp32-wrapper=fsdp2",
-                                              "bf16-wrapper=fsdp1"]
+                                              "bf16-wrapper=fsdp1"] + [f"bf16-wrapper=deepspeed-z{s}" for s in (1, 2, 3)]
 
 
 class _ThresholdRunner:

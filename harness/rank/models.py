@@ -45,6 +45,14 @@ def generator(seed: int) -> torch.Generator:
     return gen
 
 
+def as_weights(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """``x`` in ``layer``'s weight dtype, as a transformers model's embedding hands its first layer
+    its own dtype: a no-op in fp32, under autocast (fp32 weights) and under FSDP's bf16 (the wrapper
+    cast the inputs already); under DeepSpeed's bf16, whose module is bf16 and casts no input, what
+    lets the catalogue's float inputs reach it at all."""
+    return x.to(layer.weight.dtype) if x.is_floating_point() else x
+
+
 class Regressor(nn.Module):
     """A two-layer MLP: big enough for distinct gradients per parameter, cheap enough for thousands of checks."""
 
@@ -54,7 +62,7 @@ class Regressor(nn.Module):
         self.fc2 = nn.Linear(hidden, outputs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.tanh(self.fc1(x)))
+        return self.fc2(torch.tanh(self.fc1(as_weights(x, self.fc1))))
 
 
 class Generator(nn.Module):
@@ -65,7 +73,7 @@ class Generator(nn.Module):
         self.net = nn.Sequential(nn.Linear(noise, 6), nn.Tanh(), nn.Linear(6, features))
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
-        return self.net(z)
+        return self.net(as_weights(z, self.net[0]))
 
 
 class Discriminator(nn.Module):
@@ -76,7 +84,7 @@ class Discriminator(nn.Module):
         self.net = nn.Sequential(nn.Linear(features, 6), nn.Tanh(), nn.Linear(6, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
+        return self.net(as_weights(x, self.net[0]))
 
 
 class Encoder(nn.Module):
@@ -87,7 +95,7 @@ class Encoder(nn.Module):
         self.proj = nn.Linear(inputs, noise)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.proj(x))
+        return torch.tanh(self.proj(as_weights(x, self.proj)))
 
 
 class Branchy(nn.Module):
@@ -100,7 +108,7 @@ class Branchy(nn.Module):
         self.extra = nn.Linear(6, 1)
 
     def forward(self, x: torch.Tensor, use_extra: bool = True) -> torch.Tensor:
-        h = torch.tanh(self.trunk(x))
+        h = torch.tanh(self.trunk(as_weights(x, self.trunk)))
         out = self.head(h)
         if use_extra:
             out = out + self.extra(h)

@@ -90,6 +90,12 @@ class Oracle:
         # it reduces them; the result (fp32) is added to the gradient held (harness/rank/sharded_reduce.py)
         self.sharded = (ShardedReduce(wrapper, precision, reduce, self.params, models, self.collectives)
                         if wrapper in SHARDED_MIXED and precision in AUTOCAST_DTYPES else None)
+        if self.sharded is not None and self.sharded.stage is not None:
+            # DeepSpeed makes its fp32 masters from the module it cast to bf16: the weights' low bits go
+            with torch.no_grad():
+                for ps in self.params.values():
+                    for p in ps.values():
+                        p.copy_(p.to(self.sharded.accumulate_dtype))
         # the all-rank average of ``local`` as it is now, by model: made with a sync's average, in
         # the same all-reduce, and forgotten whenever ``local`` changes
         self._synced: dict[str, dict[str, Expectation]] = {}
@@ -170,7 +176,10 @@ class Oracle:
         ``ctx.replay_rng(key)``; the closure runs under the same RNG state (the same dropout masks)."""
         if self.sharded is not None:
             for name, m in self.models.items():
-                m.autocast = autocast_of(unwrap(self.sharded.models[name]))  # prepared by now
+                prepared = unwrap(self.sharded.models[name])  # prepared by now
+                m.autocast = autocast_of(prepared)
+                if self.sharded.stage is not None:
+                    m.buffer_dtypes = {n: b.dtype for n, b in prepared.named_buffers()}
                 m.unshard(self.sharded.flat_groups(name))
         with self._replayed(rng):
             loss = closure(self.models)
@@ -229,6 +238,10 @@ class Oracle:
                 self.weighting.add(name, pname, g.detach())
         if tokens is not None:
             self.weighting.after_backward(sync=sync)
+        if self.sharded is not None:
+            why = self.sharded.after_backward({name: m.order for name, m in self.models.items()})
+            if why:
+                self.checks.recorder.unchecked["exact reduction order"] = why
         self.last_sync = sync
         if sync:
             self._average_grads()
@@ -297,7 +310,7 @@ class Oracle:
             for pname, p in ps.items():
                 base = p.grad if p.grad is not None else torch.zeros_like(p)
                 average = averaged[(name, pname)]
-                p.grad = base + average.value
+                p.grad = self.sharded.held(base, average.value)  # type: ignore[union-attr]
                 self.allowed[name][pname] = self.allowed[name][pname] + average.allowed
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> dict[str, float]:

@@ -53,13 +53,21 @@ class ShardedMixedReplica(nn.Module):
     fp32 masters; the oracle takes the gradients of the bf16 ones (``unshard``)."""
 
     def __init__(self, inner: nn.Module, device_type: str, dtype: torch.dtype, output_dtype: torch.dtype | None,
-                 *, cast_buffers: bool = False) -> None:
+                 *, cast_buffers: bool = False, cast_inputs: bool = True) -> None:
         super().__init__()
         self.inner = inner
         self.device_type = device_type
         self.dtype = dtype
         self.output_dtype = output_dtype
         self.cast_buffers = cast_buffers
+        self.cast_inputs = cast_inputs
+        # each floating buffer's dtype in the prepared module, where the wrapper decides it per buffer
+        # (DeepSpeed 0.19 keeps fp32 buffers, rotary ``inv_freq`` say; earlier releases cast them all):
+        # set by the oracle before each backward, it overrides ``cast_buffers``
+        self.buffer_dtypes: dict[str, torch.dtype] | None = None
+        # the order this backward's leaves received their gradients (their post-accumulate-grad
+        # hooks, which DeepSpeed's ZeRO-2 buckets by), by parameter name
+        self.order: list[str] = []
         self.autocast = False
         self.unsharded: dict[str, torch.Tensor] = {}
         self.flats: list[tuple[list[str], torch.Tensor]] = []
@@ -78,8 +86,12 @@ class ShardedMixedReplica(nn.Module):
         its own (``contributions``)."""
         masters = dict(self.inner.named_parameters())
         self.calls = []
+        self.order = []
         if groups is None:
             self.unsharded = {n: p.detach().to(self.dtype).requires_grad_(p.requires_grad) for n, p in masters.items()}
+            for n, leaf in self.unsharded.items():
+                if leaf.requires_grad:
+                    leaf.register_post_accumulate_grad_hook(lambda _, n=n: self.order.append(n))
             self.flats = []
             return
         self.unsharded = {}
@@ -115,14 +127,18 @@ class ShardedMixedReplica(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         from torch.func import functional_call
 
-        args, kwargs = _cast_floating((args, kwargs), self.dtype)
+        if self.cast_inputs:
+            args, kwargs = _cast_floating((args, kwargs), self.dtype)
         tensors = dict(self.unsharded)
         if self.flats:
             call = [values.detach().requires_grad_() for _, values in self.flats]
             self.calls.append(call)
             for (names, _), leaf in zip(self.flats, call):
                 tensors.update(zip(names, self._views(names, leaf)))
-        if self.cast_buffers:
+        if self.buffer_dtypes is not None:
+            tensors.update((n, _cast_floating(b, self.buffer_dtypes.get(n, b.dtype)))
+                           for n, b in self.inner.named_buffers())
+        elif self.cast_buffers:
             tensors.update((n, _cast_floating(b, self.dtype)) for n, b in self.inner.named_buffers())
         if self.autocast:
             with torch.autocast(device_type=self.device_type, dtype=self.dtype):
@@ -136,11 +152,18 @@ def unsharded_grads(outputs: torch.Tensor, models: Mapping[str, ShardedMixedRepl
                     *, retain_graph: bool = False) -> list[list[torch.Tensor]]:
     """The gradients of ``outputs`` (a loss) with respect to the sharded replicas' bf16 leaves of this
     backward, for ``keys`` (model, parameter), in order: each as the contributions the wrapper adds
-    into the parameter's gradient one after the other (none: the parameter took no part)."""
+    into the parameter's gradient one after the other (none: the parameter took no part). Through
+    ``backward`` into the leaves (each model's ``order`` records which received one when)."""
     leaves = {name: m.leaves() for name, m in models.items()}
     every = [leaf for ls in leaves.values() for leaf in ls]
-    grads = iter(torch.autograd.grad(outputs, every, allow_unused=True, retain_graph=retain_graph))
-    by_name = {name: models[name].contributions([next(grads) for _ in ls]) for name, ls in leaves.items()}
+    for leaf in every:
+        leaf.grad = None
+    for m in models.values():
+        m.order = []
+    torch.autograd.backward(outputs, inputs=every, retain_graph=retain_graph)
+    by_name = {name: models[name].contributions([leaf.grad for leaf in ls]) for name, ls in leaves.items()}
+    for leaf in every:
+        leaf.grad = None
     return [by_name[name].get(pname, []) for name, pname in keys]
 
 
@@ -169,8 +192,12 @@ def _cast_floating(value: Any, dtype: torch.dtype, *, low_only: bool = False) ->
 # MixedPrecisionPolicy leaves the outputs as computed). FSDP2: accelerate's policy has
 # output_dtype=bf16; FSDP1's MixedPrecision has no output cast, and accelerate's policy casts the
 # buffers (buffer_dtype=bf16).
-SHARDED_MIXED = {"fsdp2": {"cast_buffers": False, "outputs_low": True},
-                 "fsdp1": {"cast_buffers": True, "outputs_low": False}}
+SHARDED_MIXED = {"fsdp2": {"cast_buffers": False, "outputs_low": True, "cast_inputs": True},
+                 "fsdp1": {"cast_buffers": True, "outputs_low": False, "cast_inputs": True},
+                 # DeepSpeed's bf16 casts the module's parameters (its buffers as the prepared module
+                 # shows them: ``buffer_dtypes``) and nothing else: no input cast, no output cast, no autocast
+                 **{f"deepspeed-z{stage}": {"cast_buffers": False, "outputs_low": False, "cast_inputs": False}
+                    for stage in (1, 2, 3)}}
 
 
 def forward_as(replicas: Mapping[str, nn.Module], precision: str, *, wrapper: str = "ddp",
@@ -185,6 +212,7 @@ def forward_as(replicas: Mapping[str, nn.Module], precision: str, *, wrapper: st
     if wrapper in SHARDED_MIXED:
         how = SHARDED_MIXED[wrapper]
         output = dtype if how["outputs_low"] and reduce is None else None
-        return {name: ShardedMixedReplica(r, device_type, dtype, output, cast_buffers=how["cast_buffers"])
+        return {name: ShardedMixedReplica(r, device_type, dtype, output, cast_buffers=how["cast_buffers"],
+                                          cast_inputs=how["cast_inputs"])
                 for name, r in replicas.items()}
     return {name: MixedPrecisionReplica(r, device_type, dtype) for name, r in replicas.items()}

@@ -31,6 +31,7 @@ from harness.rank.closeness import Expectation
 from harness.rank.collectives import Collectives, Reduction, flat_segments, ring_order_holds, ring_segments
 from harness.rank.replica import AUTOCAST_DTYPES, unwrap
 from harness.wrappers import sharding
+from harness.wrappers.names import DEEPSPEED, REDUCES_EVERY_MICRO_BATCH
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 Key = tuple[str, str]  # (model name, parameter name)
@@ -47,6 +48,10 @@ class ShardedReduce:
         param_dtype = AUTOCAST_DTYPES[precision]
         self.reduce_dtype = torch.float32 if reduce == "fp32" else param_dtype
         self.accumulate_dtype = self.reduce_dtype if wrapper == "fsdp2" else param_dtype
+        # DeepSpeed's ZeRO stage (None under FSDP), and whether it reduces every micro-batch (ZeRO-2/3:
+        # the reduced gradients then add up in bf16 until the boundary, in ``reduced``)
+        self.stage = DEEPSPEED.get(wrapper)
+        self.every_backward = wrapper in REDUCES_EVERY_MICRO_BATCH
         self.models = dict(models)
         self.collectives = collectives
         self.world_size = collectives.world_size
@@ -54,11 +59,15 @@ class ShardedReduce:
         # FSDP2 reduce-scatters only the gradients it holds, and their layout sets each element's order
         self.pending = {name: {p: torch.zeros_like(t) for p, t in ps.items()} for name, ps in params.items()}
         self.taking_part: set[Key] = set()
+        self.reduced: dict[Key, Expectation] = {}
+        # each model's parameters in the order the last backward gave them their gradients
+        # (harness/rank/replica.py): ZeRO-2's bucket order
+        self.order: dict[str, list[str]] = {}
 
     def flat_groups(self, name: str) -> list[list[str]] | None:
         """FSDP1: the parameters of each of the model's flat parameters, in their order (one group of
         every parameter where the layout cannot be read); FSDP2 (no flat parameters): None."""
-        if self.wrapper == "fsdp2":
+        if self.wrapper != "fsdp1":
             return None
         layout = sharding.fsdp1_reduce_layout(unwrap(self.models[name]))
         if isinstance(layout, str):
@@ -84,10 +93,42 @@ class ShardedReduce:
                 t.zero_()
         self.taking_part.clear()
 
+    def held(self, base: torch.Tensor, average: torch.Tensor) -> torch.Tensor:
+        """A sync's average added to the gradient the wrapper holds, as it adds them: FSDP in fp32 (its
+        sharded gradient), DeepSpeed in bf16 (its gradient partition, until the boundary)."""
+        total = base + average
+        return self.round(total) if self.stage is not None else total
+
+    def after_backward(self, order: Mapping[str, list[str]]) -> str:
+        """After each backward: under ZeRO-2/3 its gradients reduced now, as DeepSpeed reduces every
+        micro-batch, and added in bf16 to those reduced since the boundary (``reduced``); ``order``:
+        by model, the parameters in the order the backward gave them their gradients. Why the
+        reduction is judged within its bound instead, or "" (a collective under ZeRO-2/3)."""
+        self.order = dict(order)
+        if not self.every_backward:
+            return ""
+        averaged, why = self._reduce()
+        for key, new in averaged.items():
+            held = self.reduced.get(key)
+            if held is None:
+                self.reduced[key] = new
+            else:
+                self.reduced[key] = Expectation(self.round(held.value + new.value), held.allowed + new.allowed)
+        return why
+
     def average(self) -> tuple[dict[Key, Expectation], str]:
         """Every pending gradient reduced as the wrapper reduces it at a sync, by (model, parameter),
-        then cleared; and why the reduction is judged within its bound instead, or "" where it is
-        reproduced exactly."""
+        then cleared (under ZeRO-2/3: what every backward reduced since the last boundary); and why
+        the reduction is judged within its bound instead, or "" where it is reproduced exactly."""
+        if self.every_backward:
+            averaged = {key: self.reduced.get(key) or Expectation(torch.zeros_like(t), torch.zeros_like(t, dtype=torch.float64))
+                        for n, ps in self.pending.items() for key, t in (((n, p), t) for p, t in ps.items())}
+            self.reduced = {}
+            self.clear()
+            return averaged, ""
+        return self._reduce()
+
+    def _reduce(self) -> tuple[dict[Key, Expectation], str]:
         pending: dict[Hashable, torch.Tensor] = {(n, p): t for n, ps in self.pending.items() for p, t in ps.items()}
         layout, why = self._layout()
         if layout is not None:
@@ -95,7 +136,7 @@ class ShardedReduce:
             averaged = self.collectives.ring_average(pending, segments, self.reduce_dtype, pre=pre, post=post)
         else:
             [averaged] = self.collectives.reduce_all([Reduction(pending, summed_in=self.reduce_dtype)])
-            why = (f"the {DTYPE_NAMES.get(self.reduce_dtype, self.reduce_dtype)} reduce-scatter is judged "
+            why = (f"the {DTYPE_NAMES.get(self.reduce_dtype, self.reduce_dtype)} reduction is judged "
                    f"within its rounding bound: {why}")
         self.clear()
         return averaged, why  # type: ignore[return-value]
@@ -105,6 +146,8 @@ class ShardedReduce:
         the world size after, as ReduceOp.AVG), or None and why the order is not known here."""
         segments: dict[Hashable, torch.Tensor] = {(n, p): torch.zeros(t.numel(), dtype=torch.long)
                                                   for n, ps in self.pending.items() for p, t in ps.items()}
+        if self.stage is not None:
+            return self._deepspeed_layout(segments)
         if self.wrapper == "fsdp2":
             why = "" if self.world_size == 1 else sharding.fsdp2_reduce_op(self.reduce_dtype) or ring_order_holds(
                 self.world_size, self.reduce_dtype)
@@ -136,3 +179,35 @@ class ShardedReduce:
         [(pre, post)] = factors
         why = ring_order_holds(self.world_size, self.reduce_dtype, average=False) if self.world_size > 1 else ""
         return (None, why) if why else ((segments, pre, post), "")
+
+    def _deepspeed_layout(self, segments: dict[Hashable, torch.Tensor]
+                          ) -> tuple[tuple[dict[Hashable, torch.Tensor], float, float | None] | None, str]:
+        """DeepSpeed's bf16 reduction: every rank divides its gradients by the world size in bf16,
+        then they are summed in bf16 (harness/wrappers/deepspeed_cpu.py says where): ZeRO-1 and 2 with
+        one all-reduce of a flat bucket (ZeRO-1's in parameter order, at the boundary; ZeRO-2's in
+        the order the backward gave the gradients), ZeRO-3 with one reduce-scatter of every
+        parameter's flat chunks by rank (FSDP2's layout of 1-D tensors). Only the gradients taking
+        part are in it."""
+        from harness.wrappers import deepspeed_cpu
+
+        why = ""
+        for name, model in self.models.items():
+            why = why or deepspeed_cpu.reduction_unlike_modelled(unwrap(model), self.reduce_dtype)
+        if not why and self.world_size > 1:
+            why = ring_order_holds(self.world_size, self.reduce_dtype, average=False)
+        if why:
+            return None, why
+        for name in self.models:
+            taking_part = [p for p in self.pending[name] if (name, p) in self.taking_part]
+            if self.stage == 2:
+                taking_part = [p for p in self.order.get(name, []) if (name, p) in self.taking_part]
+            sizes = [self.pending[name][p].numel() for p in taking_part]
+            if self.stage == 3:
+                places = ring_segments([torch.Size([n]) for n in sizes], self.world_size)
+            else:
+                spans = [(sum(sizes[:i]), n) for i, n in enumerate(sizes)]
+                places = flat_segments(spans, sum(sizes), self.world_size)
+            for pname, segment in zip(taking_part, places):
+                segments[(name, pname)] = segment
+        return (segments, float(self.world_size), 1.0), ""
+

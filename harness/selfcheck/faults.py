@@ -49,7 +49,9 @@ def _plugin_option(gradient_state: Any, key: str, value: Any) -> Iterator[None]:
 
 def _perturb_rank(target_rank: int, relative: float, *, only: int | None = None) -> Callable[[int], ContextManager[None]]:
     """After every backward on ``target_rank`` (only the ``only``-th of the cell, counted from 1,
-    when given), scale that rank's gradients by ``1 + relative``."""
+    when given), scale that rank's gradients by ``1 + relative``. Under DeepSpeed, which reduces
+    (ZeRO-2/3) and at a boundary steps inside ``backward``, there is no gradient of the rank's own
+    left after it: that backward's loss is scaled instead, so its gradient is, before any reduction."""
 
     @contextlib.contextmanager
     def patch(rank: int) -> Iterator[None]:
@@ -60,9 +62,11 @@ def _perturb_rank(target_rank: int, relative: float, *, only: int | None = None)
 
         def backward(self, loss, **kwargs):
             nonlocal calls
-            result = original(self, loss, **kwargs)
+            hit = rank == target_rank and (only is None or calls + 1 == only)
+            deepspeed = getattr(self, "deepspeed_engine_wrapped", None) is not None
+            result = original(self, loss * (1.0 + relative) if hit and deepspeed else loss, **kwargs)
             calls += 1
-            if rank == target_rank and (only is None or calls == only):
+            if hit and not deepspeed:
                 for model in self._models:
                     for p in model.parameters():
                         if p.grad is not None:

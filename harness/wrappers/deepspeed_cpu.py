@@ -67,9 +67,14 @@ def require(wrapper: str) -> None:
 
 
 def plugin(stage: int, *, num_steps: int, device_type: str) -> Any:
-    """The ``DeepSpeedPlugin`` of a cell: ZeRO ``stage``, fp32 only, the case's accumulation steps,
-    no clipping, a fixed micro-batch size. Given as a full DeepSpeed config, because accelerate's
-    keyword form cannot say two of these:
+    """The ``DeepSpeedPlugin`` of a cell: ZeRO ``stage``, the case's accumulation steps, no clipping,
+    a fixed micro-batch size, bf16 as the Accelerator's ``mixed_precision`` says. Given as a full
+    DeepSpeed config, because accelerate's keyword form cannot say two of these:
+
+    - ``bf16: {"enabled": "auto"}``: accelerate fills it from ``mixed_precision`` (``fill_match``);
+      it sets bf16 only where the key is absent or ``"auto"``, so an explicit ``False`` would run a
+      ``mixed_precision="bf16"`` cell in fp32 (utils/dataclasses.py:1415). fp16 stays off: its loss
+      scaler is not modelled under DeepSpeed (harness/wrappers/names.py, PRECISIONS).
 
     - ``gradient_clipping: 0.0``: the harness's oracle clips only where a case calls
       ``clip_grad_norm_``. accelerate fills ``"auto"`` with 1.0 (accelerator.py:2224), and
@@ -102,7 +107,7 @@ def plugin(stage: int, *, num_steps: int, device_type: str) -> Any:
         "gradient_clipping": 0.0,
         "zero_optimization": {"stage": stage},
         "fp16": {"enabled": False},
-        "bf16": {"enabled": False},
+        "bf16": {"enabled": "auto"},
     }
     return cls(hf_ds_config=config, zero_stage=stage, gradient_accumulation_steps=num_steps,
                gradient_clipping=0.0)
@@ -164,7 +169,10 @@ def after_construction(accelerator: Any, *, stage: int) -> None:
         result = original(*args, **kwargs)
         wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
         if wrapped is not None:
+            from harness.wrappers import prepared
+
             capture_boundary_gradients(wrapped.engine)
+            prepared.remember(wrapped.engine)
         return result
 
     accelerator.prepare = prepare
@@ -314,3 +322,36 @@ def _scatter_back(flat: torch.Tensor, targets: list[torch.Tensor]) -> None:
     for target in targets:
         target.copy_(flat[offset : offset + target.numel()].view_as(target))
         offset += target.numel()
+
+
+# DeepSpeed's bf16 reduction as the oracle reproduces it (harness/rank/sharded_reduce.py), as found on
+# deepspeed 0.19.8: gradients accumulated in bf16 (no ``data_types.grad_accum_dtype``, so no
+# BF16_Optimizer), each rank's divided by the world size in bf16 before a SUM in bf16
+# (stage_1_and_2.py:1688 ``average_tensor``, coalesced_collectives.py:124), nothing after; ZeRO-1/2 one
+# all-reduce of one bucket, not overlapped with the backward.
+_MODELLED_OPTIMIZERS = ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3")
+
+
+def reduction_unlike_modelled(model: Any, dtype: torch.dtype) -> str:
+    """Why the DeepSpeed engine prepare put around ``model`` (the user's module) does not reduce its
+    gradients as modelled above, in ``dtype``, or "" where it does. Read off the engine's optimizer
+    (no collective)."""
+    from harness.wrappers.prepared import wrapper_of
+
+    engine = wrapper_of(model)
+    optimizer = getattr(engine, "optimizer", None)
+    kind = type(optimizer).__name__
+    if kind not in _MODELLED_OPTIMIZERS:
+        return f"DeepSpeed's {kind} reduces its own way (the modelled one is {' or '.join(_MODELLED_OPTIMIZERS)})"
+    settings = {"communication_data_type": dtype, "gradient_accumulation_dtype": dtype,
+                "gradient_predivide_factor": 1.0, "postscale_gradients": True}
+    if kind == "DeepSpeedZeroOptimizer":
+        settings["overlap_comm"] = False
+    for name, expected in settings.items():
+        value = getattr(optimizer, name, None)
+        if value != expected:
+            return f"DeepSpeed's {name} is {value!r} here, not {expected!r}"
+    numel = sum(p.numel() for p in engine.module.parameters())
+    if getattr(optimizer, "reduce_bucket_size", 0) < numel:
+        return "DeepSpeed's reduce bucket is smaller than the model: the reduction is cut in several"
+    return ""

@@ -22,12 +22,12 @@ REDUCES_EVERY_MICRO_BATCH = frozenset({"deepspeed-z2", "deepspeed-z3"})
 # micro-batch apart, FSDP a sync's after an earlier one's (sync_each_batch): another rounding order
 # (harness/rank/oracle.py, _average_grads).
 ADDS_AFTER_REDUCING = frozenset({"fsdp2", "fsdp1", "deepspeed-z2", "deepspeed-z3"})
-# The precisions the oracle models under each wrapper. FSDP's bf16 is not autocast: accelerate gives
-# FSDP2 ``param_dtype=reduce_dtype=output_dtype=bf16`` and FSDP1 ``MixedPrecision(param_dtype=
-# reduce_dtype=buffer_dtype=bf16)``, which the oracle models as such (harness/rank/replica.py,
-# harness/rank/sharded_reduce.py); DeepSpeed's bf16 weights it does not yet: those cells are not made
-# rather than judged wrongly.
-PRECISIONS = {DDP: ("fp32", "bf16", "fp16"), "fsdp2": ("fp32", "bf16"), "fsdp1": ("fp32", "bf16")}
+# The precisions the oracle models under each wrapper. FSDP's and DeepSpeed's bf16 is not autocast:
+# accelerate gives FSDP2 ``param_dtype=reduce_dtype=output_dtype=bf16``, FSDP1 ``MixedPrecision(param_dtype=
+# reduce_dtype=buffer_dtype=bf16)`` and DeepSpeed bf16 weights over fp32 masters, which the oracle
+# models as such (harness/rank/replica.py, harness/rank/sharded_reduce.py). fp16 is modelled under DDP
+# only (its loss scaler).
+PRECISIONS = {DDP: ("fp32", "bf16", "fp16"), **{w: ("fp32", "bf16") for w in WRAPPERS if w != DDP}}
 # FSDP2's bf16 cells, each also with an explicit MixedPrecisionPolicy(param_dtype=bf16,
 # reduce_dtype=fp32) (variant parameter ``reduce=fp32``); without it, accelerate's own policy
 # (param, reduce and output dtype bf16).
