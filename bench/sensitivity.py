@@ -3,8 +3,11 @@ backward of the cell, for every non-canary cell of the catalogue.
 
 Run: python bench/sensitivity.py [--world-sizes 2,4] [--relative 1e-5,1e-4] [--backward 1,3]
 Prints, per precision and world size, how many cells fail (catch it) out of those run, and names the
-cells that let it through. Goal: 1e-5 caught by every cell, fp32 and bf16, at world sizes 2 and 4.
-Targets live here, not in timed tests (machines are shared and noisy).
+cells that let it through. Goals, at world sizes 2 and 4: 1e-5 caught by every cell whose wrapper
+holds the gradient in fp32 (DDP in fp32 and bf16 autocast, FSDP2's reduce=fp32); 1e-2 (more than a
+bf16 ulp) by at least 95% of the cells whose wrapper holds it in bf16 (FSDP2 and FSDP1 under
+accelerate's policy, DeepSpeed), where a smaller error rounds away inside the wrapper before anything
+can see it (bench/README.md). Targets live here, not in timed tests (machines are shared and noisy).
 """
 
 from __future__ import annotations

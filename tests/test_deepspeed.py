@@ -101,6 +101,20 @@ def test_the_boundary_fault_is_caught_by_a_zero2_cell_that_passes_clean(runner):
     assert {f.checked for f in faulty.failures} & {"grad", "param"}
 
 
+@pytest.mark.parametrize("fault", ["deepspeed_last_micro_batch_dropped", "deepspeed_copy_not_accumulate"])
+@pytest.mark.parametrize("wrapper", ["deepspeed-z1", "deepspeed-z2"])
+def test_the_shapes_of_deepspeeds_bf16_accumulation_bugs_are_caught_by_bf16_cells_that_pass_clean(runner, wrapper, fault):
+    """DeepSpeed PR #7985's shape (the window's last micro-batch out of the average) and PR #6550's (a
+    micro-batch's gradient replacing the window's instead of adding to it), planted on a bf16 cell of
+    two micro-batches a window: the cell passes clean and fails under each."""
+    chosen = target("test_accumulate.py", "steps=2-bf16", wrapper)
+    clean = runner.run(chosen)
+    faulty = runner.run(chosen, fault=fault)
+    assert clean.status == Status.PASS, clean.summary
+    assert faulty.status == Status.FAIL, faulty.summary
+    assert {f.checked for f in faulty.failures} & {"grad", "param"}
+
+
 def test_a_model_prepared_as_another_stage_is_an_error_not_a_pass(runner, tmp_path):
     path = tmp_path / "test_wrong_stage.py"
     path.write_text(WRONG_STAGE_CASE)

@@ -51,3 +51,43 @@ def _boundary_ignored(rank: int) -> Iterator[None]:
 register(Fault("deepspeed_boundary_ignored",
                "accelerate's DeepSpeed backward marks every micro-batch a gradient-accumulation boundary",
                _boundary_ignored, wrappers=tuple(DEEPSPEED)))
+
+
+def _losses_zeroed(which: str) -> Any:
+    """A patch of accelerate's DeepSpeed backward that hands the engine ``loss * 0`` at the
+    micro-batches ``which`` names: "last" (the one that ends a window, sync_gradients True) or
+    "earlier" (every other one). The gradient those micro-batches add is then zero, through the
+    engine's own arithmetic, at every ZeRO stage: the effect of a wrapper that leaves them out."""
+
+    @contextlib.contextmanager
+    def patch(rank: int) -> Iterator[None]:
+        from accelerate.utils.deepspeed import DeepSpeedEngineWrapper
+
+        original = DeepSpeedEngineWrapper.backward
+
+        def backward(self: Any, loss: Any, sync_gradients: bool = True, **kwargs: Any) -> Any:
+            if (which == "last") == bool(sync_gradients):
+                loss = loss * 0
+            return original(self, loss, sync_gradients=sync_gradients, **kwargs)
+
+        with _patched(DeepSpeedEngineWrapper, "backward", backward):
+            yield
+
+    return patch
+
+
+# DeepSpeed PR #7985 (0.18.3 to 0.18.9): under ZeRO-1 the BF16 optimizer all-reduced its fp32
+# accumulator before adding the window's last micro-batch to it, so that micro-batch stayed out of
+# the average. The installed release is fixed, and the harness's bf16 cells do not build that
+# optimizer (docs/wrappers.md): the effect is planted instead, the last micro-batch's gradient
+# left out of every rank's window.
+register(Fault("deepspeed_last_micro_batch_dropped",
+               "the window's last micro-batch is left out of DeepSpeed's averaged gradient (the shape of "
+               "DeepSpeed PR #7985)",
+               _losses_zeroed("last"), wrappers=tuple(DEEPSPEED), needs="bf16"))
+# DeepSpeed PR #6550 (before 0.15.2): ZeRO-2 with CPU offload copied each micro-batch's gradient
+# into its buffer instead of adding it, so a window's gradient was its last micro-batch's alone.
+register(Fault("deepspeed_copy_not_accumulate",
+               "each micro-batch's gradient replaces the window's instead of adding to it, so only the last "
+               "counts (the shape of DeepSpeed PR #6550)",
+               _losses_zeroed("earlier"), wrappers=tuple(DEEPSPEED), needs="bf16"))

@@ -69,7 +69,7 @@ def select_targets(
     all_variants: bool = False,
 ) -> list[Target]:
     """The (case, variant) pairs to run. By default one variant a case and wrapper: its first fp32 one
-    (not compiled), and its first with an explicit reduce dtype where it has one. ``variants`` keeps those matching any pattern; ``all_variants`` keeps every variant
+    (not compiled), and the first that each fault of the wrapper needs (``Fault.needs``). ``variants`` keeps those matching any pattern; ``all_variants`` keeps every variant
     (every wrapper's: ``wrapper=<name>`` is a part of the variant's name)."""
     by_name = {c.name: c for c in catalogue}
     if cases:
@@ -92,9 +92,11 @@ def select_targets(
                 mine = [v for v in options if v.params.get("wrapper", DDP) == wrapper]
                 fp32 = [v for v in mine if v.params.get("precision", "fp32") == "fp32" and "compile" not in v.params]
                 picked += [(fp32 or mine)[0]] if mine else []
-                # and the first with an explicit reduce dtype, where the wrapper has that axis: the
-                # path of a reduction in a dtype other than the one asked for (pytorch #190626)
-                picked += [v for v in mine if "reduce" in v.params][:1]
+                # and the first that each fault planted on the wrapper's cells needs: reduce=fp32 under
+                # FSDP2 (a reduction in a dtype other than the one asked for, pytorch #190626), bf16
+                # under DeepSpeed (its bf16 path's faults)
+                for need in sorted({f.needs for f in FAULTS.values() if f.needs and wrapper in f.wrappers}):
+                    picked += [v for v in mine if _matches(v, need) and v not in picked][:1]
         targets.extend(Target(case, v) for v in picked)
     if not targets:
         raise SelfcheckError(f"no variant matches {','.join(variants or [])} in the chosen cases")
