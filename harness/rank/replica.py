@@ -49,8 +49,10 @@ class ShardedMixedReplica(nn.Module):
     computed). accelerate 1.15 prepares an FSDP2 model without its autocast and fp32-outputs wrapper
     (``Accelerator._prepare_fsdp2`` never calls ``prepare_model``), an FSDP1 model with it, inside
     FSDP1; where the prepared model has it (``_original_forward``, ``autocast_of``), ``autocast`` is
-    set and the module runs under autocast with outputs made fp32 first. The parameters stay the
-    fp32 masters; the oracle takes the gradients of the bf16 ones (``unshard``)."""
+    set and the module runs under autocast with outputs made fp32 first. DeepSpeed's bf16 casts the
+    parameters alone (no input or output cast, no autocast; buffers as the prepared module keeps
+    them, ``buffer_dtypes``). The parameters stay the fp32 masters; the oracle takes the gradients
+    of the bf16 ones (``unshard``)."""
 
     def __init__(self, inner: nn.Module, device_type: str, dtype: torch.dtype, output_dtype: torch.dtype | None,
                  *, cast_buffers: bool = False, cast_inputs: bool = True) -> None:
@@ -204,7 +206,7 @@ def forward_as(replicas: Mapping[str, nn.Module], precision: str, *, wrapper: st
                reduce: str | None = None) -> dict[str, nn.Module]:
     """The modules the oracle runs its micro-batches through: the replicas themselves in fp32, under
     autocast for ``bf16`` and ``fp16`` (the parameters, and so the gradients, stay fp32 either way);
-    under FSDP2 or FSDP1 in bf16, as the sharded replica above."""
+    under FSDP2, FSDP1 or DeepSpeed in bf16, as the sharded replica above."""
     if precision not in AUTOCAST_DTYPES:
         return dict(replicas)
     device_type = next(next(iter(replicas.values())).parameters()).device.type

@@ -1,8 +1,9 @@
-"""FSDP's gradient reduction under a bf16 policy, reproduced on one rank for the oracle.
+"""FSDP's and DeepSpeed's gradient reduction in bf16, reproduced on one rank for the oracle.
 
-FSDP2 and FSDP1 in bf16 differentiate bf16 copies of the fp32 masters (harness/rank/replica.py,
-``ShardedMixedReplica``), so each backward's unsharded gradient is bf16. What happens to it until
-the sync, and at the sync, is the wrapper's own arithmetic, and the oracle repeats it:
+FSDP2, FSDP1 and DeepSpeed in bf16 differentiate bf16 copies of the fp32 masters
+(harness/rank/replica.py, ``ShardedMixedReplica``), so each backward's unsharded gradient is bf16.
+What happens to it until the sync, and at the sync, is the wrapper's own arithmetic, and the oracle
+repeats it (DeepSpeed's: ``ShardedReduce._deepspeed_layout`` and docs/wrappers.md):
 
 - between syncs the unsharded gradients accumulate: FSDP2 casts each backward's to the reduce dtype
   and adds it there (``FSDPParam.unsharded_accumulated_grad``); FSDP1 lets autograd add it into the
