@@ -85,9 +85,9 @@ class Oracle:
         self.models = forward_as(self.replicas, precision, wrapper=wrapper, reduce=reduce)
         self.params = {name: dict(r.named_parameters()) for name, r in self.replicas.items()}
         self.local = {name: {p: torch.zeros_like(t) for p, t in ps.items()} for name, ps in self.params.items()}
-        # FSDP2 and FSDP1 in bf16 (harness/rank/replica.py): each rank's unsharded gradients since the
-        # last sync accumulate apart, as the wrapper accumulates them, and are reduced at the sync as
-        # it reduces them; the result (fp32) is added to the gradient held (harness/rank/sharded_reduce.py)
+        # FSDP2, FSDP1 and DeepSpeed in bf16 (harness/rank/replica.py): each rank's unsharded gradients
+        # since the last sync accumulate apart, as the wrapper accumulates them, and are reduced as it
+        # reduces them; the result is added to the gradient held (harness/rank/sharded_reduce.py)
         self.sharded = (ShardedReduce(wrapper, precision, reduce, self.params, models, self.collectives)
                         if wrapper in SHARDED_MIXED and precision in AUTOCAST_DTYPES else None)
         if self.sharded is not None and self.sharded.stage is not None:
@@ -230,7 +230,7 @@ class Oracle:
             if self.terms is not None:
                 self.terms[name][pname] += g.detach().abs()
             if self.sharded is None:
-                # (in bf16 under FSDP the same kernels run on the same bf16 values: the same bits)
+                # (in bf16 under FSDP and DeepSpeed the same kernels run on the same bf16 values: the same bits)
                 self.allowed[name][pname] = self.allowed[name][pname] + rounding_allowance(p.grad)
             if g_other is not None:
                 self.allowed[name][pname] += (g.detach().double() - g_other.detach().double()).abs()
@@ -298,9 +298,10 @@ class Oracle:
                 self.allowed[name][pname] = average[pname].allowed
 
     def _average_pending(self) -> None:
-        """FSDP in bf16: what accumulated since the last sync, reduced as the wrapper reduces it
-        (harness/rank/sharded_reduce.py), added to the gradient the last sync left in fp32, as FSDP
-        adds it to the sharded gradient it holds: the same fp32 add, so nothing more to allow."""
+        """FSDP and DeepSpeed in bf16: what accumulated since the last sync, reduced as the wrapper
+        reduces it (harness/rank/sharded_reduce.py), added to the gradient the last sync left as the
+        wrapper adds it to the gradient it holds (FSDP in fp32, DeepSpeed in bf16): the same add, so
+        nothing more to allow."""
         synced = self.collectives.reduce_all([Reduction(self.local[name]) for name in self.params])
         averaged, why = self.sharded.average()  # type: ignore[union-attr]
         if why:
