@@ -74,6 +74,9 @@ class ShardedMixedReplica(nn.Module):
         self.unsharded: dict[str, torch.Tensor] = {}
         self.flats: list[tuple[list[str], torch.Tensor]] = []
         self.calls: list[list[torch.Tensor]] = []
+        # each parameter's shape, which a flat leaf is viewed back into (read once: the module's
+        # parameters do not change shape)
+        self.shapes = {n: p.shape for n, p in inner.named_parameters()}
         self.unshard()
 
     def unshard(self, groups: Sequence[Sequence[str]] | None = None) -> None:
@@ -122,9 +125,8 @@ class ShardedMixedReplica(nn.Module):
         return out
 
     def _views(self, names: Sequence[str], flat: torch.Tensor) -> list[torch.Tensor]:
-        masters = dict(self.inner.named_parameters())
-        pieces = flat.split([masters[n].numel() for n in names])
-        return [piece.view(masters[n].shape) for n, piece in zip(names, pieces)]
+        pieces = flat.split([self.shapes[n].numel() for n in names])
+        return [piece.view(self.shapes[n]) for n, piece in zip(names, pieces)]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         from torch.func import functional_call

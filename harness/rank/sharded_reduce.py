@@ -122,8 +122,9 @@ class ShardedReduce:
         then cleared (under ZeRO-2/3: what every backward reduced since the last boundary); and why
         the reduction is judged within its bound instead, or "" where it is reproduced exactly."""
         if self.every_backward:
-            averaged = {key: self.reduced.get(key) or Expectation(torch.zeros_like(t), torch.zeros_like(t, dtype=torch.float64))
-                        for n, ps in self.pending.items() for key, t in (((n, p), t) for p, t in ps.items())}
+            none = {(n, p): Expectation(torch.zeros_like(t), torch.zeros_like(t, dtype=torch.float64))
+                    for n, ps in self.pending.items() for p, t in ps.items()}
+            averaged = {**none, **self.reduced}  # a parameter no backward reduced: nothing to add
             self.reduced = {}
             self.clear()
             return averaged, ""
