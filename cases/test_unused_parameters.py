@@ -1,9 +1,10 @@
-"""unused_parameters: a branch that some micro-batches skip, under ``find_unused_parameters=True``."""
+"""unused_parameters: a branch that some micro-batches skip, under ``find_unused_parameters=True``;
+unused_until_sync: a branch first used on the synced micro-batch of each window, under every wrapper."""
 
 import torch
 from torch.utils.data import DataLoader
 
-from harness import PRECISIONS, case, grid
+from harness import PRECISIONS, Diagnosis, case, grid
 from harness.rank.schedule import windows
 
 EPOCHS = 2
@@ -61,6 +62,49 @@ def test_unused_parameters(ctx):
     window_of = dict(zip((p.index for p in schedule), windows(schedule)))
     for point, batch in ctx.epochs(loader, schedule):
         use = uses_extra(pattern, point, window_of[point.index], ctx.rank)
+        with accelerator.accumulate(model):
+            accelerator.backward(branch_loss(model, batch, use))
+            oracle.check_sync_flag(point, accelerator.sync_gradients)
+            oracle.backward(lambda m: branch_loss(m["model"], batch, use), sync=point.sync)
+            oracle.check_grads(point, models)
+            optimizer.step()
+            optimizer.zero_grad()
+        oracle.step(point)
+        oracle.check_params(point, models, {"model": optimizer})
+
+
+# FSDP2 under MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) keeps the gradients of the
+# window's earlier micro-batches in fp32 (it accumulates in the reduce dtype); a parameter that gets
+# its first gradient on the synced micro-batch brings a bf16 one, and foreach_reduce refuses the mix
+# ("FSDP reduce-scatter expects uniform gradient dtype"): pytorch #196996, open. accelerate's own
+# bf16 policy (reduce bf16) and fp32 have one dtype and are judged as any cell.
+# ZeRO-3 (deepspeed/runtime/zero/stage3.py, partition_grads) copies a reduced gradient into the
+# parameter's partition on the window's first micro-batch (micro_step_id 0) and adds it on later
+# ones; nothing clears the partitions between windows, so ``extra``'s first gradient of a window is
+# added to its gradient of the last one: stale from the second window on (deepspeed 0.19.8; found by
+# this case, no upstream report found). ZeRO-1/2 pass.
+@case("unused_until_sync", variants=grid(steps=[2, 3], precision=PRECISIONS),
+      defects={"fsdp2": Diagnosis("raised", when={"reduce": "fp32"}, match="uniform gradient dtype",
+                                  upstream="pytorch/pytorch#196996"),
+               "deepspeed-z3": Diagnosis("stale", model="model",
+                                         upstream="deepspeed stage3.py partition_grads, found by this case")})
+def test_unused_until_sync(ctx):
+    """``Branchy`` under ``accumulate``, its ``extra`` branch used on every rank at the micro-batch
+    that syncs and at no other: the window's earlier backwards leave ``extra`` without a gradient
+    (no ``find_unused_parameters`` is needed, as every parameter is used where the wrapper reduces).
+
+    The contract: the synced gradient of ``extra`` is the all-rank average of its one contribution,
+    the trunk's and head's the average of the whole window's; between syncs ``extra`` has none."""
+    steps = ctx.variant["steps"]
+    accelerator = ctx.accelerator(gradient_accumulation_steps=steps)
+    model = ctx.model("branchy")
+    dataset, per_rank = ctx.dataset(batches=BATCHES, batch_size=BATCH_SIZE)
+    oracle = ctx.oracle({"model": model}, num_steps=steps, optimizer=sgd)
+    optimizer = sgd(model.parameters())
+    model, optimizer, loader = accelerator.prepare(model, optimizer, DataLoader(dataset, batch_size=BATCH_SIZE))
+    models = {"model": model}
+    for point, batch in ctx.epochs(loader, ctx.schedule(per_rank, epochs=EPOCHS, num_steps=steps)):
+        use = point.sync
         with accelerator.accumulate(model):
             accelerator.backward(branch_loss(model, batch, use))
             oracle.check_sync_flag(point, accelerator.sync_gradients)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
@@ -48,8 +49,15 @@ class Diagnosis:
     # (``{"torch": "2.11"}``); on a later installed release the cell is judged as any other
     fixed_in: Mapping[str, str] | tuple[tuple[str, str], ...] = ()
     upstream: str = ""  # where the defect is reported (``pytorch/pytorch#149768``), named in the summary
+    # for kind ``raised``: a regular expression the exception's ``Type: message`` must contain (re.search)
+    match: str = ""
 
     def __post_init__(self) -> None:
+        if (self.kind == "raised") != bool(self.match):
+            raise ValueError(f"Diagnosis({self.kind!r}): match= is given with kind 'raised' only, and 'raised' "
+                             "needs it (what the library's exception says, e.g. match='uniform gradient dtype')")
+        if self.match:
+            re.compile(self.match)  # a bad pattern fails where the case is declared, not in a rank
         items = self.when.items() if isinstance(self.when, Mapping) else self.when
         object.__setattr__(self, "when", tuple(sorted((str(k), v) for k, v in items)))
         fixed = self.fixed_in.items() if isinstance(self.fixed_in, Mapping) else self.fixed_in

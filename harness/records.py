@@ -59,6 +59,10 @@ class FailureKind(_Name):
     COMM_UNEXPECTED = "comm_unexpected"  # gradient reductions in a backward the contract has none in
     COMM_MISSING = "comm_missing"  # too few (or no) gradient reductions in a backward that syncs
     MISWEIGHTED = "misweighted"  # the contributions since the last check, weighted other than the token mean
+    # torch, accelerate or the wrapper's library raised in a loop its contract takes, as a declared
+    # defect says it does (``Diagnosis("raised", match=...)``, harness/rank/raises.py); an undeclared
+    # raise stays the cell's ``error``
+    RAISED = "raised"
 
 
 # Diagnoses that compare a synced gradient with a local one: a single rank cannot produce them.

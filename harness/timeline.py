@@ -19,7 +19,7 @@ from typing import Any, Iterable
 
 # The order checks are drawn in within a micro-step, and their words; another harness version may
 # record others (drawn after these, under their own name).
-CHECKS = ("schedule", "flag", "comm", "grad", "lr", "param")
+CHECKS = ("schedule", "flag", "comm", "grad", "lr", "param", "raise")
 CHECK_WORDS = {
     "schedule": "batch count",
     "flag": "sync flag",
@@ -27,6 +27,7 @@ CHECK_WORDS = {
     "grad": "gradients",
     "lr": "learning rate",
     "param": "parameters",
+    "raise": "the library raised",
 }
 
 

@@ -163,11 +163,15 @@ def failures_summary(failures: Sequence[Failure], omitted: int) -> str:
     by_kind: dict[str, set[str]] = defaultdict(set)
     for failure in failures:
         by_kind[failure.kind].add(failure.model)
-    kinds = "; ".join(f"{kind} in {', '.join(sorted(models))}" for kind, models in sorted(by_kind.items()))
+    kinds = "; ".join(kind + (f" in {', '.join(sorted(m for m in models if m))}" if any(models) else "")
+                      for kind, models in sorted(by_kind.items()))
     first = min(failures, key=lambda f: (f.step, f.rank))
     where = f"{first.model}.{first.param}" if first.checked in ("grad", "param") else first.model
+    if first.checked == "raise":  # a declared raise (harness/rank/raises.py): what the library said
+        where = first.message
+    noun = "raises" if all(f.checked == "raise" for f in failures) else "mismatches"
     return (
-        f"{total} mismatches on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {kinds}; "
+        f"{total} {noun} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {kinds}; "
         f"first: {where} on rank {first.rank} at step {first.step}"
     )
 

@@ -63,3 +63,34 @@ def test_a_defect_of_some_releases_is_expected_only_while_the_installed_release_
     declared = info.detects_for(fsdp2)
     assert bool(declared) == (versions._release(torch_version) < (2, 11))
     assert [d.upstream for d in info.defects["fsdp2"]] == ["pytorch/pytorch#149768"]
+
+
+def test_a_declared_raise_names_the_words_the_library_raises():
+    assert Diagnosis("raised", match="uniform gradient dtype").match == "uniform gradient dtype"
+    with pytest.raises(ValueError, match="match= is given with kind 'raised' only"):
+        Diagnosis("raised")
+    with pytest.raises(ValueError, match="match= is given with kind 'raised' only"):
+        Diagnosis("not_synced", match="anything")
+    with pytest.raises(Exception, match="unterminated|missing"):
+        Diagnosis("raised", match="(unclosed")
+
+
+def test_only_the_declared_words_raised_inside_the_library_count():
+    import torch
+
+    from harness.rank.raises import declared_raise
+
+    declared = [Diagnosis("raised", match="positive integer"), Diagnosis("not_synced")]
+    try:
+        torch.utils.data.BatchSampler(range(4), batch_size=0, drop_last=False)
+    except ValueError as exc:
+        failure = declared_raise(declared, exc, rank=1, step=3)
+        other = declared_raise([Diagnosis("raised", match="uniform gradient dtype")], exc, rank=1, step=3)
+    assert failure is not None and other is None
+    assert (failure.rank, failure.step, failure.kind, failure.checked) == (1, 3, "raised", "raise")
+    assert failure.message.startswith("torch raised ValueError: batch_size should be a positive integer value")
+    assert "(torch/utils/data/sampler.py:" in failure.message
+    try:  # the same words, raised here: not the library's
+        raise ValueError("batch_size should be a positive integer value")
+    except ValueError as exc:
+        assert declared_raise(declared, exc, rank=1, step=3) is None

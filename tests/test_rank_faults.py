@@ -59,3 +59,33 @@ def test_the_session_fails_and_leaves_no_process(faults_session):
     assert faults_session.returncode == 1
     assert "5 failed, 5 passed" in faults_session.stdout
     assert wait_for_no_processes(faults_session.token) == []
+
+
+@pytest.fixture(scope="module")
+def raise_session(tmp_path_factory):
+    """One session of the planted declared raise (tests/planted/planted_cases.py) at world size 2."""
+    report_dir = tmp_path_factory.mktemp("declared-raise")
+    started = time.monotonic()
+    process, token = start_pytest([PLANTED, "-k", "planted_library_error", "--world-sizes", "2"], report_dir)
+    stdout, stderr = process.communicate(timeout=600)
+    return Session(process.returncode, stdout, stderr, report_dir, token, time.monotonic() - started)
+
+
+def test_a_declared_raise_of_the_library_is_detected_with_its_words_and_frame(raise_session):
+    cell = raise_session.cells()[("planted_library_error", "declared", 2)]
+    assert cell["status"] == "detected"
+    assert [(f["rank"], f["step"], f["kind"]) for f in cell["failures"]] == [(0, 2, "raised"), (1, 2, "raised")]
+    message = cell["failures"][0]["message"]
+    assert message.startswith("torch raised ValueError: batch_size should be a positive integer value")
+    assert "(torch/utils/data/sampler.py:" in message and "in __init__)" in message
+    assert cell["summary"].startswith("diagnosed as declared (raised (planted)): 2 raises on ranks 0, 1: raised; "
+                                      "first: torch raised ValueError")
+
+
+@pytest.mark.parametrize("variant", ["undeclared", "from_the_case", "another_error"])
+def test_any_other_raise_stays_an_error(raise_session, variant):
+    # not declared for this variant; the declared words raised by the case itself; another of torch's errors
+    cell = raise_session.cells()[("planted_library_error", variant, 2)]
+    assert cell["status"] == "error"
+    assert cell["summary"].startswith("ranks 0, 1 raised ValueError: ")
+    assert "Traceback" in cell["detail"]

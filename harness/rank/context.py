@@ -80,6 +80,7 @@ class RankContext:
         self._scaler_kwargs: dict[str, Any] = {}
         self._oracles: list[Oracle] = []
         self._last_point = 0  # the last micro-step of the schedules made here
+        self.at_step = 0  # the micro-step ``epochs`` last gave the case (where a raise happened)
 
     # what the installed accelerate offers (harness/wrappers/probe.py): the API, or Unsupported naming it
 
@@ -387,7 +388,9 @@ class RankContext:
             seen = 0
             for batch in self.batches(loader, expected, what="the prepared dataloader", epoch=epoch):
                 seen += 1
-                yield next(points), batch
+                point = next(points)
+                self.at_step = point.index
+                yield point, batch
             for _ in range(expected - seen):
                 next(points, None)
 

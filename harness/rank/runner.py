@@ -200,6 +200,15 @@ def _answer_progress(conn: Any) -> None:
             return
 
 
+def _declared_raise(info: Any, spec: CellSpec, ctx: Any, exc: Exception) -> Any:
+    """The ``raised`` failure when the cell declares this exception (harness/rank/raises.py), else None."""
+    from harness.decorator import Variant
+    from harness.rank.raises import declared_raise
+
+    declared = info.detects_for(Variant(spec.variant, dict(spec.variant_params)))
+    return declared_raise(declared, exc, rank=ctx.rank, step=ctx.at_step)
+
+
 def run_cell(spec: CellSpec, rank: int, device: Any) -> RankResult:
     import torch
 
@@ -218,7 +227,8 @@ def run_cell(spec: CellSpec, rank: int, device: Any) -> RankResult:
     linear = torch.nn.functional.linear
     try:
         reset_accelerate()
-        body = find_case(locate(spec.case_anchor, spec.case_relpath, spec.case_file), spec.case_attr).body
+        info = find_case(locate(spec.case_anchor, spec.case_relpath, spec.case_file), spec.case_attr)
+        body = info.body
         ctx = RankContext(
             case=spec.case, variant=spec.variant, params=spec.variant_params, rank=rank,
             world_size=spec.world_size, seed=spec.seed, device=device,
@@ -234,8 +244,12 @@ def run_cell(spec: CellSpec, rank: int, device: Any) -> RankResult:
         outcome, detail = RankOutcome.SKIPPED, str(exc)
     except Exception as exc:
         refused = refusal(ctx.wrapper, exc) if ctx is not None else None
+        declared = _declared_raise(info, spec, ctx, exc) if ctx is not None and refused is None else None
         if refused is not None:
             outcome, detail = RankOutcome.UNSUPPORTED, str(refused)
+        elif declared is not None:  # the library raised as the case declares: a failure, judged as declared
+            ctx.recorder.add(declared)
+            outcome, detail = RankOutcome.OK, ""
         else:
             outcome, detail = RankOutcome.RAISED, traceback.format_exc()
     finally:

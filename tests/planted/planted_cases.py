@@ -140,3 +140,31 @@ def test_planted_alike(ctx):
     accelerator, model, optimizer, oracle = prepared_regressor(ctx)
     synced_steps(ctx, accelerator, model, optimizer, oracle, [1, 2],
                  batch_of=lambda step: rank_batch(derive_seed(ctx.seed, "alike", step), 0, rows=6, features=4))
+
+
+# A declared raise (harness/rank/raises.py): torch's own ValueError, declared on one variant; the
+# same words raised by the case, or another of torch's errors, or the declaration not applying, are
+# the cell's error as ever
+DECLARED_RAISE = Diagnosis("raised", when={"declared": True}, match="batch_size should be a positive integer",
+                           upstream="planted")
+
+
+def _raise(raiser):
+    if raiser == "case":
+        raise ValueError("batch_size should be a positive integer value, but got batch_size=0")
+    if raiser == "torch":
+        torch.utils.data.BatchSampler(range(4), batch_size=0, drop_last=False)
+    torch.utils.data.DataLoader(range(4), batch_size=2, shuffle=True, sampler=range(4))
+
+
+@case("planted_library_error", wrappers=DDP_ONLY, defects={"ddp": DECLARED_RAISE},
+      variants=[Variant("declared", {"declared": True, "raiser": "torch"}),
+                Variant("undeclared", {"declared": False, "raiser": "torch"}),
+                Variant("from_the_case", {"declared": True, "raiser": "case"}),
+                Variant("another_error", {"declared": True, "raiser": "torch_other"})])
+def test_planted_library_error(ctx):
+    """One correct step, then torch (or the case) raises on every rank at step 2."""
+    accelerator, model, optimizer, oracle = prepared_regressor(ctx)
+    synced_steps(ctx, accelerator, model, optimizer, oracle, [1])
+    ctx.at_step = 2
+    _raise(ctx.variant["raiser"])
