@@ -81,8 +81,9 @@ def test_unused_parameters(ctx):
 # ZeRO-3 (deepspeed/runtime/zero/stage3.py, partition_grads) copies a reduced gradient into the
 # parameter's partition on the window's first micro-batch (micro_step_id 0) and adds it on later
 # ones; nothing clears the partitions between windows, so ``extra``'s first gradient of a window is
-# added to its gradient of the last one: stale from the second window on (deepspeed 0.19.8; found by
-# this case, no upstream report found). ZeRO-1/2 pass.
+# added to what its partition held at the last boundary (every earlier window's): stale from the
+# second window on (deepspeed 0.19.8; found by this case, reproduced with deepspeed.initialize alone;
+# no upstream report found). ZeRO-1/2 pass.
 @case("unused_until_sync", variants=grid(steps=[2, 3], precision=PRECISIONS),
       defects={"fsdp2": Diagnosis("raised", when={"reduce": "fp32"}, match="uniform gradient dtype",
                                   upstream="pytorch/pytorch#196996"),
