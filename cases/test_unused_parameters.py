@@ -52,6 +52,13 @@ def test_unused_parameters(ctx):
     as zero."""
     steps, pattern = ctx.variant["steps"], ctx.variant["pattern"]
     accelerator = ctx.accelerator(gradient_accumulation_steps=steps, **ctx.ddp_options(find_unused_parameters=True))
+    branchy_loop(ctx, accelerator, steps, lambda point, window: uses_extra(pattern, point, window, ctx.rank))
+
+
+def branchy_loop(ctx, accelerator, steps, use_of):
+    """``Branchy`` under ``accumulate`` for two epochs, its ``extra`` branch used where
+    ``use_of(point, window)`` says (``window``: the accumulation window's number), checked every
+    micro-batch."""
     model = ctx.model("branchy")
     dataset, per_rank = ctx.dataset(batches=BATCHES, batch_size=BATCH_SIZE)
     oracle = ctx.oracle({"model": model}, num_steps=steps, optimizer=sgd)
@@ -61,7 +68,7 @@ def test_unused_parameters(ctx):
     schedule = ctx.schedule(per_rank, epochs=EPOCHS, num_steps=steps)
     window_of = dict(zip((p.index for p in schedule), windows(schedule)))
     for point, batch in ctx.epochs(loader, schedule):
-        use = uses_extra(pattern, point, window_of[point.index], ctx.rank)
+        use = use_of(point, window_of[point.index])
         with accelerator.accumulate(model):
             accelerator.backward(branch_loss(model, batch, use))
             oracle.check_sync_flag(point, accelerator.sync_gradients)
@@ -98,20 +105,4 @@ def test_unused_until_sync(ctx):
     the trunk's and head's the average of the whole window's; between syncs ``extra`` has none."""
     steps = ctx.variant["steps"]
     accelerator = ctx.accelerator(gradient_accumulation_steps=steps)
-    model = ctx.model("branchy")
-    dataset, per_rank = ctx.dataset(batches=BATCHES, batch_size=BATCH_SIZE)
-    oracle = ctx.oracle({"model": model}, num_steps=steps, optimizer=sgd)
-    optimizer = sgd(model.parameters())
-    model, optimizer, loader = accelerator.prepare(model, optimizer, DataLoader(dataset, batch_size=BATCH_SIZE))
-    models = {"model": model}
-    for point, batch in ctx.epochs(loader, ctx.schedule(per_rank, epochs=EPOCHS, num_steps=steps)):
-        use = point.sync
-        with accelerator.accumulate(model):
-            accelerator.backward(branch_loss(model, batch, use))
-            oracle.check_sync_flag(point, accelerator.sync_gradients)
-            oracle.backward(lambda m: branch_loss(m["model"], batch, use), sync=point.sync)
-            oracle.check_grads(point, models)
-            optimizer.step()
-            optimizer.zero_grad()
-        oracle.step(point)
-        oracle.check_params(point, models, {"model": optimizer})
+    branchy_loop(ctx, accelerator, steps, lambda point, window: point.sync)

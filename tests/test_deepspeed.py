@@ -72,22 +72,25 @@ def test_bf16_at_every_zero_stage_is_deepspeeds_arithmetic_exactly_and_a_1e_2_er
     """DeepSpeed's bf16 (bf16 module, fp32 masters made from it, gradients accumulated and reduced in
     bf16: divided by the world size, summed in gloo's ring order over ZeRO-1's bucket in parameter
     order, ZeRO-2's in backward order every micro-batch, ZeRO-3's chunks by rank) reproduced at three
-    ranks, where the order shows: nothing differs. An error of 1e-2 in one rank's gradient once
-    (two bf16 ulps; the gradient DeepSpeed holds is bf16, where less rounds away) fails every cell."""
+    ranks, where the order shows: nothing differs; likewise ZeRO-1's BF16_Optimizer (``grad_accum=fp32``:
+    an fp32 sum of the micro-batches, cast to bf16 and summed in bf16 over its padded flat buffer,
+    then scaled by 1/world size). An error of 1e-2 in one rank's gradient once (two bf16 ulps; the
+    gradient DeepSpeed reduces is bf16, where less rounds away) fails every cell."""
     stages = "deepspeed-z1,deepspeed-z2,deepspeed-z3"
     session = run_pytest("cases/test_fused_loss.py", "cases/test_accumulate_optim.py", "-k", "bf16 and (fused or adamw)",
                          "--wrappers", stages, "--world-sizes", "3", "-q", timeout=900)
     cells = session.cells()
+    runs = (("fused_loss", ""), ("accumulate_adamw", "steps=2-"), ("accumulate_adamw", "steps=3-"))
     assert {(k[0], k[1]) for k in cells} == {
-        (case, f"{steps}bf16-wrapper=deepspeed-z{stage}") for stage in (1, 2, 3)
-        for case, steps in (("fused_loss", ""), ("accumulate_adamw", "steps=2-"), ("accumulate_adamw", "steps=3-"))}
+        (case, f"{steps}bf16-wrapper=deepspeed-z{stage}") for stage in (1, 2, 3) for case, steps in runs} | {
+        (case, f"{steps}bf16-grad_accum=fp32-wrapper=deepspeed-z1") for case, steps in runs}
     for key, cell in cells.items():
         assert (cell["status"], cell["max_abs_diff"]) == ("pass", 0.0), (key, cell["summary"])
         assert "NOT CHECKED" not in cell["summary"], (key, cell["summary"])
     perturbed = run_pytest("cases/test_fused_loss.py", "-k", "bf16", "--wrappers", stages, "--world-sizes", "2",
                            "--harness-fault", "perturb_once:1e-2", "-q", timeout=600)
     assert {c["status"] for c in perturbed.cells().values()} == {"fail"}
-    assert len(perturbed.cells()) == 3
+    assert len(perturbed.cells()) == 4
 
 
 def test_the_boundary_fault_is_caught_by_a_zero2_cell_that_passes_clean(runner):
@@ -111,6 +114,19 @@ def test_the_shapes_of_deepspeeds_bf16_accumulation_bugs_are_caught_by_bf16_cell
     clean = runner.run(chosen)
     faulty = runner.run(chosen, fault=fault)
     assert clean.status == Status.PASS, clean.summary
+    assert faulty.status == Status.FAIL, faulty.summary
+    assert {f.checked for f in faulty.failures} & {"grad", "param"}
+
+
+@pytest.mark.parametrize("fault", ["deepspeed_bf16_optimizer_reduces_early", "deepspeed_last_micro_batch_dropped"])
+def test_pr_7985_is_caught_by_the_bf16_optimizer_cells_that_pass_clean(runner, fault):
+    """DeepSpeed PR #7985's order itself (BF16_Optimizer all-reduces its fp32 sum, then adds the
+    boundary micro-batch to it on each rank alone), planted in the optimizer that had it, and its
+    effect through the loss, on a ``grad_accum=fp32`` cell: it passes clean and fails under each."""
+    chosen = target("test_accumulate.py", "steps=2-bf16-grad_accum=fp32", "deepspeed-z1")
+    clean = runner.run(chosen)
+    faulty = runner.run(chosen, fault=fault)
+    assert (clean.status, clean.max_abs_diff) == (Status.PASS, 0.0), clean.summary
     assert faulty.status == Status.FAIL, faulty.summary
     assert {f.checked for f in faulty.failures} & {"grad", "param"}
 

@@ -21,9 +21,15 @@ def _classes():
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param_group
 
-    return [Accelerator, AcceleratedOptimizer, AcceleratedScheduler, GradientState, DataLoaderDispatcher,
-            DataLoaderShard, DeepSpeedEngineWrapper, FSDPModule, FullyShardedDataParallel, _fsdp_collectives,
-            _fsdp_param_group]
+    classes = [Accelerator, AcceleratedOptimizer, AcceleratedScheduler, GradientState, DataLoaderDispatcher,
+               DataLoaderShard, DeepSpeedEngineWrapper, FSDPModule, FullyShardedDataParallel, _fsdp_collectives,
+               _fsdp_param_group]
+    try:  # DeepSpeed's own classes, where a fault patches DeepSpeed itself (the [deepspeed] extra)
+        from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+        from deepspeed.runtime.engine import DeepSpeedEngine
+    except ImportError:
+        return classes
+    return classes + [BF16_Optimizer, DeepSpeedEngine]
 
 
 def _snapshot():

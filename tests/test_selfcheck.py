@@ -148,13 +148,18 @@ def test_default_variants_are_the_first_fp32_one_of_each_case_and_wrapper(catalo
     assert {(t.wrapper, t.precision, t.variant.params["reduce"]) for t in reduced} == {("fsdp2", "bf16", "fp32")}
     assert len(reduced) == sum("fsdp2" in c.info.wrappers and any(v.params.get("precision") == "bf16"
                                                                   for v in c.info.variants) for c in catalogue)
+    # and the first with BF16_Optimizer (ZeRO-1's bf16-grad_accum=fp32), the path of PR #7985's order
+    accumulated = [t for t in every if "grad_accum" in t.variant.params]
+    assert {(t.wrapper, t.precision, t.variant.params["grad_accum"]) for t in accumulated} == {
+        ("deepspeed-z1", "bf16", "fp32")}
     # and the first bf16 one under each DeepSpeed stage, the path of its bf16 faults (PR #7985's and
     # PR #6550's shapes)
-    deepspeed_bf16 = [t for t in every if t.wrapper.startswith("deepspeed") and t.precision == "bf16"]
-    assert len(deepspeed_bf16) == sum(sum(w.startswith("deepspeed") for w in c.info.wrappers)
-                                      for c in catalogue if any(v.params.get("precision") == "bf16"
-                                                                for v in c.info.variants))
-    targets = [t for t in every if t not in reduced and t not in deepspeed_bf16]
+    deepspeed_bf16 = [t for t in every if t.wrapper.startswith("deepspeed") and t.precision == "bf16"
+                      and t not in accumulated]
+    with_bf16 = [c for c in catalogue if any(v.params.get("precision") == "bf16" for v in c.info.variants)]
+    assert len(deepspeed_bf16) == sum(sum(w.startswith("deepspeed") for w in c.info.wrappers) for c in with_bf16)
+    assert len(accumulated) == sum("deepspeed-z1" in c.info.wrappers for c in with_bf16)
+    targets = [t for t in every if t not in reduced and t not in deepspeed_bf16 and t not in accumulated]
     assert len(targets) == sum(len(c.info.wrappers) for c in catalogue)
     assert all(t.precision == "fp32" for t in targets)
     # not compiled, unless the case has compiled variants only (the compiled-trigger canary)
@@ -164,7 +169,9 @@ def test_default_variants_are_the_first_fp32_one_of_each_case_and_wrapper(catalo
     assert accumulate["ddp"] == "steps=2-fp32" and accumulate["fsdp2"] == "steps=2-fp32-wrapper=fsdp2"
     bf16 = selfcheck.select_targets(catalogue, cases=["fused_loss"], variants=["bf16"])
     assert [t.variant.name for t in bf16] == ["bf16", "bf16-wrapper=fsdp2", "bf16-reduce=fp32-wrapper=fsdp2",
-                                              "bf16-wrapper=fsdp1"] + [f"bf16-wrapper=deepspeed-z{s}" for s in (1, 2, 3)]
+                                              "bf16-wrapper=fsdp1", "bf16-wrapper=deepspeed-z1",
+                                              "bf16-grad_accum=fp32-wrapper=deepspeed-z1"] + [
+        f"bf16-wrapper=deepspeed-z{s}" for s in (2, 3)]
 
 
 class _ThresholdRunner:

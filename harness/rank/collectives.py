@@ -208,14 +208,17 @@ class Collectives:
         return results
 
     def ring_average(self, tensors: Mapping[Hashable, torch.Tensor], segments: Mapping[Hashable, torch.Tensor],
-                     dtype: torch.dtype, *, pre: float = 1.0, post: float | None = None) -> dict[Hashable, Expectation]:
+                     dtype: torch.dtype, *, pre: float = 1.0, post: float | None = None,
+                     post_scales: bool = False) -> dict[Hashable, Expectation]:
         """The average of ``tensors`` over the ranks as a sharded wrapper's reduce-scatter on gloo makes it
         on CPU: each rank's values divided by ``pre`` in ``dtype`` (FSDP1's predivide factor; not at
         1), each element summed in ``dtype`` in its ring segment's order (``segments``, per element,
         from ``ring_segments`` or ``flat_segments``): segment k's elements from rank k-1's value down
         the ring to rank k+1's, rank k's own last; then divided by ``post`` in ``dtype`` (FSDP1's
         postdivide factor; the world size, as gloo's ReduceOp.AVG does, which FSDP2 issues; not at
-        1). Reproduced, it leaves nothing to allow but the floor. One all-gather of every rank's
+        1), or with ``post_scales`` multiplied by fp32 ``1/post`` in fp32 and rounded to ``dtype``
+        (DeepSpeed's ``tensor.mul_(1.0 / world_size)`` on a bf16 bucket). Reproduced, it leaves
+        nothing to allow but the floor. One all-gather of every rank's
         values. Use it where ``ring_order_holds``."""
         post = self.world_size if post is None else post
         mine = flat(t.detach() for t in tensors.values())
@@ -228,7 +231,11 @@ class Collectives:
         else:
             every = [low]
         total = _ring_sum(every, flat(segments.values()), dtype)
-        average = (total / post if post > 1 else total).to(mine.dtype)
+        if post_scales:
+            total = (total.float() * torch.tensor(1.0 / post, dtype=torch.float32)).to(dtype)
+        elif post > 1:
+            total = total / post
+        average = total.to(mine.dtype)
         allowed = torch.full(mine.shape, floor(dtype), dtype=torch.float64)
         averages, allowances = pieces(average, tensors), pieces(allowed, tensors)
         return {k: Expectation(averages[k], allowances[k]) for k in tensors}

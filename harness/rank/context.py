@@ -71,6 +71,7 @@ class RankContext:
         if self.wrapper not in WRAPPERS:
             raise ValueError(f"variant {variant!r}: unknown wrapper {self.wrapper!r}; known: {', '.join(WRAPPERS)}")
         self.compile = self.variant.get("compile")  # a torch.compile backend, e.g. aot_eager
+        self._dtype_policy = {key: self.variant.get(key) for key in ("reduce", "grad_accum")}  # names.MIXED_AXES
         if self.precision not in MIXED_PRECISION:
             raise ValueError(f"variant {variant!r}: unknown precision {self.precision!r}; "
                              f"known: {', '.join(MIXED_PRECISION)}")
@@ -118,9 +119,8 @@ class RankContext:
         self.accumulation = _accumulation_of(kwargs)
         self._scaler_kwargs = _scaler_kwargs_of(kwargs)
         kwargs.update(wrappers.accelerator_kwargs(self.wrapper, kwargs, device_type=self.device.type,
-                                                  num_steps=self.accumulation.num_steps,
-                                                  world_size=self.world_size,
-                                                  reduce=self.variant.get("reduce")))
+                                                  world_size=self.world_size, num_steps=self.accumulation.num_steps,
+                                                  **self._dtype_policy))
         if self.compile is not None:
             self.require_parameter(Accelerator, "dynamo_backend", "Accelerator(dynamo_backend=...)")
             kwargs.setdefault("dynamo_backend", self.compile)
@@ -322,7 +322,7 @@ class RankContext:
             replay_rng=self.replay_rng,
             scaler_kwargs=scaler,
             wrapper=self.wrapper,
-            reduce=self.variant.get("reduce"),
+            **self._dtype_policy,
             accounting=self.accounting,
             more_checks=self._more_checks,
         )
@@ -388,8 +388,7 @@ class RankContext:
             seen = 0
             for batch in self.batches(loader, expected, what="the prepared dataloader", epoch=epoch):
                 seen += 1
-                point = next(points)
-                self.at_step = point.index
+                self.at_step = (point := next(points)).index
                 yield point, batch
             for _ in range(expected - seen):
                 next(points, None)

@@ -58,6 +58,7 @@ class Oracle:
         scaler_kwargs: Mapping[str, Any] | None = None,
         wrapper: str = "ddp",
         reduce: str | None = None,
+        grad_accum: str | None = None,
         accounting: Accounting | None = None,
         more_checks: Callable[[MicroStep | int], bool] | None = None,
     ) -> None:
@@ -88,14 +89,14 @@ class Oracle:
         # FSDP2, FSDP1 and DeepSpeed in bf16 (harness/rank/replica.py): each rank's unsharded gradients
         # since the last sync accumulate apart, as the wrapper accumulates them, and are reduced as it
         # reduces them; the result is added to the gradient held (harness/rank/sharded_reduce.py)
-        self.sharded = (ShardedReduce(wrapper, precision, reduce, self.params, models, self.collectives)
+        self.sharded = (ShardedReduce(wrapper, precision, reduce, self.params, models, self.collectives, grad_accum)
                         if wrapper in SHARDED_MIXED and precision in AUTOCAST_DTYPES else None)
         if self.sharded is not None and self.sharded.stage is not None:
             # DeepSpeed makes its fp32 masters from the module it cast to bf16: the weights' low bits go
             with torch.no_grad():
                 for ps in self.params.values():
                     for p in ps.values():
-                        p.copy_(p.to(self.sharded.accumulate_dtype))
+                        p.copy_(p.to(self.sharded.param_dtype))
         # the all-rank average of ``local`` as it is now, by model: made with a sync's average, in
         # the same all-reduce, and forgotten whenever ``local`` changes
         self._synced: dict[str, dict[str, Expectation]] = {}
@@ -461,8 +462,11 @@ class Oracle:
                 # reported as synced_early): the whole gradient cannot be read without a collective
                 # the other ranks may not make, so the replica keeps its own
                 continue
-            if self.sharded is not None and grad is not None and grad.dtype != replica_param.dtype:
-                # FSDP1 in bf16 between syncs shows its unsharded gradient since the last sync (bf16)
+            unsynced = not self.last_sync or grad is not None and grad.dtype != replica_param.dtype
+            if self.sharded is not None and grad is not None and unsynced:
+                # FSDP1 and ZeRO-1 in bf16 show what they hold since the last sync between syncs (and
+                # where one was due but did not happen): FSDP1 its unsharded gradient, ZeRO-1 param.grad
+                # (bf16) or BF16_Optimizer's fp32 sum
                 self.sharded.adopt(name, pname, grad)
                 continue
             replica_param.grad = None if grad is None else grad.detach().clone()

@@ -43,12 +43,17 @@ class ShardedReduce:
     reduction at the sync. ``models``: the user's models by name, which FSDP prepares in place
     (FSDP2) or wraps (FSDP1; its wrapper recorded at prepare), read at a sync for the layout."""
 
-    def __init__(self, wrapper: str, precision: str, reduce: str | None, params: Mapping[str, Mapping[str, torch.Tensor]],
-                 models: Mapping[str, nn.Module], collectives: Collectives) -> None:
+    def __init__(self, wrapper: str, precision: str, reduce: str | None,
+                 params: Mapping[str, Mapping[str, torch.Tensor]], models: Mapping[str, nn.Module],
+                 collectives: Collectives, grad_accum: str | None = None) -> None:
         self.wrapper = wrapper
-        param_dtype = AUTOCAST_DTYPES[precision]
-        self.reduce_dtype = torch.float32 if reduce == "fp32" else param_dtype
-        self.accumulate_dtype = self.reduce_dtype if wrapper == "fsdp2" else param_dtype
+        self.param_dtype = AUTOCAST_DTYPES[precision]
+        self.reduce_dtype = torch.float32 if reduce == "fp32" else self.param_dtype
+        # DeepSpeed's BF16_Optimizer (ZeRO-1 with ``grad_accum=fp32``) adds each micro-batch's bf16
+        # gradient to an fp32 sum, reduced in bf16 at the boundary, the world size divided after
+        self.bf16_optimizer = grad_accum == "fp32"
+        self.accumulate_dtype = (self.reduce_dtype if wrapper == "fsdp2"
+                                 else torch.float32 if self.bf16_optimizer else self.param_dtype)
         # DeepSpeed's ZeRO stage (None under FSDP), and whether it reduces every micro-batch (ZeRO-2/3:
         # the reduced gradients then add up in bf16 until the boundary, in ``reduced``)
         self.stage = DEEPSPEED.get(wrapper)
@@ -135,7 +140,8 @@ class ShardedReduce:
         layout, why = self._layout()
         if layout is not None:
             segments, pre, post = layout
-            averaged = self.collectives.ring_average(pending, segments, self.reduce_dtype, pre=pre, post=post)
+            averaged = self.collectives.ring_average(pending, segments, self.reduce_dtype, pre=pre, post=post,
+                                                     post_scales=self.bf16_optimizer)
         else:
             [averaged] = self.collectives.reduce_all([Reduction(pending, summed_in=self.reduce_dtype)])
             why = (f"the {DTYPE_NAMES.get(self.reduce_dtype, self.reduce_dtype)} reduction is judged "
@@ -189,16 +195,26 @@ class ShardedReduce:
         one all-reduce of a flat bucket (ZeRO-1's in parameter order, at the boundary; ZeRO-2's in
         the order the backward gave the gradients), ZeRO-3 with one reduce-scatter of every
         parameter's flat chunks by rank (FSDP2's layout of 1-D tensors). Only the gradients taking
-        part are in it."""
+        part are in it. BF16_Optimizer's: its fp32 sum cast to bf16, every parameter in parameter order
+        in one flat buffer padded to a multiple of twice the world size, summed in bf16 by one
+        all-reduce, then scaled by 1/world size (in fp32, rounded to bf16)."""
         from harness.wrappers import deepspeed_cpu
 
         why = ""
         for name, model in self.models.items():
-            why = why or deepspeed_cpu.reduction_unlike_modelled(unwrap(model), self.reduce_dtype)
+            why = why or deepspeed_cpu.reduction_unlike_modelled(unwrap(model), self.reduce_dtype, self.bf16_optimizer)
         if not why and self.world_size > 1:
             why = ring_order_holds(self.world_size, self.reduce_dtype, average=False)
         if why:
             return None, why
+        if self.bf16_optimizer:
+            for name in self.models:
+                sizes = [t.numel() for t in self.pending[name].values()]
+                spans = [(sum(sizes[:i]), n) for i, n in enumerate(sizes)]
+                padded = -(-sum(sizes) // (2 * self.world_size)) * 2 * self.world_size
+                for pname, segment in zip(self.pending[name], flat_segments(spans, padded, self.world_size)):
+                    segments[(name, pname)] = segment
+            return (segments, 1.0, float(self.world_size)), ""
         for name in self.models:
             taking_part = [p for p in self.pending[name] if (name, p) in self.taking_part]
             if self.stage == 2:

@@ -76,11 +76,53 @@ def _losses_zeroed(which: str) -> Any:
     return patch
 
 
-# DeepSpeed PR #7985 (0.18.3 to 0.18.9): under ZeRO-1 the BF16 optimizer all-reduced its fp32
-# accumulator before adding the window's last micro-batch to it, so that micro-batch stayed out of
-# the average. The installed release is fixed, and the harness's bf16 cells do not build that
-# optimizer (docs/wrappers.md): the effect is planted instead, the last micro-batch's gradient
-# left out of every rank's window.
+# DeepSpeed PR #7985 (0.18.5 to 0.18.9 with this configuration): under ZeRO-1 the BF16 optimizer
+# all-reduced its fp32 accumulator before adding the window's last micro-batch to it, so that
+# micro-batch stayed each rank's own. The installed release is fixed (0.19.0); the same order is
+# planted on the ``grad_accum=fp32`` cells, which build that optimizer: at a boundary its epilogue
+# (``update_hp_grads``) waits until the engine's all-reduce is done.
+@contextlib.contextmanager
+def _bf16_optimizer_reduces_early(rank: int) -> Iterator[None]:
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    epilogue, allreduce, engine_epilogue = (BF16_Optimizer.backward_epilogue, DeepSpeedEngine.allreduce_gradients,
+                                            DeepSpeedEngine._backward_epilogue)
+    waiting: dict[str, Any] = {}
+
+    def backward_epilogue(self: Any) -> Any:
+        if waiting.get("boundary"):
+            waiting["optimizer"] = self  # after the all-reduce
+            return None
+        return epilogue(self)
+
+    def allreduce_gradients(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = allreduce(self, *args, **kwargs)
+        if "optimizer" in waiting:
+            epilogue(waiting.pop("optimizer"))
+        return result
+
+    def _backward_epilogue(self: Any) -> Any:
+        waiting["boundary"] = isinstance(self.optimizer, BF16_Optimizer) and self.is_gradient_accumulation_boundary()
+        try:
+            return engine_epilogue(self)
+        finally:
+            waiting.pop("boundary", None)
+            if "optimizer" in waiting:  # no all-reduce came: added all the same
+                epilogue(waiting.pop("optimizer"))
+
+    with (_patched(BF16_Optimizer, "backward_epilogue", backward_epilogue),
+          _patched(DeepSpeedEngine, "allreduce_gradients", allreduce_gradients),
+          _patched(DeepSpeedEngine, "_backward_epilogue", _backward_epilogue)):
+        yield
+
+
+register(Fault("deepspeed_bf16_optimizer_reduces_early",
+               "DeepSpeed's BF16 optimizer all-reduces its fp32 gradient sum before adding the window's last "
+               "micro-batch to it (DeepSpeed PR #7985's order)",
+               _bf16_optimizer_reduces_early, wrappers=("deepspeed-z1",), needs="grad_accum=fp32"))
+# The same effect at every stage and on the default bf16 path, planted through the loss: the last
+# micro-batch's gradient left out of every rank's window.
 register(Fault("deepspeed_last_micro_batch_dropped",
                "the window's last micro-batch is left out of DeepSpeed's averaged gradient (the shape of "
                "DeepSpeed PR #7985)",

@@ -66,7 +66,7 @@ def require(wrapper: str) -> None:
         raise SkipCell(f"wrapper={wrapper} needs transformers' DeepSpeed integration: {missing}")
 
 
-def plugin(stage: int, *, num_steps: int, device_type: str) -> Any:
+def plugin(stage: int, *, num_steps: int, device_type: str, grad_accum: str | None = None) -> Any:
     """The ``DeepSpeedPlugin`` of a cell: ZeRO ``stage``, the case's accumulation steps, no clipping,
     a fixed micro-batch size, bf16 as the Accelerator's ``mixed_precision`` says. Given as a full
     DeepSpeed config, because accelerate's keyword form cannot say two of these:
@@ -85,6 +85,9 @@ def plugin(stage: int, *, num_steps: int, device_type: str) -> Any:
       DeepSpeed uses the value for its batch bookkeeping and its own data loader only, neither of
       which touches the gradients here (accelerate scales the loss through DeepSpeed by the
       accumulation steps alone).
+    - ``data_types: {"grad_accum_dtype": "fp32"}`` where ``grad_accum`` is ``"fp32"`` (the variant's
+      ``grad_accum=fp32``): with bf16 under ZeRO-1 DeepSpeed then builds its BF16_Optimizer, which
+      accumulates each micro-batch's bf16 gradient in fp32 and all-reduces the sum at the boundary.
     - ``gradient_accumulation_steps``: the Accelerator's (accelerate uses DeepSpeed's value when the
       two differ, accelerator.py:2209), so the engine's boundaries and loss scale are the case's.
 
@@ -101,7 +104,7 @@ def plugin(stage: int, *, num_steps: int, device_type: str) -> Any:
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     cls = probe.require(accelerate.utils, "DeepSpeedPlugin", "DeepSpeedPlugin")
-    config = {
+    config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": num_steps,
         "gradient_clipping": 0.0,
@@ -109,17 +112,21 @@ def plugin(stage: int, *, num_steps: int, device_type: str) -> Any:
         "fp16": {"enabled": False},
         "bf16": {"enabled": "auto"},
     }
+    if grad_accum is not None:
+        config["data_types"] = {"grad_accum_dtype": grad_accum}
     return cls(hf_ds_config=config, zero_stage=stage, gradient_accumulation_steps=num_steps,
                gradient_clipping=0.0)
 
 
-def accelerator_kwargs(wrapper: str, stage: int, *, device_type: str, num_steps: int) -> dict[str, Any]:
+def accelerator_kwargs(wrapper: str, stage: int, *, device_type: str, num_steps: int,
+                       grad_accum: str | None = None) -> dict[str, Any]:
     """The ``Accelerator`` keyword arguments for a DeepSpeed cell.
 
     ``cpu=False`` even on a CPU host: accelerate selects DeepSpeed only when ``not cpu`` (state.py:201
     and :974); with ``cpu=True`` it silently drops the plugin and runs MULTI_CPU (DDP)."""
     require(wrapper)
-    return {"deepspeed_plugin": plugin(stage, num_steps=num_steps, device_type=device_type), "cpu": False}
+    return {"deepspeed_plugin": plugin(stage, num_steps=num_steps, device_type=device_type, grad_accum=grad_accum),
+            "cpu": False}
 
 
 def after_construction(accelerator: Any, *, stage: int) -> None:
@@ -236,7 +243,8 @@ def observe(engine: Any, names: list[str], *, sync: bool) -> Observed:
     After a step at a boundary (an optimizer step of the schedule): the full gradients captured
     before the engine stepped. Otherwise (between optimizer steps, and at a point where the
     contract syncs but the engine took no step: ``sync_each_batch``, or a boundary the engine
-    missed): ZeRO-1's own ``param.grad`` (what it reduces only at a boundary), compared as usual;
+    missed): ZeRO-1's own gradient (``param.grad``; BF16_Optimizer's fp32 sum), what it reduces only
+    at a boundary, compared as usual;
     ZeRO-2/3's hidden (``Observed.hidden``: no claim; a missed step still shows in the
     parameters)."""
     from deepspeed.utils import safe_get_full_fp32_param
@@ -251,7 +259,12 @@ def observe(engine: Any, names: list[str], *, sync: bool) -> Observed:
     if sync and captured is not None:
         return Observed(params=params, grads=dict(captured))
     if stage < 2:
-        return Observed(params=params, grads={n: None if p.grad is None else p.grad.detach().clone() for n, p in named})
+        # BF16_Optimizer leaves only the latest micro-batch's gradient in param.grad: the rank's own
+        # sum since the boundary is its fp32 ``_hp_grad`` (a view of the flat accumulator)
+        own = ((lambda p: getattr(p, "_hp_grad", None)) if type(engine.optimizer).__name__ == "BF16_Optimizer"
+               else (lambda p: p.grad))
+        return Observed(params=params, grads={n: None if own(p) is None else own(p).detach().reshape(p.shape).clone()
+                                              for n, p in named})
     grads: dict[str, torch.Tensor | None] = {n: None for n, _ in named}
     return Observed(params=params, grads=grads, sharded=True, hidden=True)
 
@@ -328,19 +341,25 @@ def _scatter_back(flat: torch.Tensor, targets: list[torch.Tensor]) -> None:
 # deepspeed 0.19.8: gradients accumulated in bf16 (no ``data_types.grad_accum_dtype``, so no
 # BF16_Optimizer), each rank's divided by the world size in bf16 before a SUM in bf16
 # (stage_1_and_2.py:1688 ``average_tensor``, coalesced_collectives.py:124), nothing after; ZeRO-1/2 one
-# all-reduce of one bucket, not overlapped with the backward.
+# all-reduce of one bucket, not overlapped with the backward. With ``data_types.grad_accum_dtype:
+# fp32`` under ZeRO-1, BF16_Optimizer: each micro-batch's bf16 gradient added to an fp32 sum
+# (bf16_optimizer.py ``_update_hp_grad``, after the backward, before any all-reduce from 0.19.0 on:
+# PR #7985), the sum cast to the communication dtype at the boundary, all-reduced as one flat padded
+# bucket (engine.py ``buffered_allreduce_fallback``), then multiplied by 1/world size.
 _MODELLED_OPTIMIZERS = ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3")
 
 
-def reduction_unlike_modelled(model: Any, dtype: torch.dtype) -> str:
+def reduction_unlike_modelled(model: Any, dtype: torch.dtype, bf16_optimizer: bool = False) -> str:
     """Why the DeepSpeed engine prepare put around ``model`` (the user's module) does not reduce its
-    gradients as modelled above, in ``dtype``, or "" where it does. Read off the engine's optimizer
-    (no collective)."""
+    gradients as modelled above, in ``dtype`` (with ``bf16_optimizer``: BF16_Optimizer's way), or ""
+    where it does. Read off the engine and its optimizer (no collective)."""
     from harness.wrappers.prepared import wrapper_of
 
     engine = wrapper_of(model)
     optimizer = getattr(engine, "optimizer", None)
     kind = type(optimizer).__name__
+    if bf16_optimizer:
+        return _bf16_optimizer_unlike_modelled(engine, optimizer, dtype)
     if kind not in _MODELLED_OPTIMIZERS:
         return f"DeepSpeed's {kind} reduces its own way (the modelled one is {' or '.join(_MODELLED_OPTIMIZERS)})"
     settings = {"communication_data_type": dtype, "gradient_accumulation_dtype": dtype,
@@ -355,3 +374,19 @@ def reduction_unlike_modelled(model: Any, dtype: torch.dtype) -> str:
     if getattr(optimizer, "reduce_bucket_size", 0) < numel:
         return "DeepSpeed's reduce bucket is smaller than the model: the reduction is cut in several"
     return ""
+
+
+def _bf16_optimizer_unlike_modelled(engine: Any, optimizer: Any, dtype: torch.dtype) -> str:
+    kind = type(optimizer).__name__
+    if kind != "BF16_Optimizer":
+        return f"DeepSpeed built its {kind} for data_types.grad_accum_dtype fp32, not the modelled BF16_Optimizer"
+    settings = {"communication_data_type": (engine.communication_data_type, dtype),
+                "gradient_predivide_factor": (engine.gradient_predivide_factor(), 1.0),
+                "postscale_gradients": (engine.postscale_gradients(), True),
+                "grad_acc_dtype": (getattr(optimizer, "grad_acc_dtype", None), torch.float32),
+                "parameter groups": (len(getattr(optimizer, "bf16_groups", ())), 1)}
+    for name, (value, expected) in settings.items():
+        if value != expected:
+            return f"DeepSpeed's {name} is {value!r} here, not {expected!r}"
+    return ""
+

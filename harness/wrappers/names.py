@@ -28,10 +28,13 @@ ADDS_AFTER_REDUCING = frozenset({"fsdp2", "fsdp1", "deepspeed-z2", "deepspeed-z3
 # models as such (harness/rank/replica.py, harness/rank/sharded_reduce.py). fp16 is modelled under DDP
 # only (its loss scaler).
 PRECISIONS = {DDP: ("fp32", "bf16", "fp16"), **{w: ("fp32", "bf16") for w in WRAPPERS if w != DDP}}
-# FSDP2's bf16 cells, each also with an explicit MixedPrecisionPolicy(param_dtype=bf16,
-# reduce_dtype=fp32) (variant parameter ``reduce=fp32``); without it, accelerate's own policy
-# (param, reduce and output dtype bf16).
-REDUCE_AXIS = {"fsdp2": ("fp32",)}
+# The bf16 cells a wrapper also runs with another dtype policy, as (variant parameter, its values):
+# FSDP2 with an explicit MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) (``reduce=fp32``;
+# without it, accelerate's own policy: param, reduce and output dtype bf16); ZeRO-1 with DeepSpeed's
+# ``data_types.grad_accum_dtype: fp32`` (``grad_accum=fp32``), the one configuration that builds
+# DeepSpeed's BF16_Optimizer under ZeRO (fp32 accumulation, the reduction still bf16), where
+# DeepSpeed PR #7985's defect lived.
+MIXED_AXES = {"fsdp2": ("reduce", ("fp32",)), "deepspeed-z1": ("grad_accum", ("fp32",))}
 DEFAULT_PRECISIONS = ("fp32",)
 # The wrappers compiled variants run under: DDP, where compiled no_sync has had real bugs (pytorch
 # #109774), and FSDP2, which torch.compile is built to trace.

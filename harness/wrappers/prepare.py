@@ -19,8 +19,8 @@ from harness.wrappers.names import (
     DEEPSPEED,
     DEFAULT_PRECISIONS,
     FSDP,
+    MIXED_AXES,
     PRECISIONS,
-    REDUCE_AXIS,
     WRAPPERS,
     WrongWrapper,
 )
@@ -52,10 +52,11 @@ def cell_variants(variants: Iterable[Variant], applies: Iterable[str], selection
             eligible = _lead(eligible)
         for v in eligible:
             out.append(Variant(f"{v.name}-wrapper={wrapper}", {**v.params, "wrapper": wrapper}))
-            if v.params.get("precision", "fp32") != "fp32":
-                out.extend(Variant(f"{v.name}-reduce={reduce}-wrapper={wrapper}",
-                                   {**v.params, "reduce": reduce, "wrapper": wrapper})
-                           for reduce in REDUCE_AXIS.get(wrapper, ()))
+            if v.params.get("precision", "fp32") != "fp32" and wrapper in MIXED_AXES:
+                key, values = MIXED_AXES[wrapper]
+                out.extend(Variant(f"{v.name}-{key}={value}-wrapper={wrapper}",
+                                   {**v.params, key: value, "wrapper": wrapper})
+                           for value in values)
     return out
 
 
@@ -71,7 +72,7 @@ def _lead(variants: list[Variant]) -> list[Variant]:
 
 
 def accelerator_kwargs(wrapper: str, kwargs: Mapping[str, Any], *, device_type: str, num_steps: int,
-                       world_size: int, reduce: str | None = None) -> dict[str, Any]:
+                       world_size: int, reduce: str | None = None, grad_accum: str | None = None) -> dict[str, Any]:
     """The ``Accelerator`` keyword arguments that ask for ``wrapper``; SkipCell when it cannot run here."""
     if wrapper == DDP:
         return {}
@@ -131,15 +132,16 @@ def accelerator_kwargs(wrapper: str, kwargs: Mapping[str, Any], *, device_type: 
             raise Unsupported("FullyShardedDataParallelPlugin(use_orig_params=True)",
                               f"the plugin made has use_orig_params={getattr(made, 'use_orig_params', None)!r}")
         return {"fsdp_plugin": made}
-    return _deepspeed_kwargs(wrapper, device_type=device_type, num_steps=num_steps)
+    return _deepspeed_kwargs(wrapper, device_type=device_type, num_steps=num_steps, grad_accum=grad_accum)
 
 
-def _deepspeed_kwargs(wrapper: str, *, device_type: str, num_steps: int) -> dict[str, Any]:
+def _deepspeed_kwargs(wrapper: str, *, device_type: str, num_steps: int, grad_accum: str | None) -> dict[str, Any]:
     """The DeepSpeed plugin (and ``cpu=False``, which accelerate needs to select DeepSpeed at all);
     harness/wrappers/deepspeed_cpu.py says why each setting is what it is."""
     from harness.wrappers import deepspeed_cpu
 
-    return deepspeed_cpu.accelerator_kwargs(wrapper, DEEPSPEED[wrapper], device_type=device_type, num_steps=num_steps)
+    return deepspeed_cpu.accelerator_kwargs(wrapper, DEEPSPEED[wrapper], device_type=device_type, num_steps=num_steps,
+                                            grad_accum=grad_accum)
 
 
 def after_construction(wrapper: str, accelerator: Any, kwargs: Mapping[str, Any]) -> None:
