@@ -1,0 +1,147 @@
+"""The oracle as its checks see it (harness/rank/checks.py): what the contract expects of the rank
+now, and how the oracle carries on from the rank's real state after each check. A part of
+``Oracle`` (harness/rank/oracle.py), which holds the state these read and the contract's arithmetic
+step by step; kept apart because the two change for different reasons."""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+
+import torch
+
+from harness.rank.checks import as_optimizers
+from harness.rank.closeness import Expectation, rounding_allowance
+from harness.rank.collectives import Reduction
+
+if TYPE_CHECKING:
+    from harness.rank.collectives import Collectives
+    from harness.rank.schedule import MicroStep
+    from harness.rank.sharded_reduce import ShardedReduce
+    from harness.rank.weighting import TokenWeighting
+
+
+class Anchored:
+    """What ``Oracle`` shows its checks, and how they anchor it (the ``adopt_*`` methods)."""
+
+    # the oracle's state (harness/rank/oracle.py, Oracle.__init__)
+    params: dict[str, dict[str, torch.Tensor]]
+    local: dict[str, dict[str, torch.Tensor]]
+    allowed: dict[str, dict[str, torch.Tensor]]
+    previous: dict[str, dict[str, Expectation]] | None
+    terms: dict[str, dict[str, torch.Tensor]] | None
+    optimizers: dict[str, tuple[torch.optim.Optimizer, ...]]
+    sharded: ShardedReduce | None
+    collectives: Collectives
+    weighting: TokenWeighting
+    more_checks: Callable[[MicroStep | int], bool] | None
+    world_size: int
+    last_sync: bool
+    stepped: bool
+    before_step: dict[str, dict[str, torch.Tensor]] | None
+    _synced: dict[str, dict[str, Expectation]]
+    _no_allowance: Callable[[str], dict[str, torch.Tensor]]
+
+    # collectives and what the contract expects now (read by harness/rank/checks.py)
+
+    def rank0_copy(self, step: MicroStep | int, name: str, actual_params: Mapping[str, torch.Tensor],
+                   deliver: Callable[[dict[str, torch.Tensor]], None]) -> None:
+        """Rank 0's copy of the model's parameters as they are now (DDP keeps every rank's equal to
+        it), given to ``deliver`` by name: with the oracle's next all-reduce when another check
+        surely follows ``step``'s, else now."""
+        wait = self.more_checks is not None and self.more_checks(step)
+        self.collectives.later({p: actual_params[p] for p in self.params[name]}, deliver,  # type: ignore[arg-type]
+                               wait=wait)
+
+    def finish(self) -> None:
+        """The case has ended: judge the checks still waiting for rank 0's copies (a collective when
+        any wait). Every rank calls it, after the case returned."""
+        self.collectives.finish()
+
+    def expected_grads(self, name: str) -> dict[str, Expectation]:
+        """What the rank's gradients must be now: under FSDP in bf16 the gradient held plus what
+        accumulated since the last sync (FSDP1 shows the latter between syncs; none after one)."""
+        pending = self.sharded.pending[name] if self.sharded is not None else {}
+        out = {}
+        for pname, p in self.params[name].items():
+            value = p.grad if p.grad is not None else torch.zeros_like(p)
+            out[pname] = Expectation(value + pending[pname] if pname in pending else value, self.allowed[name][pname])
+        return out
+
+    def local_grads(self, name: str) -> dict[str, Expectation]:
+        """This rank's own gradients since the window began: what a backward that did not sync leaves."""
+        return {pname: Expectation(t.clone(), rounding_allowance(t)) for pname, t in self.local[name].items()}
+
+    def synced_grads(self, name: str) -> dict[str, Expectation]:
+        """The all-rank average of the local gradients: what a sync now would leave (a collective,
+        unless a sync's average made it already; ``prepare_synced`` makes several models' in one)."""
+        self.prepare_synced([name])
+        return self._synced[name]
+
+    def prepare_synced(self, names: Iterable[str]) -> None:
+        """The synced hypotheses of ``names``, those not made yet in one all-reduce."""
+        wanted = [name for name in dict.fromkeys(names) if name not in self._synced]
+        if wanted:
+            reduced = self.collectives.reduce_all([Reduction(self.local[name]) for name in wanted])
+            self._synced.update(zip(wanted, reduced))  # type: ignore[arg-type]
+
+    def previous_grad(self, name: str, pname: str) -> Expectation | None:
+        """The last window's final gradient, which a missed zero_grad would leave behind."""
+        return self.previous[name][pname] if self.previous is not None else None
+
+    # carrying on from the rank's real state (when: harness/rank/checks.py)
+
+    def adopt_params(self, name: str, values: Mapping[str, torch.Tensor]) -> None:
+        """The rank's parameters (whole), by name."""
+        with torch.no_grad():
+            for pname, replica_param in self.params[name].items():
+                replica_param.copy_(values[pname].detach())
+
+    def adopt_grads(self, name: str, grads: Mapping[str, torch.Tensor | None]) -> None:
+        """The rank's gradients (whole), by name, with nothing left to allow for."""
+        for pname, replica_param in self.params[name].items():
+            grad = grads.get(pname)
+            if grad is not None and grad.shape != replica_param.shape:
+                # only this rank's shard is shown (FSDP1 after a sync the schedule did not expect,
+                # reported as synced_early): the whole gradient cannot be read without a collective
+                # the other ranks may not make, so the replica keeps its own
+                continue
+            unsynced = not self.last_sync or grad is not None and grad.dtype != replica_param.dtype
+            if self.sharded is not None and grad is not None and unsynced:
+                # FSDP1 and ZeRO-1 in bf16 show what they hold since the last sync between syncs (and
+                # where one was due but did not happen): FSDP1 its unsharded gradient, ZeRO-1 param.grad
+                # (bf16) or BF16_Optimizer's fp32 sum
+                self.sharded.adopt(name, pname, grad)
+                continue
+            replica_param.grad = None if grad is None else grad.detach().clone()
+            if self.terms is not None:
+                # the adopted gradient enters the wrapper's sum once, where the reduction adds every
+                # rank's terms: a world_size-th of it from each
+                self.terms[name][pname] = (torch.zeros_like(replica_param) if grad is None
+                                           else grad.detach().abs() / self.world_size)
+        self.allowed[name] = self._no_allowance(name)
+        self.weighting.clear(name)
+
+    def restart_window(self, name: str, grads: Mapping[str, torch.Tensor | None]) -> None:
+        """After a mismatch: a rank that cleared its gradients starts its next window here."""
+        for pname, grad in grads.items():
+            if pname in self.local[name] and (grad is None or not bool(grad.any())):
+                self.local[name][pname].zero_()
+                self._synced.pop(name, None)
+
+    def adopt_optimizer_state(self, name: str, optimizers: Any) -> None:
+        """The case's optimizer state (moments, step counts), after a parameter mismatch:
+        ``optimizers`` is one optimizer or several, in the order of the oracle's for that model."""
+        for mine, theirs in zip(self.optimizers.get(name, ()), as_optimizers(optimizers)):
+            state = theirs.state_dict()
+            if not isinstance(state, dict) or set(state) != {"state", "param_groups"}:
+                # not a torch optimizer's state (DeepSpeed's ZeRO optimizer keeps its own flat
+                # partitions): there is nothing to adopt, and later steps are judged against the
+                # oracle's own state
+                continue
+            mine.load_state_dict(copy.deepcopy(state))
+
+    def end_step(self) -> None:
+        """The parameters were checked: the next check judges the next optimizer step."""
+        self.before_step = None
+        self.stepped = False
