@@ -6,8 +6,8 @@ Prints, per precision and world size, how many cells fail (catch it) out of thos
 cells that let it through. Goals, at world sizes 2 and 4: 1e-5 caught by every cell whose wrapper
 holds the gradient in fp32 (DDP in fp32 and bf16 autocast, FSDP2's reduce=fp32); 1e-2 (more than a
 bf16 ulp) by at least 95% of the cells whose wrapper holds it in bf16 (FSDP2 and FSDP1 under
-accelerate's policy, DeepSpeed), where a smaller error rounds away inside the wrapper before anything
-can see it (bench/README.md). Targets live here, not in timed tests (machines are shared and noisy).
+accelerate's policy, DeepSpeed, ZeRO-1's BF16 optimizer too: it sums in fp32 but reduces in bf16),
+where a smaller error rounds away inside the wrapper before anything can see it (bench/README.md). Targets live here, not in timed tests (machines are shared and noisy).
 """
 
 from __future__ import annotations
@@ -35,9 +35,11 @@ def _ints(text: str) -> list[int]:
 
 
 def _kind(target: selfcheck.Target) -> str:
-    """The table's row label: wrapper and precision, and the reduce dtype where the variant names one."""
-    reduce = target.variant.params.get("reduce")
-    return f"{target.wrapper} {target.precision}" + (f" reduce={reduce}" if reduce else "")
+    """The table's row label: wrapper and precision, and the dtype policy where the variant names one
+    (FSDP2's reduce dtype, ZeRO-1's grad_accum dtype)."""
+    policy = "".join(f" {key}={target.variant.params[key]}" for key in ("reduce", "grad_accum")
+                     if target.variant.params.get(key))
+    return f"{target.wrapper} {target.precision}{policy}"
 
 
 def main() -> int:
