@@ -207,25 +207,23 @@ class ShardedReduce:
             why = ring_order_holds(self.world_size, self.reduce_dtype, average=False)
         if why:
             return None, why
-        if self.bf16_optimizer:
-            for name in self.models:
-                sizes = [t.numel() for t in self.pending[name].values()]
-                spans = [(sum(sizes[:i]), n) for i, n in enumerate(sizes)]
-                padded = -(-sum(sizes) // (2 * self.world_size)) * 2 * self.world_size
-                for pname, segment in zip(self.pending[name], flat_segments(spans, padded, self.world_size)):
-                    segments[(name, pname)] = segment
-            return (segments, 1.0, float(self.world_size)), ""
         for name in self.models:
-            taking_part = [p for p in self.pending[name] if (name, p) in self.taking_part]
-            if self.stage == 2:
+            if self.bf16_optimizer:  # every parameter, used or not: its flat fp32 sum holds them all
+                taking_part = list(self.pending[name])
+            elif self.stage == 2:
                 taking_part = [p for p in self.order.get(name, []) if (name, p) in self.taking_part]
+            else:
+                taking_part = [p for p in self.pending[name] if (name, p) in self.taking_part]
             sizes = [self.pending[name][p].numel() for p in taking_part]
             if self.stage == 3:
                 places = ring_segments([torch.Size([n]) for n in sizes], self.world_size)
             else:
                 spans = [(sum(sizes[:i]), n) for i, n in enumerate(sizes)]
-                places = flat_segments(spans, sum(sizes), self.world_size)
+                pad = 2 * self.world_size if self.bf16_optimizer else 1  # BF16_Optimizer aligns to 2 x ws
+                places = flat_segments(spans, -(-sum(sizes) // pad) * pad, self.world_size)
             for pname, segment in zip(taking_part, places):
                 segments[(name, pname)] = segment
+        if self.bf16_optimizer:  # summed first, scaled by 1 / world size after
+            return (segments, 1.0, float(self.world_size)), ""
         return (segments, float(self.world_size), 1.0), ""
 
