@@ -261,10 +261,10 @@ def observe(engine: Any, names: list[str], *, sync: bool) -> Observed:
     if stage < 2:
         # BF16_Optimizer leaves only the latest micro-batch's gradient in param.grad: the rank's own
         # sum since the boundary is its fp32 ``_hp_grad`` (a view of the flat accumulator)
-        own = ((lambda p: getattr(p, "_hp_grad", None)) if type(engine.optimizer).__name__ == "BF16_Optimizer"
-               else (lambda p: p.grad))
-        return Observed(params=params, grads={n: None if own(p) is None else own(p).detach().reshape(p.shape).clone()
-                                              for n, p in named})
+        held = "_hp_grad" if type(engine.optimizer).__name__ == "BF16_Optimizer" else "grad"
+        shown = {n: getattr(p, held, None) for n, p in named}
+        return Observed(params=params, grads={n: None if g is None else g.detach().reshape(p.shape).clone()
+                                              for (n, p), g in zip(named, shown.values())})
     grads: dict[str, torch.Tensor | None] = {n: None for n, _ in named}
     return Observed(params=params, grads=grads, sharded=True, hidden=True)
 
