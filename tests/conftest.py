@@ -78,11 +78,28 @@ def killed_if_failing(process: subprocess.Popen):
     its group are killed: a failing test leaves no run behind."""
     try:
         yield
-    except BaseException:
+    except BaseException as exc:
         if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+            why = _why_it_hangs(process)
+            with contextlib.suppress(ProcessLookupError):  # the rest of its group
+                os.killpg(process.pid, signal.SIGKILL)
             process.communicate()
+            raise AssertionError(f"{exc}\n{why}") from exc
         raise
+
+
+def _why_it_hangs(process: subprocess.Popen) -> str:
+    """What a session that did not end was doing: the processes of its group, and the stacks of its
+    threads (SIGABRT makes pytest's faulthandler write them to stderr before the process aborts)."""
+    listing = subprocess.run(["ps", "-o", "pid,ppid,stat,wchan:24,etime,args", "-g", str(process.pid)],
+                             capture_output=True, text=True).stdout
+    process.send_signal(signal.SIGABRT)
+    try:
+        stdout, stderr = process.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        stdout, stderr = "", "(no stacks: the session did not abort within 30 s)"
+    return (f"the session's processes:\n{listing}\nits stdout's end:\n{(stdout or '')[-3000:]}\n"
+            f"its stderr's end (the stacks):\n{(stderr or '')[-6000:]}")
 
 
 # The tests start hundreds of Python processes (sessions, xdist workers, ranks), each of which
