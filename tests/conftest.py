@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import signal
@@ -70,6 +71,16 @@ def wait_until(condition, process: subprocess.Popen, what: str, timeout: float =
         assert process.poll() is None, f"the run ended before {what}:\n{process.communicate()[0][-3000:]}"
         assert time.monotonic() < deadline, f"{what}: not within {timeout:g} s"
         time.sleep(0.1)
+
+
+def signal_another_thread(pid: int, signum: int) -> None:
+    """Send ``signum`` to a thread of process ``pid`` other than its main one (``tgkill``): the kernel
+    may deliver a signal sent to the whole process to any thread that does not block it."""
+    others = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid)
+    assert others, f"process {pid} has no thread besides its main one"
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.tgkill(pid, others[0], signum) != 0:
+        raise OSError(ctypes.get_errno(), f"tgkill({pid}, {others[0]}, {signum})")
 
 
 @contextlib.contextmanager

@@ -11,7 +11,16 @@ import textwrap
 
 import pytest
 import torch
-from conftest import PLANTED, ROOT, killed_if_failing, session_env, start_pytest, wait_for_no_processes, wait_until
+from conftest import (
+    PLANTED,
+    ROOT,
+    killed_if_failing,
+    session_env,
+    signal_another_thread,
+    start_pytest,
+    wait_for_no_processes,
+    wait_until,
+)
 
 
 @pytest.fixture(scope="module")
@@ -234,6 +243,8 @@ def interrupt_half_way(tmp_path, how, extra):
     "how, extra",
     [
         pytest.param(lambda p: os.killpg(p.pid, signal.SIGINT), [], id="ctrl-c-to-the-process-group"),
+        # delivered to a thread other than the main one, which is asleep waiting for the ranks
+        pytest.param(lambda p: signal_another_thread(p.pid, signal.SIGINT), [], id="ctrl-c-landing-on-another-thread"),
         pytest.param(lambda p: p.send_signal(signal.SIGTERM), [], id="sigterm"),
         pytest.param(lambda p: p.send_signal(signal.SIGHUP), [], id="sighup"),
         pytest.param(lambda p: p.send_signal(signal.SIGTERM), ["-n", "2"], id="sigterm-to-the-xdist-controller"),

@@ -7,9 +7,12 @@ import multiprocessing
 import os
 import shutil
 import signal
+import socket
 import tempfile
+import threading
 import time
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as _wait_for
 from typing import Any
 
 from harness.controller.blame import mark_victims, protocol_fault, stuck_kinds
@@ -87,6 +90,32 @@ def _end_rank_server() -> None:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
+
+
+def wait(handles: list[Any], timeout: float) -> list[Any]:
+    """``multiprocessing.connection.wait``, woken by a signal as well (in the main thread).
+
+    A signal sent to the process (Ctrl-C, SIGTERM, xdist's shutdown, which sends SIGINT) may be
+    delivered to any of its threads that does not block it, torch's and gloo's among them. Python runs
+    its handler in the main thread only once that thread runs again: a main thread asleep in a wait on
+    the ranks' pipes would sleep through the signal for as long as the cell's timeout. The wait
+    includes a socket that ``signal.set_wakeup_fd`` writes to whichever thread the signal lands on."""
+    if threading.current_thread() is not threading.main_thread():
+        return _wait_for(handles, timeout)
+    wake, woken = socket.socketpair()
+    try:
+        wake.setblocking(False)
+        woken.setblocking(False)
+        previous = signal.set_wakeup_fd(woken.fileno(), warn_on_full_buffer=False)
+        try:
+            ready = _wait_for([*handles, wake], timeout)
+        finally:
+            signal.set_wakeup_fd(previous)
+    finally:
+        wake.close()
+        woken.close()
+    # the handler runs at the main thread's next instruction: KeyboardInterrupt rises from the caller
+    return [handle for handle in ready if handle is not wake]
 
 
 class PoolStartError(RuntimeError):
