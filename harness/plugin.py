@@ -249,6 +249,11 @@ def _end_on_signals(state: HarnessState) -> None:
 
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, terminate)
+    if _is_worker(state.config) and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # xdist's controller ends a worker with SIGINT (execnet's shutdown sends it to the worker). A
+        # worker of a script's background job (`pytest -n 4 ... &`, nohup) inherits Ctrl-C ignored,
+        # and would be killed 15 s later without tearing its pools down
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

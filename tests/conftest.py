@@ -130,11 +130,18 @@ def session_env(token: str, **extra: str) -> dict[str, str]:
     return env
 
 
-def start_pytest(args: list[str], report_dir: Path, **extra_env: str) -> tuple[subprocess.Popen, str]:
+def start_pytest(args: list[str], report_dir: Path, *, ctrl_c: str = "handled",
+                 **extra_env: str) -> tuple[subprocess.Popen, str]:
+    """A pytest session in a process group of its own. ``ctrl_c``: ``"handled"``, as a terminal's
+    foreground job starts, whatever this test run inherited (a script's background job, ``cmd &`` or
+    ``nohup``, starts with SIGINT ignored, and so would every session started from it); ``"ignored"``:
+    as such a background job starts."""
     token = f"harness-test-{uuid.uuid4().hex}"
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--report-dir", str(report_dir), *args]
+    disposition = {"handled": signal.SIG_DFL, "ignored": signal.SIG_IGN}[ctrl_c]
     process = subprocess.Popen(command, cwd=ROOT, env=session_env(token, **extra_env), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+                               stderr=subprocess.PIPE, text=True, start_new_session=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, disposition))
     return process, token
 
 

@@ -216,9 +216,9 @@ def cells_in(report_dir):
 FINISHED = [("finishes1", "pass"), ("finishes2", "pass")]  # the cells before the blocked one
 
 
-def interrupt_half_way(tmp_path, how, extra):
+def interrupt_half_way(tmp_path, how, extra, ctrl_c="handled"):
     """Start a run whose third cell blocks until the run is ended, and end it ``how`` once the run
-    says it is there: the outcome cannot depend on the machine's speed."""
+    says it is there: the outcome cannot depend on the machine's speed. ``ctrl_c``: start_pytest's."""
     progress = tmp_path / "progress"
     progress.mkdir()
     report_dir = tmp_path / "reports"
@@ -226,7 +226,7 @@ def interrupt_half_way(tmp_path, how, extra):
     temp.mkdir()
     # a case timeout longer than any wait here: the blocked cell ends by the signal, never by its timeout
     process, token = start_pytest([*extra, PLANTED, "-k", "planted_blocks_half_way", "--world-sizes", "2",
-                                   "--case-timeout", "3600"], report_dir,
+                                   "--case-timeout", "3600"], report_dir, ctrl_c=ctrl_c,
                                   PLANTED_PROGRESS_DIR=str(progress), TMPDIR=str(temp))
     with killed_if_failing(process):
         # rank 0 has started the blocking cell, so the two before it have finished (under xdist their
@@ -240,20 +240,26 @@ def interrupt_half_way(tmp_path, how, extra):
 
 
 @pytest.mark.parametrize(
-    "how, extra",
+    "how, extra, ctrl_c",
     [
-        pytest.param(lambda p: os.killpg(p.pid, signal.SIGINT), [], id="ctrl-c-to-the-process-group"),
+        pytest.param(lambda p: os.killpg(p.pid, signal.SIGINT), [], "handled", id="ctrl-c-to-the-process-group"),
         # delivered to a thread other than the main one, which is asleep waiting for the ranks
-        pytest.param(lambda p: signal_another_thread(p.pid, signal.SIGINT), [], id="ctrl-c-landing-on-another-thread"),
-        pytest.param(lambda p: p.send_signal(signal.SIGTERM), [], id="sigterm"),
-        pytest.param(lambda p: p.send_signal(signal.SIGHUP), [], id="sighup"),
-        pytest.param(lambda p: p.send_signal(signal.SIGTERM), ["-n", "2"], id="sigterm-to-the-xdist-controller"),
+        pytest.param(lambda p: signal_another_thread(p.pid, signal.SIGINT), [], "handled",
+                     id="ctrl-c-landing-on-another-thread"),
+        pytest.param(lambda p: p.send_signal(signal.SIGTERM), [], "handled", id="sigterm"),
+        pytest.param(lambda p: p.send_signal(signal.SIGHUP), [], "handled", id="sighup"),
+        pytest.param(lambda p: p.send_signal(signal.SIGTERM), ["-n", "2"], "handled",
+                     id="sigterm-to-the-xdist-controller"),
+        # a script's background job (`pytest -n 2 ... &`, nohup) starts with Ctrl-C ignored, and its
+        # xdist workers with it: the controller's shutdown interrupts a worker with SIGINT all the same
+        pytest.param(lambda p: p.send_signal(signal.SIGTERM), ["-n", "2"], "ignored",
+                     id="sigterm-to-the-xdist-controller-of-a-background-job"),
     ],
 )
 def test_an_interrupted_run_writes_the_finished_cells_marks_the_matrix_incomplete_and_leaves_nothing_behind(
-    tmp_path, how, extra
+    tmp_path, how, extra, ctrl_c
 ):
-    returncode, stdout, report_dir, token, temp = interrupt_half_way(tmp_path, how, extra)
+    returncode, stdout, report_dir, token, temp = interrupt_half_way(tmp_path, how, extra, ctrl_c)
     assert returncode == pytest.ExitCode.INTERRUPTED, stdout
     matrix = json.loads((report_dir / "matrix.json").read_text())
     assert matrix["complete"] is False
