@@ -47,6 +47,11 @@ FLAGS = [
 ]
 
 
+# What Chrome answers to an evaluation that a navigation interrupted.
+_NAVIGATING = ("Inspected target navigated or closed", "Execution context was destroyed",
+               "Cannot find context with specified id")
+
+
 class BrowserError(RuntimeError):
     """Chromium could not start, died, refused a command, or a wait ran out."""
 
@@ -512,6 +517,12 @@ class Page:
                 value = self.evaluate(expression, *args, timeout=max(deadline - time.monotonic(), 0.1), what=what)
             except BrowserTimeout:
                 raise BrowserTimeout(f"timed out after {timeout:g} s waiting for {what} (the page did not answer)") from None
+            except BrowserError as exc:
+                # polled across a navigation (a click that follows a link): the old document is gone
+                # before the new one answers, which is "not yet", not an error
+                if not any(words in str(exc) for words in _NAVIGATING):
+                    raise
+                value = None
             if value:
                 return value
             if time.monotonic() > deadline:
