@@ -48,6 +48,9 @@ class Diagnosis:
     # a defect of some releases only: the first release of each package that no longer has it
     # (``{"torch": "2.11"}``); on a later installed release the cell is judged as any other
     fixed_in: Mapping[str, str] | tuple[tuple[str, str], ...] = ()
+    # and the first release of each package that has it (``{"transformers": "4.46"}``); on an earlier
+    # installed release the cell is judged as any other
+    since: Mapping[str, str] | tuple[tuple[str, str], ...] = ()
     upstream: str = ""  # where the defect is reported (``pytorch/pytorch#149768``), named in the summary
     # for kind ``raised``: a regular expression the exception's ``Type: message`` must contain (re.search)
     match: str = ""
@@ -62,20 +65,25 @@ class Diagnosis:
         object.__setattr__(self, "when", tuple(sorted((str(k), v) for k, v in items)))
         fixed = self.fixed_in.items() if isinstance(self.fixed_in, Mapping) else self.fixed_in
         object.__setattr__(self, "fixed_in", tuple(sorted((str(k), str(v)) for k, v in fixed)))
+        since = self.since.items() if isinstance(self.since, Mapping) else self.since
+        object.__setattr__(self, "since", tuple(sorted((str(k), str(v)) for k, v in since)))
 
     def applies_to(self, params: Mapping[str, Any]) -> bool:
         """Whether a cell of these variant parameters must show it (with the installed releases)."""
         return all(params.get(key) == value for key, value in self.when) and self.present()  # type: ignore[misc]
 
     def present(self) -> bool:
-        """Whether the installed releases still have it: below every ``fixed_in`` release."""
+        """Whether the installed releases have it: below every ``fixed_in`` release, and none below a
+        ``since`` release."""
         from harness.versions import below
 
-        return all(below(package, release) for package, release in self.fixed_in)  # type: ignore[misc]
+        return (all(below(package, release) for package, release in self.fixed_in)  # type: ignore[misc]
+                and not any(below(package, release) for package, release in self.since))  # type: ignore[misc]
 
     def described(self) -> str:
         """The diagnosis with where it is reported and the release that fixed it, for a summary."""
         where = [self.upstream] if self.upstream else []
+        where += [f"since {package} {release}" for package, release in self.since]  # type: ignore[misc]
         where += [f"fixed in {package} {release}" for package, release in self.fixed_in]  # type: ignore[misc]
         return str(self) + (f" ({', '.join(where)})" if where else "")
 

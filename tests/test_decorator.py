@@ -65,6 +65,18 @@ def test_a_defect_of_some_releases_is_expected_only_while_the_installed_release_
     assert [d.upstream for d in info.defects["fsdp2"]] == ["pytorch/pytorch#149768"]
 
 
+def test_a_defect_that_a_later_release_brought_is_expected_only_from_that_release_on():
+    before = Diagnosis("wrong_scale", model="model", since={"torch": "999.0"})
+    after = Diagnosis("wrong_scale", model="model", since={"torch": "2.0"}, fixed_in={"torch": "999.0"},
+                      upstream="huggingface/transformers#47688")
+    assert not before.present() and not before.applies_to({})
+    assert after.present() and after.applies_to({})
+    assert after.described() == ("wrong_scale in model (huggingface/transformers#47688, since torch 2.0, "
+                                 "fixed in torch 999.0)")
+    assert after == Diagnosis("wrong_scale", model="model", since=(("torch", "2.0"),), fixed_in={"torch": "999.0"},
+                              upstream="huggingface/transformers#47688")
+
+
 def test_a_declared_raise_names_the_words_the_library_raises():
     assert Diagnosis("raised", match="uniform gradient dtype").match == "uniform gradient dtype"
     with pytest.raises(ValueError, match="match= is given with kind 'raised' only"):
