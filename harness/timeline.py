@@ -19,7 +19,7 @@ from typing import Any, Iterable
 
 # The order checks are drawn in within a micro-step, and their words; another harness version may
 # record others (drawn after these, under their own name).
-CHECKS = ("schedule", "flag", "comm", "grad", "lr", "param", "raise")
+CHECKS = ("schedule", "flag", "comm", "grad", "lr", "param", "raise", "grad_norm")
 CHECK_WORDS = {
     "schedule": "batch count",
     "flag": "sync flag",
@@ -28,6 +28,7 @@ CHECK_WORDS = {
     "lr": "learning rate",
     "param": "parameters",
     "raise": "the library raised",
+    "grad_norm": "Trainer's grad_norm",
 }
 
 

@@ -86,6 +86,25 @@ def batch_count_text(*, rank: int, what: str, epoch: int, seen: int, expected: i
     return f"{what} on rank {rank} yielded {seen} batches in epoch {epoch}, the contract says {expected}"
 
 
+def trainer_count_text(*, rank: int, what: str, seen: int, expected: int) -> str:
+    return f"Trainer.train() on rank {rank} ran {seen} {what}, the schedule of its arguments says {expected}"
+
+
+def trainer_window_text(*, rank: int, first: str, last: str, due: str, steps: int) -> str:
+    """Trainer stepped the optimizer where the schedule of its arguments does not (said once a cell)."""
+    return (f"Trainer.train() on rank {rank} stepped the optimizer after the micro-batches from {first} to "
+            f"{last}; the schedule of its arguments (windows of gradient_accumulation_steps={steps} in each "
+            f"epoch, the last one shorter) ends that window at {due}. Each step is judged on the window "
+            "Trainer took")
+
+
+def grad_norm_text(*, rank: int, where: str, logged: float, expected: float, allowed: float) -> str:
+    """Trainer's logged grad_norm (its clip's norm, before clipping) against the oracle's."""
+    ratio = f" ({logged / expected:.6g} times it)" if expected > 0 else ""
+    return (f"grad_norm logged by Trainer on rank {rank} at {where}: is {logged:.6g}, the gradient of the "
+            f"step's mean loss has norm {expected:.6g}{ratio} (up to {allowed:.2g} apart allowed)")
+
+
 # rank faults
 
 

@@ -1,0 +1,336 @@
+"""transformers' ``Trainer.train()`` checked step by step, unmodified (docs/trainer.md).
+
+``checked_trainer(ctx, model, ...)`` builds the ``Trainer`` a case (or a user's own case) trains,
+with one ``TrainerCallback`` added and two observers that any training loop permits: a forward
+pre-hook on the model (which micro-batch each forward ran, as Trainer feeds it) and step hooks on
+the optimizer Trainer made (the gradients the step uses, after Trainer's clip; the parameters after
+it). Nothing of Trainer is patched.
+
+The expectation is what a Trainer user means (DESIGN.md, "Trainer's contract"): each optimizer
+step's update is the one the mean loss over every sample (every valid token, for a causal LM) of
+that step's global batch would give, all micro-batches on all ranks, clipped at ``max_grad_norm``,
+stepped by the optimizer and scheduler Trainer was configured with. The oracle computes it from the
+micro-batches the ranks really ran (harness/rank/oracle.py, in token mode: each micro-batch's summed
+loss, weighed by the window's count on every rank); it never reads what Trainer divides by.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+from harness import wording as text
+from harness.rank.closeness import norm_rounding
+from harness.rank.schedule import MicroStep, batches_per_rank
+from harness.rank.tokens import IGNORE_INDEX
+from harness.records import Failure, FailureKind
+
+# What the loss of one micro-batch is, by the model's task: "tokens" (a causal LM: every valid token
+# of the window weighs the same; position t predicts label t+1) or "samples" (a classifier: every
+# sample weighs the same).
+LOSSES = ("tokens", "samples")
+
+# Set for every checked Trainer, whatever the case gives: the checks read every step's grad_norm
+# from Trainer's logs, and nothing is written or reported elsewhere.
+FIXED_ARGUMENTS = {"logging_steps": 1, "save_strategy": "no", "report_to": "none", "disable_tqdm": True,
+                   "dataloader_num_workers": 0}
+
+
+def _summed_token_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """A causal LM's token losses summed, from its logits: position t predicts label t+1."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))["logits"]
+    return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                                       batch["labels"][:, 1:].reshape(-1), ignore_index=IGNORE_INDEX,
+                                       reduction="sum")
+
+
+def _summed_sample_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """A classifier's per-sample cross-entropies summed."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))["logits"]
+    return nn.functional.cross_entropy(logits.float(), batch["labels"].reshape(-1), reduction="sum")
+
+
+def _counted(batch: Mapping[str, torch.Tensor], loss: str) -> torch.Tensor:
+    """What the window's mean is over, in this micro-batch: its valid targets, or its samples."""
+    return batch["labels"][:, 1:] if loss == "tokens" else batch["labels"].reshape(-1)
+
+
+@dataclass
+class _Window:
+    """The micro-batches this rank's model ran since the last optimizer step, with their micro-steps."""
+
+    batches: list[tuple[MicroStep, dict[str, torch.Tensor]]] = field(default_factory=list)
+
+
+class TrainerWatch:
+    """The observers of one checked Trainer, on one rank, and the checks they run."""
+
+    def __init__(self, ctx: Any, model: nn.Module, oracle: Any, schedule: list[MicroStep], *, loss: str,
+                 max_grad_norm: float) -> None:
+        self.ctx = ctx
+        self.model = model
+        self.oracle = oracle
+        self.schedule = schedule
+        self.points = iter(schedule)
+        self.loss = loss
+        self.summed: Callable[..., torch.Tensor] = _summed_token_loss if loss == "tokens" else _summed_sample_loss
+        self.max_grad_norm = max_grad_norm
+        self.window = _Window()
+        self.trainer: Any = None
+        self.point: MicroStep | None = None
+        # the oracle's gradient norm before clipping, how far the rank's may be from it, and the
+        # micro-step of the optimizer step, by optimizer step
+        self.norms: list[tuple[float, float, MicroStep]] = []
+        self.logged_norms: list[float] = []
+        self.forwards = 0
+        self.steps = 0
+        self.misplaced = False  # a window of Trainer's was not the schedule's (said once)
+        self.steps_due = 0  # gradient_accumulation_steps, for the words
+        self._hooked: Any = None
+        self.handles = [model.register_forward_pre_hook(self._forward, with_kwargs=True)]
+
+    # the observers
+
+    def _forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not module.training or not torch.is_grad_enabled():
+            return
+        batch = {k: v.detach().clone() for k, v in kwargs.items()
+                 if isinstance(v, torch.Tensor) and k != "num_items_in_batch"}
+        self.forwards += 1
+        point = next(self.points, None)
+        self.ctx.at_step = point.index if point is not None else self.forwards
+        if point is None:  # more micro-batches than the schedule has: the count is judged at the end
+            return
+        self.window.batches.append((point, batch))
+
+    def hook_optimizer(self, optimizer: Any) -> None:
+        """Trainer's optimizer (accelerate's wrapper around it, or the torch optimizer itself)."""
+        inner = getattr(optimizer, "optimizer", optimizer)
+        if inner is self._hooked:
+            return
+        self._hooked = inner
+        self.handles.append(inner.register_step_pre_hook(lambda *_: self._before_step()))
+        self.handles.append(inner.register_step_post_hook(lambda *_: self._after_step()))
+
+    def _before_step(self) -> None:
+        """Trainer has synced and clipped the window's gradients: the oracle computes the gradient of
+        the mean loss over the micro-batches of the window Trainer really took (every rank's), and the
+        gradients, the learning rate and the clip are judged. Where Trainer's window is not the one
+        of the schedule, that is said once (``schedule``), and each later step is still judged on its
+        own window: one misplaced step does not turn every later check red."""
+        oracle, models = self.oracle, {"model": self.trainer.model_wrapped}
+        batches, self.window = self.window.batches, _Window()
+        if not batches:
+            self.point = None
+            return
+        oracle.token_window([_counted(b, self.loss) for _, b in batches])
+        last = len(batches) - 1
+        for n, (point, batch) in enumerate(batches):
+            oracle.backward(lambda m, batch=batch: self.summed(m["model"], batch), sync=n == last)
+        planned = [p for p, _ in batches]
+        self.point = dataclasses.replace(planned[-1], sync=True, optimizer_step=True)
+        if not self.misplaced and (not planned[-1].optimizer_step or any(p.optimizer_step for p in planned[:-1])):
+            self.misplaced = True
+            end = _window_end(self.schedule, planned[0])
+            recorder = self.ctx.recorder
+            recorder.add(Failure(
+                rank=recorder.rank, step=planned[-1].index, model="trainer", param="window",
+                kind=FailureKind.SCHEDULE, max_abs_diff=float(abs(planned[-1].index - end.index)), checked="schedule",
+                message=text.trainer_window_text(rank=recorder.rank, first=planned[0].where(),
+                                                 last=planned[-1].where(), due=end.where(), steps=self.steps_due),
+            ))
+        if self.max_grad_norm > 0:
+            # how far the rank's norm may be from the oracle's: the norm of the gradients' allowances
+            # (|‖a‖ - ‖b‖| <= ‖a - b‖), taken before the clip scales them
+            allowed = torch.cat([a.flatten() for a in oracle.allowed["model"].values()])
+            carried = float(torch.linalg.vector_norm(allowed))
+            self.norms.append((oracle.clip_grad_norm(self.max_grad_norm)["model"], carried, self.point))
+        oracle.check_grads(self.point, models)
+        oracle.check_lr(self.point, {"model": self._hooked})
+        # a wrong rate is said above, at every step it is wrong; the oracle's update uses Trainer's, so
+        # that the parameter checks judge the gradient, not the rate again (its scheduler still sets
+        # its own rate at its next step)
+        ours = [g for optimizer in oracle.optimizers["model"] for g in optimizer.param_groups]
+        for group, theirs in zip(ours, self._hooked.param_groups):
+            group["lr"] = theirs["lr"]
+
+    def _after_step(self) -> None:
+        if self.point is None:
+            return
+        self.steps += 1
+        self.oracle.step(self.point)
+        self.oracle.check_params(self.point, {"model": self.trainer.model_wrapped}, {"model": self._hooked})
+
+    def logged(self, logs: Mapping[str, Any]) -> None:
+        """Trainer's logs after an optimizer step: its grad_norm is judged at once (a failure's place in
+        the cell's list is its time)."""
+        if "grad_norm" in logs and logs["grad_norm"] is not None:
+            self.logged_norms.append(float(logs["grad_norm"]))
+            self._judge_norm(len(self.logged_norms) - 1)
+
+    # after train()
+
+    def finish(self) -> None:
+        """The counts of the whole run: micro-batches and optimizer steps against the schedule."""
+        for handle in self.handles:
+            handle.remove()
+        recorder = self.ctx.recorder
+        expected_steps = sum(1 for p in self.schedule if p.optimizer_step)
+        for what, seen, expected in (("micro-batches (forwards in training)", self.forwards, len(self.schedule)),
+                                     ("optimizer steps", self.steps, expected_steps)):
+            if seen != expected:
+                recorder.add(Failure(
+                    rank=recorder.rank, step=0, model="trainer", param=what.split()[0], kind=FailureKind.SCHEDULE,
+                    max_abs_diff=float(abs(seen - expected)), checked="schedule",
+                    message=text.trainer_count_text(rank=recorder.rank, what=what, seen=seen, expected=expected),
+                ))
+
+    def _judge_norm(self, n: int) -> None:
+        """The n-th grad_norm Trainer logged (the norm its clip measured, before clipping) against the
+        oracle's at the n-th optimizer step: a loss scaled wrong is invisible in the update once the
+        clip scales it back, but not here."""
+        if self.max_grad_norm <= 0 or n >= len(self.norms):
+            return
+        recorder = self.ctx.recorder
+        logged, (expected, carried, point) = self.logged_norms[n], self.norms[n]
+        params = self.oracle.params["model"].values()
+        recorder.checks += 1
+        recorder.timeline.mark(point.index, "grad_norm")
+        # and the two norms sum the squares in other orders (closeness.norm_rounding)
+        allowed = carried + expected * norm_rounding(sum(p.numel() for p in params), next(iter(params)).dtype)
+        if math.isfinite(logged) and abs(logged - expected) <= allowed:
+            return
+        factor = logged / expected if expected > 0 and math.isfinite(logged) else None
+        recorder.add(Failure(
+            rank=recorder.rank, step=point.index, model="model", param="grad_norm",
+            kind=FailureKind.WRONG_SCALE if factor is not None else FailureKind.MISMATCH,
+            max_abs_diff=abs(logged - expected) if math.isfinite(logged) else math.inf,
+            checked="grad_norm", factor=factor,
+            message=text.grad_norm_text(rank=recorder.rank, where=point.where(),
+                                        logged=logged, expected=expected, allowed=allowed),
+        ))
+
+
+def _window_end(schedule: list[MicroStep], point: MicroStep) -> MicroStep:
+    """The micro-step that ends ``point``'s accumulation window in the schedule."""
+    for p in schedule[schedule.index(point):]:
+        if p.optimizer_step:
+            return p
+    return schedule[-1]
+
+
+def checked_trainer(ctx: Any, model: nn.Module, *, train_dataset: Any, data_collator: Any = None,
+                    loss: str = "tokens", trainer_class: Any = None, **arguments: Any) -> Any:
+    """A ``transformers.Trainer`` over ``model`` whose ``train()`` is checked at every optimizer step
+    (docs/trainer.md). Call it where a case would build its Trainer, then call ``train()``.
+
+    ``arguments`` go to ``TrainingArguments`` (``gradient_accumulation_steps``,
+    ``per_device_train_batch_size``, ``num_train_epochs``, ``max_grad_norm``, ``optim``,
+    ``average_tokens_across_devices``, ...); the harness adds where it runs (the output folder, CPU or
+    the rank's GPU, the cell's precision and wrapper, the seed) and ``FIXED_ARGUMENTS``.
+    ``loss``: ``"tokens"`` for a causal LM (labels aligned with the inputs, -100 where ignored),
+    ``"samples"`` for a classifier. ``trainer_class``: your own ``Trainer`` subclass.
+
+    The cell is ``skip`` where transformers is not installed or cannot run with this torch, and where
+    Trainer cannot run the cell's wrapper or precision on this device (saying why)."""
+    try:
+        import transformers
+    except ImportError:
+        ctx.skip("transformers is not installed (pip install 'gradsync-harness[transformers]')")
+    from harness.wrappers.capabilities import transformers_torch_missing
+
+    missing = transformers_torch_missing()
+    if missing:
+        ctx.skip(missing)
+    if loss not in LOSSES:
+        raise ValueError(f"checked_trainer: loss={loss!r}; known: {', '.join(LOSSES)}")
+    for key, value in FIXED_ARGUMENTS.items():
+        if key in arguments and arguments[key] != value:
+            raise ValueError(f"checked_trainer: {key}={arguments[key]!r}; the checks need {key}={value!r}")
+    if arguments.get("max_steps", -1) != -1 or float(arguments.get("num_train_epochs", 3)) % 1:
+        raise ValueError("checked_trainer: give a whole num_train_epochs and no max_steps (the schedule is by epochs)")
+    from harness.wrappers.probe import takes_parameter
+
+    for key in arguments:  # an option this release does not have: the cell does not apply here
+        if not takes_parameter(transformers.TrainingArguments, key):
+            ctx.skip(f"transformers {transformers.__version__} has no TrainingArguments({key}=...)")
+    args = transformers.TrainingArguments(**{**_where(ctx, transformers), **FIXED_ARGUMENTS, **arguments})
+    trainer = (trainer_class or transformers.Trainer)(model=model, args=args, train_dataset=train_dataset,
+                                                      data_collator=data_collator)
+    steps = args.gradient_accumulation_steps
+    per_rank = batches_per_rank(len(train_dataset), batch_size=args.per_device_train_batch_size,
+                                world_size=ctx.world_size, drop_last=args.dataloader_drop_last)
+    schedule = ctx.schedule(per_rank, epochs=int(args.num_train_epochs), num_steps=steps)
+    total = sum(1 for p in schedule if p.optimizer_step)
+    oracle = ctx.oracle({"model": model}, num_steps=steps, optimizers=lambda replica: _optimizer(trainer, replica),
+                        scheduler=lambda optimizer: _scheduler(transformers, args, optimizer, total))
+    watch = TrainerWatch(ctx, model, oracle, schedule, loss=loss, max_grad_norm=float(args.max_grad_norm or 0.0))
+    watch.trainer = trainer
+    watch.steps_due = steps
+
+    class HarnessWatch(transformers.TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            watch.hook_optimizer(trainer.optimizer)
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+            watch.logged(logs or {})
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            watch.finish()
+
+    trainer.add_callback(HarnessWatch())
+    return trainer
+
+
+def _where(ctx: Any, transformers: Any) -> dict[str, Any]:
+    """The TrainingArguments that place the run on this rank: its folder, device, precision, seed."""
+    where: dict[str, Any] = {"output_dir": tempfile.mkdtemp(prefix=f"trainer-rank{ctx.rank}-"),
+                             "seed": int(ctx.seed) % 2**31}
+    if ctx.device.type == "cpu":
+        where["use_cpu"] = True
+        where["ddp_backend"] = "gloo"
+    if ctx.precision == "bf16":
+        where["bf16"] = True
+    elif ctx.precision == "fp16":
+        where["fp16"] = True
+    if ctx.wrapper == "fsdp2":
+        if ctx.device.type == "cpu":
+            # the harness's own FSDP2 cells set FSDP on their Accelerator after building it
+            # (harness/wrappers/prepare.py, fsdp_on_cpu); Trainer builds its own, and decides from it
+            # in its constructor whether it runs FSDP: not open to that without patching Trainer
+            ctx.skip("wrapper=fsdp2: Trainer cannot run FSDP on CPU here (accelerate selects FSDP for a "
+                     "multi-GPU run only, and Trainer builds its own Accelerator); the cell runs on a GPU host")
+        if ctx.world_size < 2:
+            ctx.skip("wrapper=fsdp2 runs at world size 2 and more: at world size 1 accelerate applies no wrapper")
+        # Trainer's FSDP2, its own plugin from these arguments (each decoder layer a unit, as Trainer wraps)
+        where["fsdp"] = "full_shard"
+        where["fsdp_config"] = {"version": 2}
+    elif ctx.wrapper != "ddp":
+        ctx.skip(f"wrapper={ctx.wrapper}: no Trainer cell under DeepSpeed yet (on CPU, accelerate's DeepSpeed needs "
+                 "the settings harness/wrappers/deepspeed_cpu.py gives an Accelerator after building it, which "
+                 "Trainer's own does not get without patching Trainer)")
+    return where
+
+
+def _optimizer(trainer: Any, replica: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer Trainer makes (its class and settings, weight decay where Trainer applies it), over
+    the replica's parameters."""
+    cls, kwargs = trainer.get_optimizer_cls_and_kwargs(trainer.args, replica)
+    decay = set(trainer.get_decay_parameter_names(replica))
+    named = [(n, p) for n, p in replica.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for n, p in named if n in decay], "weight_decay": trainer.args.weight_decay},
+              {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+    return cls(groups, **kwargs)  # both groups, an empty one too, as Trainer makes them
+
+
+def _scheduler(transformers: Any, args: Any, optimizer: torch.optim.Optimizer, total: int) -> Any:
+    """The learning-rate schedule Trainer makes for ``total`` optimizer steps."""
+    return transformers.get_scheduler(args.lr_scheduler_type, optimizer=optimizer,
+                                      num_warmup_steps=args.get_warmup_steps(total), num_training_steps=total,
+                                      scheduler_specific_kwargs=args.lr_scheduler_kwargs)
