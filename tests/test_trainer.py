@@ -1,0 +1,129 @@
+"""transformers' Trainer checked step by step (harness/rank/trainer.py, cases/test_trainer.py): the
+expectation against a float64 one-process computation over every rank's micro-batches, a planted
+misconfiguration caught with its diagnosis, and the catalogue's Trainer cells on a real pool."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import PLANTED, Session, killed_if_failing, start_pytest
+
+pytest.importorskip("transformers")
+
+from harness.rank.hf_models import causal_lm  # noqa: E402  (after the skip: it builds transformers models)
+from harness.rank.tokens import IGNORE_INDEX  # noqa: E402
+
+TRAINER_CASES = PLANTED.replace("planted_cases.py", "trainer_cases.py")
+# tests/planted/trainer_cases.py's settings
+STEPS, BATCHES, EPOCHS, LR, MAX_NORM = 2, 5, 2, 0.5, 1.0
+
+
+@pytest.fixture(scope="module")
+def trainer_run(tmp_path_factory):
+    """One session: the planted Trainer cases at world sizes 1 and 2, each rank of the recorded one
+    writing its micro-batches and weights."""
+    folder = tmp_path_factory.mktemp("trainer-run")
+    progress = folder / "progress"
+    progress.mkdir()
+    process, token = start_pytest([TRAINER_CASES, "--world-sizes", "1,2"], folder / "reports",
+                                  PLANTED_PROGRESS_DIR=str(progress))
+    with killed_if_failing(process):
+        stdout, stderr = process.communicate(timeout=600)
+    session = Session(process.returncode, stdout, stderr, folder / "reports", token, 0.0)
+    return session, folder / "progress"
+
+
+def windows(batches_per_rank: list[list[dict]]) -> list[list[dict]]:
+    """The specification's global batches: per epoch, each rank's batches in windows of STEPS (the
+    last shorter), the same window of every rank together."""
+    out = []
+    for epoch in range(EPOCHS):
+        for start in range(0, BATCHES, STEPS):
+            out.append([b for rank in batches_per_rank
+                        for b in rank[epoch * BATCHES + start: epoch * BATCHES + min(start + STEPS, BATCHES)]])
+    return out
+
+
+def float64_training(initial: dict, global_batches: list[list[dict]], *, mean_of_means: bool = False) -> dict:
+    """SGD on a float64 copy of the model, each step from the gradient of the mean token loss over
+    its whole global batch (``mean_of_means``: instead each micro-batch's own token mean, averaged,
+    the normalisation before transformers 4.46), clipped at MAX_NORM, at the linear schedule's rate."""
+    model = causal_lm()
+    model.load_state_dict(initial)
+    model = model.double()
+    params = [p for p in model.parameters() if p.requires_grad]
+    for step, batches in enumerate(global_batches):
+        sums, counts = [], []
+        for batch in batches:
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            targets = batch["labels"][:, 1:]
+            sums.append(torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                          targets.reshape(-1), ignore_index=IGNORE_INDEX,
+                                                          reduction="sum"))
+            counts.append(int(targets.ne(IGNORE_INDEX).sum()))
+        loss = (sum(s / c for s, c in zip(sums, counts)) / len(sums) if mean_of_means
+                else sum(sums) / sum(counts))
+        grads = torch.autograd.grad(loss, params)
+        norm = math.sqrt(sum(float((g * g).sum()) for g in grads))
+        coefficient = min(1.0, MAX_NORM / (norm + 1e-6))
+        rate = LR * (len(global_batches) - step) / len(global_batches)
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                p -= rate * coefficient * g
+    return {k: v for k, v in model.state_dict().items()}
+
+
+def test_the_trainer_expectation_is_the_float64_full_batch_training_over_every_ranks_micro_batches(trainer_run):
+    session, progress = trainer_run
+    cells = session.cells()
+    assert cells[("planted_trainer_recorded", "fp32", 2)]["status"] == "pass", session.stdout[-3000:]
+    dumps = [torch.load(progress / f"trainer-ws2-rank{rank}.pt") for rank in (0, 1)]
+    assert [len(d["batches"]) for d in dumps] == [EPOCHS * BATCHES] * 2
+    # the ranks ran different micro-batches, with different numbers of targets: the weighting matters
+    assert dumps[0]["batches"][0]["labels"].ne(IGNORE_INDEX).sum() != dumps[1]["batches"][0]["labels"].ne(
+        IGNORE_INDEX).sum() or dumps[0]["batches"][1]["labels"].shape != dumps[1]["batches"][1]["labels"].shape
+    expected = float64_training(dumps[0]["initial"], windows([d["batches"] for d in dumps]))
+    wrong = float64_training(dumps[0]["initial"], windows([d["batches"] for d in dumps]), mean_of_means=True)
+    for name, value in expected.items():
+        final = dumps[0]["final"][name].double()
+        assert torch.equal(dumps[1]["final"][name], dumps[0]["final"][name]), name
+        # fp32 training against float64 over 6 steps: ~1e-6 apart; the other normalisation moves
+        # the weights by more than 1e-3, which this bound tells apart
+        torch.testing.assert_close(final, value, rtol=1e-4, atol=2e-5, msg=lambda m: f"{name}: {m}")
+    assert max(float((expected[k] - wrong[k]).abs().max()) for k in expected) > 1e-3
+
+
+def test_a_compute_loss_that_divides_by_the_steps_again_is_wrong_scale_and_says_so(trainer_run):
+    session, _ = trainer_run
+    cells = session.cells()
+    for ws in (1, 2):
+        cell = cells[("planted_trainer_divides_again", "fp32", ws)]
+        assert cell["status"] == "detected", cell["summary"]
+        norms = [f for f in cell["failures"] if f["checked"] == "grad_norm"]
+        assert norms and {f["kind"] for f in norms} == {"wrong_scale"}
+        # the shorter last window of an epoch (one micro-batch) is divided by 2 all the same
+        assert {round(f["factor"], 6) for f in norms} == {0.5}
+        assert "grad_norm logged by Trainer on rank 0 at step 2 (epoch 0, batch 1): is" in norms[0]["message"]
+        assert "(0.5 times it)" in norms[0]["message"]
+
+
+def test_the_catalogue_trainer_cells_pass_detect_their_canary_and_their_live_defect(run_pytest):
+    session = run_pytest("cases/test_trainer.py", "-k", "2-average or 2-fp32", "--world-sizes", "1,2")
+    cells = session.cells()
+    wrapped = {key: cell for key, cell in cells.items() if "wrapper=" in key[1]}
+    # FSDP2 and DeepSpeed: no Trainer runs them on a CPU host; each cell says why
+    assert wrapped and {cell["status"] for cell in wrapped.values()} == {"skip"}
+    assert all("Trainer" in cell["summary"] or "world size 2" in cell["summary"] for cell in wrapped.values())
+    statuses = {(c, v, ws): cell["status"] for (c, v, ws), cell in cells.items() if "wrapper=" not in v}
+    assert statuses == {
+        ("trainer_causal_lm", "steps=2-average_tokens=true-fp32", 1): "pass",
+        ("trainer_causal_lm", "steps=2-average_tokens=true-fp32", 2): "pass",
+        ("trainer_causal_lm", "steps=2-average_tokens=false-fp32", 1): "skip",
+        ("trainer_causal_lm", "steps=2-average_tokens=false-fp32", 2): "detected",
+        ("trainer_classifier", "steps=2-fp32", 1): "detected",
+        ("trainer_classifier", "steps=2-fp32", 2): "detected",
+        ("trainer_classifier_plain_mean", "steps=2-fp32", 1): "pass",
+        ("trainer_classifier_plain_mean", "steps=2-fp32", 2): "pass",
+    }, session.stdout[-3000:]
