@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -93,6 +94,7 @@ class TrainerWatch:
         self.misplaced = False  # a window of Trainer's was not the schedule's (said once)
         self.steps_due = 0  # gradient_accumulation_steps, for the words
         self._hooked: Any = None
+        self.made_output_dir: str | None = None  # the output folder the harness made for Trainer
         self.handles = [model.register_forward_pre_hook(self._forward, with_kwargs=True)]
 
     # the observers
@@ -177,9 +179,12 @@ class TrainerWatch:
     # after train()
 
     def finish(self) -> None:
-        """The counts of the whole run: micro-batches and optimizer steps against the schedule."""
+        """The counts of the whole run: micro-batches and optimizer steps against the schedule; the
+        run's output folder goes (the harness made it; nothing is saved there)."""
         for handle in self.handles:
             handle.remove()
+        if self.made_output_dir is not None and self.trainer.args.output_dir == self.made_output_dir:
+            shutil.rmtree(self.made_output_dir, ignore_errors=True)  # never a folder the case gave
         recorder = self.ctx.recorder
         expected_steps = sum(1 for p in self.schedule if p.optimizer_step)
         for what, seen, expected in (("micro-batches (forwards in training)", self.forwards, len(self.schedule)),
@@ -260,7 +265,10 @@ def checked_trainer(ctx: Any, model: nn.Module, *, train_dataset: Any, data_coll
     for key in arguments:  # an option this release does not have: the cell does not apply here
         if not takes_parameter(transformers.TrainingArguments, key):
             ctx.skip(f"transformers {transformers.__version__} has no TrainingArguments({key}=...)")
-    args = transformers.TrainingArguments(**{**_where(ctx, transformers), **FIXED_ARGUMENTS, **arguments})
+    where = _where(ctx, transformers)
+    if "output_dir" in arguments:  # the case's own folder: the one made here is not needed
+        shutil.rmtree(where.pop("output_dir"), ignore_errors=True)
+    args = transformers.TrainingArguments(**{**where, **FIXED_ARGUMENTS, **arguments})
     trainer = (trainer_class or transformers.Trainer)(model=model, args=args, train_dataset=train_dataset,
                                                       data_collator=data_collator)
     steps = args.gradient_accumulation_steps
@@ -273,6 +281,7 @@ def checked_trainer(ctx: Any, model: nn.Module, *, train_dataset: Any, data_coll
     watch = TrainerWatch(ctx, model, oracle, schedule, loss=loss, max_grad_norm=float(args.max_grad_norm or 0.0))
     watch.trainer = trainer
     watch.steps_due = steps
+    watch.made_output_dir = where.get("output_dir")
 
     class HarnessWatch(transformers.TrainerCallback):
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
