@@ -268,9 +268,17 @@ def checked_trainer(ctx: Any, model: nn.Module, *, train_dataset: Any, data_coll
     where = _where(ctx, transformers)
     if "output_dir" in arguments:  # the case's own folder: the one made here is not needed
         shutil.rmtree(where.pop("output_dir"), ignore_errors=True)
-    args = transformers.TrainingArguments(**{**where, **FIXED_ARGUMENTS, **arguments})
-    trainer = (trainer_class or transformers.Trainer)(model=model, args=args, train_dataset=train_dataset,
-                                                      data_collator=data_collator)
+    try:
+        args = transformers.TrainingArguments(**{**where, **FIXED_ARGUMENTS, **arguments})
+        trainer = (trainer_class or transformers.Trainer)(model=model, args=args, train_dataset=train_dataset,
+                                                          data_collator=data_collator)
+    except ImportError as exc:
+        # transformers' own word on this accelerate ("Using the Trainer with PyTorch requires
+        # accelerate>=1.1.0"): a pairing that does not run Trainer at all, not a harness error
+        import accelerate
+
+        ctx.skip(f"transformers {transformers.__version__} cannot run Trainer with accelerate "
+                 f"{accelerate.__version__}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
     steps = args.gradient_accumulation_steps
     per_rank = batches_per_rank(len(train_dataset), batch_size=args.per_device_train_batch_size,
                                 world_size=ctx.world_size, drop_last=args.dataloader_drop_last)
