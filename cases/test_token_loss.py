@@ -10,8 +10,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from harness import PRECISIONS, Diagnosis, case, grid
+from harness.rank.hf_models import transformers_or_skip
 from harness.rank.tokens import causal_loss_sum, pad_tokens, token_loss_mean, token_loss_sum, valid_tokens
-from harness.wrappers.capabilities import transformers_torch_missing
 from harness.wrappers.probe import takes_parameter
 
 EPOCHS = 2
@@ -135,13 +135,7 @@ def test_accumulate_token_loss_transformers(ctx):
     accumulation steps and the number of processes. Needs transformers (the ``transformers`` extra);
     with none, or a release whose model takes no ``num_items_in_batch`` (before 4.46.0), the cell is
     ``skip``, saying so."""
-    try:
-        import transformers
-    except ImportError:
-        ctx.skip("transformers is not installed (pip install 'gradsync-harness[transformers]')")
-    missing = transformers_torch_missing()
-    if missing:
-        ctx.skip(missing)
+    transformers = transformers_or_skip(ctx)
     accelerator = token_accelerator(ctx)
     model = ctx.model(tiny_llama)
     if not takes_parameter(model.forward, "num_items_in_batch"):

@@ -14,6 +14,21 @@ VOCAB = 16
 CLASSES = 3
 
 
+def transformers_or_skip(ctx: Any) -> Any:
+    """The installed transformers, or the cell ``skip``: none is installed, or it cannot run with this
+    torch (harness/wrappers/capabilities.py)."""
+    try:
+        import transformers
+    except ImportError:
+        ctx.skip("transformers is not installed (pip install 'gradsync-harness[transformers]')")
+    from harness.wrappers.capabilities import transformers_torch_missing
+
+    missing = transformers_torch_missing()
+    if missing:
+        ctx.skip(missing)
+    return transformers
+
+
 def tiny_llama_config(**extra: Any) -> Any:
     from transformers import LlamaConfig
 

@@ -28,6 +28,7 @@ from torch import nn
 
 from harness import wording as text
 from harness.rank.closeness import norm_rounding
+from harness.rank.hf_models import transformers_or_skip
 from harness.rank.schedule import MicroStep, batches_per_rank
 from harness.rank.tokens import IGNORE_INDEX
 from harness.records import Failure, FailureKind
@@ -244,15 +245,7 @@ def checked_trainer(ctx: Any, model: nn.Module, *, train_dataset: Any, data_coll
 
     The cell is ``skip`` where transformers is not installed or cannot run with this torch, and where
     Trainer cannot run the cell's wrapper or precision on this device (saying why)."""
-    try:
-        import transformers
-    except ImportError:
-        ctx.skip("transformers is not installed (pip install 'gradsync-harness[transformers]')")
-    from harness.wrappers.capabilities import transformers_torch_missing
-
-    missing = transformers_torch_missing()
-    if missing:
-        ctx.skip(missing)
+    transformers = transformers_or_skip(ctx)
     if loss not in LOSSES:
         raise ValueError(f"checked_trainer: loss={loss!r}; known: {', '.join(LOSSES)}")
     for key, value in FIXED_ARGUMENTS.items():
