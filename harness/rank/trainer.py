@@ -6,8 +6,7 @@ pre-hook on the model (which micro-batch each forward ran, as Trainer feeds it) 
 the optimizer Trainer made (the gradients the step uses, after Trainer's clip; the parameters after
 it). Nothing of Trainer is patched.
 
-The expectation is what a Trainer user means (DESIGN.md, "Trainer's contract"): each optimizer
-step's update is the one the mean loss over every sample (every valid token, for a causal LM) of
+The expectation is what a Trainer user means, full-batch equivalence: each optimizer step's update is the one the mean loss over every sample (every valid token, for a causal LM) of
 that step's global batch would give, all micro-batches on all ranks, clipped at ``max_grad_norm``,
 stepped by the optimizer and scheduler Trainer was configured with. The oracle computes it from the
 micro-batches the ranks really ran (harness/rank/oracle.py, in token mode: each micro-batch's summed
@@ -20,7 +19,6 @@ import dataclasses
 import math
 import shutil
 import tempfile
-from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import torch
@@ -63,13 +61,6 @@ def _counted(batch: Mapping[str, torch.Tensor], loss: str) -> torch.Tensor:
     return batch["labels"][:, 1:] if loss == "tokens" else batch["labels"].reshape(-1)
 
 
-@dataclass
-class _Window:
-    """The micro-batches this rank's model ran since the last optimizer step, with their micro-steps."""
-
-    batches: list[tuple[MicroStep, dict[str, torch.Tensor]]] = field(default_factory=list)
-
-
 class TrainerWatch:
     """The observers of one checked Trainer, on one rank, and the checks they run."""
 
@@ -83,7 +74,8 @@ class TrainerWatch:
         self.loss = loss
         self.summed: Callable[..., torch.Tensor] = _summed_token_loss if loss == "tokens" else _summed_sample_loss
         self.max_grad_norm = max_grad_norm
-        self.window = _Window()
+        # the micro-batches this rank's model ran since the last optimizer step, with their micro-steps
+        self.window: list[tuple[MicroStep, dict[str, torch.Tensor]]] = []
         self.trainer: Any = None
         self.point: MicroStep | None = None
         # the oracle's gradient norm before clipping, how far the rank's may be from it, and the
@@ -110,7 +102,7 @@ class TrainerWatch:
         self.ctx.at_step = point.index if point is not None else self.forwards
         if point is None:  # more micro-batches than the schedule has: the count is judged at the end
             return
-        self.window.batches.append((point, batch))
+        self.window.append((point, batch))
 
     def hook_optimizer(self, optimizer: Any) -> None:
         """Trainer's optimizer (accelerate's wrapper around it, or the torch optimizer itself)."""
@@ -128,7 +120,7 @@ class TrainerWatch:
         of the schedule, that is said once (``schedule``), and each later step is still judged on its
         own window: one misplaced step does not turn every later check red."""
         oracle, models = self.oracle, {"model": self.trainer.model_wrapped}
-        batches, self.window = self.window.batches, _Window()
+        batches, self.window = self.window, []
         if not batches:
             self.point = None
             return
@@ -258,9 +250,7 @@ def checked_trainer(ctx: Any, model: nn.Module, *, train_dataset: Any, data_coll
     for key in arguments:  # an option this release does not have: the cell does not apply here
         if not takes_parameter(transformers.TrainingArguments, key):
             ctx.skip(f"transformers {transformers.__version__} has no TrainingArguments({key}=...)")
-    where = _where(ctx, transformers)
-    if "output_dir" in arguments:  # the case's own folder: the one made here is not needed
-        shutil.rmtree(where.pop("output_dir"), ignore_errors=True)
+    where = _where(ctx, transformers, made_folder="output_dir" not in arguments)
     try:
         args = transformers.TrainingArguments(**{**where, **FIXED_ARGUMENTS, **arguments})
         trainer = (trainer_class or transformers.Trainer)(model=model, args=args, train_dataset=train_dataset,
@@ -270,6 +260,7 @@ def checked_trainer(ctx: Any, model: nn.Module, *, train_dataset: Any, data_coll
         # accelerate>=1.1.0"): a pairing that does not run Trainer at all, not a harness error
         import accelerate
 
+        shutil.rmtree(where.get("output_dir", ""), ignore_errors=True)
         ctx.skip(f"transformers {transformers.__version__} cannot run Trainer with accelerate "
                  f"{accelerate.__version__}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
     steps = args.gradient_accumulation_steps
@@ -298,10 +289,10 @@ def checked_trainer(ctx: Any, model: nn.Module, *, train_dataset: Any, data_coll
     return trainer
 
 
-def _where(ctx: Any, transformers: Any) -> dict[str, Any]:
-    """The TrainingArguments that place the run on this rank: its folder, device, precision, seed."""
-    where: dict[str, Any] = {"output_dir": tempfile.mkdtemp(prefix=f"trainer-rank{ctx.rank}-"),
-                             "seed": int(ctx.seed) % 2**31}
+def _where(ctx: Any, transformers: Any, *, made_folder: bool) -> dict[str, Any]:
+    """The TrainingArguments that place the run on this rank: its device, precision, seed, and (where
+    ``made_folder``, the case giving none) an output folder made for it."""
+    where: dict[str, Any] = {"seed": int(ctx.seed) % 2**31}
     if ctx.device.type == "cpu":
         where["use_cpu"] = True
         where["ddp_backend"] = "gloo"
@@ -325,6 +316,8 @@ def _where(ctx: Any, transformers: Any) -> dict[str, Any]:
         ctx.skip(f"wrapper={ctx.wrapper}: no Trainer cell under DeepSpeed yet (on CPU, accelerate's DeepSpeed needs "
                  "the settings harness/wrappers/deepspeed_cpu.py gives an Accelerator after building it, which "
                  "Trainer's own does not get without patching Trainer)")
+    if made_folder:  # once nothing skips
+        where["output_dir"] = tempfile.mkdtemp(prefix=f"trainer-rank{ctx.rank}-")
     return where
 
 
