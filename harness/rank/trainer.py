@@ -6,8 +6,9 @@ pre-hook on the model (which micro-batch each forward ran, as Trainer feeds it) 
 the optimizer Trainer made (the gradients the step uses, after Trainer's clip; the parameters after
 it). Nothing of Trainer is patched.
 
-The expectation is what a Trainer user means, full-batch equivalence: each optimizer step's update is the one the mean loss over every sample (every valid token, for a causal LM) of
-that step's global batch would give, all micro-batches on all ranks, clipped at ``max_grad_norm``,
+The expectation is what a Trainer user means, full-batch equivalence: each optimizer step's update
+is the one the mean loss over every sample (every valid token, for a causal LM) of that step's
+global batch would give, all micro-batches on all ranks, clipped at ``max_grad_norm``,
 stepped by the optimizer and scheduler Trainer was configured with. The oracle computes it from the
 micro-batches the ranks really ran (harness/rank/oracle.py, in token mode: each micro-batch's summed
 loss, weighed by the window's count on every rank); it never reads what Trainer divides by.
@@ -30,6 +31,7 @@ from harness.rank.hf_models import transformers_or_skip
 from harness.rank.schedule import MicroStep, batches_per_rank
 from harness.rank.tokens import IGNORE_INDEX
 from harness.records import Failure, FailureKind
+from harness.wrappers.probe import takes_parameter
 
 # What the loss of one micro-batch is, by the model's task: "tokens" (a causal LM: every valid token
 # of the window weighs the same; position t predicts label t+1) or "samples" (a classifier: every
@@ -64,30 +66,28 @@ def _counted(batch: Mapping[str, torch.Tensor], loss: str) -> torch.Tensor:
 class TrainerWatch:
     """The observers of one checked Trainer, on one rank, and the checks they run."""
 
-    def __init__(self, ctx: Any, model: nn.Module, oracle: Any, schedule: list[MicroStep], *, loss: str,
-                 max_grad_norm: float) -> None:
+    def __init__(self, ctx: Any, trainer: Any, model: nn.Module, oracle: Any, schedule: list[MicroStep], *,
+                 loss: str, made_output_dir: str | None) -> None:
         self.ctx = ctx
-        self.model = model
+        self.trainer = trainer
         self.oracle = oracle
         self.schedule = schedule
         self.points = iter(schedule)
         self.loss = loss
         self.summed: Callable[..., torch.Tensor] = _summed_token_loss if loss == "tokens" else _summed_sample_loss
-        self.max_grad_norm = max_grad_norm
+        self.max_grad_norm = float(trainer.args.max_grad_norm or 0.0)
         # the micro-batches this rank's model ran since the last optimizer step, with their micro-steps
         self.window: list[tuple[MicroStep, dict[str, torch.Tensor]]] = []
-        self.trainer: Any = None
         self.point: MicroStep | None = None
         # the oracle's gradient norm before clipping, how far the rank's may be from it, and the
         # micro-step of the optimizer step, by optimizer step
         self.norms: list[tuple[float, float, MicroStep]] = []
-        self.logged_norms: list[float] = []
+        self.logged_norms = 0  # the grad_norms Trainer has logged so far
         self.forwards = 0
         self.steps = 0
         self.misplaced = False  # a window of Trainer's was not the schedule's (said once)
-        self.steps_due = 0  # gradient_accumulation_steps, for the words
         self._hooked: Any = None
-        self.made_output_dir: str | None = None  # the output folder the harness made for Trainer
+        self.made_output_dir = made_output_dir  # the output folder the harness made for Trainer, if any
         self.handles = [model.register_forward_pre_hook(self._forward, with_kwargs=True)]
 
     # the observers
@@ -126,7 +126,7 @@ class TrainerWatch:
             return
         oracle.token_window([_counted(b, self.loss) for _, b in batches])
         last = len(batches) - 1
-        for n, (point, batch) in enumerate(batches):
+        for n, (_, batch) in enumerate(batches):
             oracle.backward(lambda m, batch=batch: self.summed(m["model"], batch), sync=n == last)
         planned = [p for p, _ in batches]
         self.point = dataclasses.replace(planned[-1], sync=True, optimizer_step=True)
@@ -138,7 +138,7 @@ class TrainerWatch:
                 rank=recorder.rank, step=planned[-1].index, model="trainer", param="window",
                 kind=FailureKind.SCHEDULE, max_abs_diff=float(abs(planned[-1].index - end.index)), checked="schedule",
                 message=text.trainer_window_text(rank=recorder.rank, first=planned[0].where(),
-                                                 last=planned[-1].where(), due=end.where(), steps=self.steps_due),
+                                                 last=planned[-1].where(), due=end.where(), steps=self.trainer.args.gradient_accumulation_steps),
             ))
         if self.max_grad_norm > 0:
             # how far the rank's norm may be from the oracle's: the norm of the gradients' allowances
@@ -166,8 +166,8 @@ class TrainerWatch:
         """Trainer's logs after an optimizer step: its grad_norm is judged at once (a failure's place in
         the cell's list is its time)."""
         if "grad_norm" in logs and logs["grad_norm"] is not None:
-            self.logged_norms.append(float(logs["grad_norm"]))
-            self._judge_norm(len(self.logged_norms) - 1)
+            self.logged_norms += 1
+            self._judge_norm(self.logged_norms - 1, float(logs["grad_norm"]))
 
     # after train()
 
@@ -189,14 +189,14 @@ class TrainerWatch:
                     message=text.trainer_count_text(rank=recorder.rank, what=what, seen=seen, expected=expected),
                 ))
 
-    def _judge_norm(self, n: int) -> None:
+    def _judge_norm(self, n: int, logged: float) -> None:
         """The n-th grad_norm Trainer logged (the norm its clip measured, before clipping) against the
         oracle's at the n-th optimizer step: a loss scaled wrong is invisible in the update once the
         clip scales it back, but not here."""
         if self.max_grad_norm <= 0 or n >= len(self.norms):
             return
         recorder = self.ctx.recorder
-        logged, (expected, carried, point) = self.logged_norms[n], self.norms[n]
+        expected, carried, point = self.norms[n]
         params = self.oracle.params["model"].values()
         recorder.checks += 1
         recorder.timeline.mark(point.index, "grad_norm")
@@ -245,8 +245,6 @@ def checked_trainer(ctx: Any, model: nn.Module, *, train_dataset: Any, data_coll
             raise ValueError(f"checked_trainer: {key}={arguments[key]!r}; the checks need {key}={value!r}")
     if arguments.get("max_steps", -1) != -1 or float(arguments.get("num_train_epochs", 3)) % 1:
         raise ValueError("checked_trainer: give a whole num_train_epochs and no max_steps (the schedule is by epochs)")
-    from harness.wrappers.probe import takes_parameter
-
     for key in arguments:  # an option this release does not have: the cell does not apply here
         if not takes_parameter(transformers.TrainingArguments, key):
             ctx.skip(f"transformers {transformers.__version__} has no TrainingArguments({key}=...)")
@@ -270,10 +268,7 @@ def checked_trainer(ctx: Any, model: nn.Module, *, train_dataset: Any, data_coll
     total = sum(1 for p in schedule if p.optimizer_step)
     oracle = ctx.oracle({"model": model}, num_steps=steps, optimizers=lambda replica: _optimizer(trainer, replica),
                         scheduler=lambda optimizer: _scheduler(transformers, args, optimizer, total))
-    watch = TrainerWatch(ctx, model, oracle, schedule, loss=loss, max_grad_norm=float(args.max_grad_norm or 0.0))
-    watch.trainer = trainer
-    watch.steps_due = steps
-    watch.made_output_dir = where.get("output_dir")
+    watch = TrainerWatch(ctx, trainer, model, oracle, schedule, loss=loss, made_output_dir=where.get("output_dir"))
 
     class HarnessWatch(transformers.TrainerCallback):
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
