@@ -17,7 +17,6 @@ BATCH_SIZE = 2
 ARGUMENTS = {"num_train_epochs": EPOCHS, "per_device_train_batch_size": BATCH_SIZE, "optim": "sgd",
              "learning_rate": 0.5, "lr_scheduler_type": "linear", "max_grad_norm": 1.0}
 
-
 # FSDP2 and DeepSpeed on CPU: skip, saying why (harness/rank/trainer.py)
 WRAPPERS = ["ddp", "fsdp2", "deepspeed-z1", "deepspeed-z2", "deepspeed-z3"]
 
@@ -67,16 +66,19 @@ KWARGS_DROPPED = Diagnosis("wrong_scale", model="model", since={"transformers": 
                            upstream="huggingface/transformers#47688")
 
 
+def train_classifier(ctx, model):
+    trainer = checked_trainer(ctx, model, train_dataset=data(ctx, "classes"), data_collator=pad,
+                              loss="samples", gradient_accumulation_steps=ctx.variant["steps"], **ARGUMENTS)
+    trainer.train()
+
+
 @case("trainer_classifier", variants=grid(steps=[2, 3], precision=["fp32"]), wrappers=WRAPPERS,
       defects={"ddp": KWARGS_DROPPED})
 def test_trainer_classifier(ctx):
     """A tiny Llama sequence classifier, as transformers builds it, trained by ``Trainer.train()``:
     its loss is a plain mean over the micro-batch, which Trainer must divide by the window's
     micro-batches (the last window of an epoch has fewer)."""
-    model = ctx.model(classifier)
-    trainer = checked_trainer(ctx, model, train_dataset=data(ctx, "classes"), data_collator=pad,
-                              loss="samples", gradient_accumulation_steps=ctx.variant["steps"], **ARGUMENTS)
-    trainer.train()
+    train_classifier(ctx, ctx.model(classifier))
 
 
 @case("trainer_classifier_plain_mean", variants=grid(steps=[2, 3], precision=["fp32"]), wrappers=WRAPPERS)
@@ -86,6 +88,4 @@ def test_trainer_classifier_plain_mean(ctx):
     the window's micro-batch count (PR #39659: by the count it really has, in the shorter last window)."""
     model = ctx.model(classifier)
     model.accepts_loss_kwargs = False
-    trainer = checked_trainer(ctx, model, train_dataset=data(ctx, "classes"), data_collator=pad,
-                              loss="samples", gradient_accumulation_steps=ctx.variant["steps"], **ARGUMENTS)
-    trainer.train()
+    train_classifier(ctx, model)
