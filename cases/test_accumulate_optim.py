@@ -103,6 +103,28 @@ DTENSOR_EPSILON_PER_RANK = Diagnosis("wrong_scale", model="model", ranks=2, fixe
 def test_accumulate_clip_grad(ctx):
     """``accelerator.clip_grad_norm_`` at sync points (``if accelerator.sync_gradients``), as the
     accelerate docs show: it must clip the averaged gradient of the whole window."""
+    clip_loop(ctx, check_norm=False)
+
+
+# The norm clip_grad_norm_ returns is what a user logs and what Trainer reports as grad_norm; under
+# FSDP2 it is a DTensor reduced from every rank's shard norms, where upstream has returned the local
+# shard's norm (pytorch #170862), added the epsilon per rank (#149768: the clip above) and over-counted
+# HSDP's replicas (torchtitan #2318; HSDP is a 2-D mesh, not run here). Checked on every rank against
+# the norm of the oracle's averaged gradients before the clip; a wrong norm clips right or wrong, so
+# the gradients are checked as in accumulate_clip_grad.
+@case("accumulate_clip_grad_norm", variants=grid(steps=[2], precision=PRECISIONS),
+      defects={"deepspeed-z1": CLIP_IGNORED, "deepspeed-z2": CLIP_IGNORED, "deepspeed-z3": CLIP_IGNORED,
+               "fsdp2": DTENSOR_EPSILON_PER_RANK})
+def test_accumulate_clip_grad_norm(ctx):
+    """``accumulate_clip_grad``, and the total norm ``accelerator.clip_grad_norm_`` returns at each
+    sync (a tensor, or under FSDP2 a DTensor) compared on every rank with the norm of the window's
+    averaged gradient before the clip."""
+    clip_loop(ctx, check_norm=True)
+
+
+def clip_loop(ctx, *, check_norm):
+    """Two epochs under ``accumulate``, ``clip_grad_norm_`` at every sync, clipping every time (a
+    scaled-up loss); with ``check_norm`` the norm it returns is checked too."""
     steps = ctx.variant["steps"]
     accelerator, (model, optimizer, loader), oracle, schedule = setup(ctx, steps=steps, optimizer_factory=sgd)
     clipped = 0
@@ -110,11 +132,13 @@ def test_accumulate_clip_grad(ctx):
         with accelerator.accumulate(model):
             micro_step(accelerator, oracle, point, model, batch, loss=clip_loss)
             if accelerator.sync_gradients:
-                accelerator.clip_grad_norm_(model.parameters(), MAX_NORM * CLIP_LOSS_SCALE)
+                returned = accelerator.clip_grad_norm_(model.parameters(), MAX_NORM * CLIP_LOSS_SCALE)
             if point.optimizer_step:
                 norms = oracle.clip_grad_norm(MAX_NORM * CLIP_LOSS_SCALE)
                 clipped += sum(norm > MAX_NORM * CLIP_LOSS_SCALE for norm in norms.values())
                 oracle.check_grads(point, {"model": model})
+                if check_norm:
+                    oracle.check_grad_norm(point, {"model": returned})
             optimizer.step()
             optimizer.zero_grad()
         oracle.step(point)

@@ -22,8 +22,8 @@ KIND_TEXT = {
     "synced_early": "synced when it should be local (the average of all ranks where this rank's own gradient was due)",
     "stale": "stale from the last window (the gradient was not cleared after the optimizer step)",
     "wrong_scale": "scaled by {factor:.6g}",
-    "misweighted": ("misweighted: its tokens since the last check weigh {factor:.6g} times their share of the "
-                    "token mean over the window on every rank"),
+    "misweighted": ("misweighted: its {unit} since the last check weigh {factor:.6g} times their share of the "
+                    "{mean} over the window on every rank"),
     "params_diverged": "parameters diverged across ranks (no longer equal to rank 0's)",
     "stepped_early": "the optimizer stepped where the schedule has no step",
     "step_skipped": "the optimizer did not step where the schedule has one",
@@ -40,11 +40,16 @@ def _fmt_index(index: tuple[int, ...]) -> str:
     return "(" + ", ".join(str(i) for i in index) + ("," if len(index) == 1 else "") + ")"
 
 
+# What a misweighted gradient's contributions are, and the mean they are shares of: a token window's
+# (``token_window``), or a window held to the full-batch mean (``contract="full_batch"``)
+WEIGHED_UNITS = {"tokens": "token mean", "micro-batches": "mean of the micro-batches' losses"}
+
+
 def mismatch_text(*, what: str, where: str, kind: str, factor: float | None, diff: Difference,
-                  weights: Sequence[float] | None = None) -> str:
+                  weights: Sequence[float] | None = None, unit: str = "tokens") -> str:
     """The assert_close-style block for one mismatch, headed by where and what; a misweighted one
-    after a sync names every rank's weight."""
-    text = KIND_TEXT[kind].format(factor=factor or 0.0)
+    after a sync names every rank's weight, and what its weights weigh (``unit``: WEIGHED_UNITS)."""
+    text = KIND_TEXT[kind].format(factor=factor or 0.0, unit=unit, mean=WEIGHED_UNITS[unit])
     if weights is not None and len(weights) > 1:
         text += " (weights by rank: " + ", ".join(f"{w:.6g}" for w in weights) + ")"
     share = 100.0 * diff.mismatched / max(diff.numel, 1)
@@ -98,10 +103,12 @@ def trainer_window_text(*, rank: int, first: str, last: str, due: str, steps: in
             "Trainer took")
 
 
-def grad_norm_text(*, rank: int, where: str, logged: float, expected: float, allowed: float) -> str:
-    """Trainer's logged grad_norm (its clip's norm, before clipping) against the oracle's."""
+def grad_norm_text(*, who: str = "grad_norm logged by Trainer", rank: int, where: str, logged: float, expected: float,
+                   allowed: float) -> str:
+    """A reported gradient norm (Trainer's logged grad_norm, or what ``clip_grad_norm_`` returned: the
+    norm its clip measured, before clipping) against the oracle's."""
     ratio = f" ({logged / expected:.6g} times it)" if expected > 0 else ""
-    return (f"grad_norm logged by Trainer on rank {rank} at {where}: is {logged:.6g}, the gradient of the "
+    return (f"{who} on rank {rank} at {where}: is {logged:.6g}, the gradient of the "
             f"step's mean loss has norm {expected:.6g}{ratio} (up to {allowed:.2g} apart allowed)")
 
 

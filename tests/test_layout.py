@@ -30,7 +30,8 @@ CORE = {"harness.records", "harness.messages", "harness.timeline", "harness.text
 SUBPACKAGES = ("rank", "wrappers", "controller", "launch", "matrix", "render", "selfcheck")
 # The planted faults run inside the ranks (the self-check's ``run`` is the controller's).
 FAULT_MODULES = {"harness.selfcheck.planted", "harness.selfcheck.faults", "harness.selfcheck.faults_deepspeed",
-                 "harness.selfcheck.faults_fsdp", "harness.selfcheck.faults_tokens"}
+                 "harness.selfcheck.faults_fsdp", "harness.selfcheck.faults_tokens",
+                 "harness.selfcheck.faults_upstream"}
 
 
 def side(name: str) -> str:

@@ -62,6 +62,9 @@ EXPECTED_DIAGNOSES = {
     "fsdp1_no_sync_noop": ("no_sync", "fp32-wrapper=fsdp1", {"comm_unexpected", "synced_early"}),
     # the token count gathered from every rank is the rank's own: each rank's tokens weigh n_all/n_rank
     "gather_drops_ranks": ("accumulate_token_loss", "sync_each_batch=false-fp32", {"misweighted"}),
+    # the live upstream bugs' cases, each with its bug planted where the installed release is right
+    "short_window_rescaled": ("short_last_window_rescaled", "steps=2-fp32", {"misweighted"}),
+    "clip_returns_local_norm": ("accumulate_clip_grad_norm", "steps=2-fp32-wrapper=fsdp2", {"wrong_scale"}),
 }
 
 

@@ -20,7 +20,15 @@ from torch import nn
 from harness import wording as text
 from harness.rank.accounting import CHECK, Accounting, judge
 from harness.rank.accounting import unavailable as accounting_unavailable
-from harness.rank.closeness import Difference, Expectation, all_close, difference, distinguishable, rounding_allowance
+from harness.rank.closeness import (
+    Difference,
+    Expectation,
+    all_close,
+    difference,
+    distinguishable,
+    norm_rounding,
+    rounding_allowance,
+)
 from harness.rank.diagnosis import Hypotheses, diagnose, fitted_weights
 from harness.rank.replica import AUTOCAST_DTYPES
 from harness.rank.schedule import MicroStep
@@ -105,6 +113,7 @@ def make_failure(
     diff: Difference,
     noun: str | None = None,
     weights: list[float] | None = None,
+    unit: str = "tokens",
 ) -> Failure:
     """A failure of a gradient check (``checked="grad"``) or a parameter check (``"param"``), where
     ``diff`` compared the gradients or the updates; ``noun`` names what was compared otherwise;
@@ -127,7 +136,7 @@ def make_failure(
         atol=diff.allowed_abs,
         rtol=diff.allowed_rel if math.isfinite(diff.allowed_rel) else 1e308,
         message=text.mismatch_text(what=what, where=f"on rank {rank} at {where}", kind=kind, factor=factor, diff=diff,
-                                   weights=weights),
+                                   weights=weights, unit=unit),
     )
 
 
@@ -161,6 +170,17 @@ class WrongUpdate:
     diff: Difference
     moved: bool
     due: bool
+
+
+@dataclass(frozen=True)
+class ClipNorm:
+    """The oracle's total gradient norm of one model at a clip, before clipping: ``value``; ``carried``,
+    the norm of the gradients' allowances then; ``numel`` and ``dtype``, of the gradients summed."""
+
+    value: float
+    carried: float
+    numel: int
+    dtype: torch.dtype
 
 
 @dataclass(frozen=True)
@@ -277,11 +297,36 @@ class Checks:
                 )
                 failed = True
                 weights = reweighing.weights if reweighing and kind is FailureKind.MISWEIGHTED else None
+                unit = "tokens" if oracle.weighting.tokens is not None else "micro-batches"
                 self.recorder.add(make_failure(rank=self.rank, step=index, where=at, model=name, param=pname,
-                                               checked="grad", kind=kind, factor=factor, diff=diff, weights=weights))
+                                               checked="grad", kind=kind, factor=factor, diff=diff, weights=weights,
+                                               unit=unit))
             oracle.adopt_grads(name, grads)
             if failed:
                 oracle.restart_window(name, grads)
+
+    def grad_norm(self, step: MicroStep | int, name: str, reported: float, norm: ClipNorm, *,
+                  who: str = "returned by accelerator.clip_grad_norm_") -> None:
+        """A gradient norm the library reported (``who``: what reported it) against the oracle's norm of
+        the same gradients before the clip (``norm``, from ``Oracle.clip_grad_norm``): a loss scaled wrong
+        is invisible in the update once the clip scales it back, but not here. The two may be apart
+        by the norm of the gradients' allowances (|‖a‖ - ‖b‖| <= ‖a - b‖) and by the rounding of two
+        sums of the same squares in other orders (closeness.norm_rounding)."""
+        index, at = where(step)
+        self.recorder.checks += 1
+        self.recorder.timeline.mark(index, "grad_norm")
+        allowed = norm.carried + norm.value * norm_rounding(norm.numel, norm.dtype)
+        if math.isfinite(reported) and abs(reported - norm.value) <= allowed:
+            return
+        factor = reported / norm.value if norm.value > 0 and math.isfinite(reported) else None
+        self.recorder.add(Failure(
+            rank=self.rank, step=index, model=name, param="grad_norm",
+            kind=FailureKind.WRONG_SCALE if factor is not None else FailureKind.MISMATCH,
+            max_abs_diff=abs(reported - norm.value) if math.isfinite(reported) else math.inf,
+            checked="grad_norm", factor=factor,
+            message=text.grad_norm_text(who=f"grad_norm {who}", rank=self.rank, where=at, logged=reported,
+                                        expected=norm.value, allowed=allowed),
+        ))
 
     def _hidden(self, index: int, at: str, name: str, observed: Observed) -> None:
         """FSDP2 between sync points: the unsharded gradients accumulate inside FSDP and no shard is

@@ -17,7 +17,13 @@ from harness.rank.accounting import Accounting
 from harness.rank.checks import Recorder
 from harness.rank.models import derive_seed, make_model, rank_batch, regression_dataset, seeded
 from harness.rank.oracle import ModelOptimizers, OptimizerFactory, Oracle, SchedulerFactory
-from harness.rank.schedule import MicroStep, accumulation_schedule, batches_per_rank, dispatched_batches_per_rank
+from harness.rank.schedule import (
+    MicroStep,
+    accumulation_schedule,
+    batches_per_rank,
+    dispatched_batches_per_rank,
+    window_lengths,
+)
 from harness.records import Failure, FailureKind
 from harness.wrappers import prepare as wrappers
 from harness.wrappers import probe
@@ -81,6 +87,7 @@ class RankContext:
         self._scaler_kwargs: dict[str, Any] = {}
         self._oracles: list[Oracle] = []
         self._last_point = 0  # the last micro-step of the schedules made here
+        self._window_lengths: dict[int, int] = {}  # the micro-batches of each micro-step's window, by index
         self.at_step = 0  # the micro-step ``epochs`` last gave the case (where a raise happened)
 
     # what the installed accelerate offers (harness/wrappers/probe.py): the API, or Unsupported naming it
@@ -297,6 +304,7 @@ class RankContext:
         optimizers: ModelOptimizers | Mapping[str, ModelOptimizers] | None = None,
         scheduler: SchedulerFactory | None = None,
         scheduler_steps: int = 1,
+        contract: str = "accelerate",
     ) -> Oracle:
         """Replicas of ``models`` (by name) as they are now: call before ``accelerator.prepare``.
         Every rank's models must have the same weights (build them with ``model``).
@@ -306,7 +314,13 @@ class RankContext:
         one optimizer or a list), or one per model name; ``optimizer``: instead, a factory called with
         the replica's parameters (``lambda params: torch.optim.SGD(params, lr=0.1)``).
         ``scheduler``: called with each of the oracle's optimizers; ``scheduler_steps``: how many
-        times the schedulers advance at each optimizer step."""
+        times the schedulers advance at each optimizer step.
+        ``contract``: what a window's gradient must be. ``"accelerate"`` (the default): each backward's
+        loss divided by the accumulation steps, as ``Accelerator.backward`` documents, in a short window
+        too (the dataloader ended first). ``"full_batch"``: the mean over the micro-batches the window
+        really had, as one batch of all of them would give, so a short last window weighs its samples
+        as a full one does; the windows come from the schedule the case iterates with ``epochs`` or
+        ``windows``, and a window weighed otherwise is ``misweighted``, with the weights."""
         scaler = self._scaler_kwargs if self.precision == "fp16" else None
         oracle = Oracle(
             models,
@@ -325,9 +339,19 @@ class RankContext:
             **self._dtype_policy,
             accounting=self.accounting,
             more_checks=self._more_checks,
+            contract=contract,
+            window_length=self._current_window_length,
         )
         self._oracles.append(oracle)
         return oracle
+
+    def _current_window_length(self) -> int:
+        """The micro-batches of the window of the micro-step ``epochs`` last gave the case."""
+        if self.at_step not in self._window_lengths:
+            raise ValueError("contract='full_batch' weighs each window by the micro-batches it has, from the "
+                             "schedule: make it with ctx.schedule(...) and iterate with ctx.epochs(loader, schedule) "
+                             "or ctx.windows(loader, schedule)")
+        return self._window_lengths[self.at_step]
 
     def _more_checks(self, step: MicroStep | int) -> bool:
         """Whether a check surely follows one at ``step``: a micro-step of a schedule made here, not
@@ -363,6 +387,7 @@ class RankContext:
             sync_each_batch=self._given_once("sync_each_batch", sync_each_batch, given.sync_each_batch),
         )
         self._last_point = max([self._last_point, *(p.index for p in schedule)])
+        self._window_lengths.update(window_lengths(schedule))
         return schedule
 
     def _accumulation(self) -> Accumulation:

@@ -12,7 +12,7 @@ from torch import nn
 from harness.decorator import ALL_PRECISIONS
 from harness.rank.accounting import Accounting
 from harness.rank.anchoring import Anchored
-from harness.rank.checks import Checks, Recorder, as_optimizers
+from harness.rank.checks import Checks, ClipNorm, Recorder, as_optimizers
 from harness.rank.closeness import Expectation, norm_rounding, rounding_allowance
 from harness.rank.collectives import Collectives, Reduction, flat
 from harness.rank.replica import AUTOCAST_DTYPES, SHARDED_MIXED, autocast_of, forward_as, unsharded_grads, unwrap
@@ -28,6 +28,13 @@ ModelOptimizers = Callable[[nn.Module], Union[torch.optim.Optimizer, Sequence[to
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 # What ``backward(rng=key)`` replays: the RNG state the case's own forward ran under for that key.
 RngReplay = Callable[[Hashable], ContextManager[None]]
+
+# The accumulation contracts an oracle holds a case to (``contract=``). ``accelerate``: each backward's
+# loss divided by the configured accumulation steps, as ``Accelerator.backward`` documents, so a window
+# the dataloader ends early weighs its micro-batches as a full one would and the window's gradient is
+# smaller. ``full_batch``: each window's gradient is the mean over the micro-batches the window really
+# had, the gradient of one batch holding all of them: a short window's micro-batches weigh more.
+CONTRACTS = ("accelerate", "full_batch")
 
 
 class Oracle(Anchored):
@@ -62,6 +69,8 @@ class Oracle(Anchored):
         grad_accum: str | None = None,
         accounting: Accounting | None = None,
         more_checks: Callable[[MicroStep | int], bool] | None = None,
+        contract: str = "accelerate",
+        window_length: Callable[[], int] | None = None,
     ) -> None:
         if not models:
             raise ValueError("the oracle needs at least one model")
@@ -72,6 +81,14 @@ class Oracle(Anchored):
                             "(called with the model), not both")
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        if contract not in CONTRACTS:
+            raise ValueError(f"unknown contract {contract!r}; known: {', '.join(CONTRACTS)}")
+        if contract == "full_batch" and window_length is None:
+            raise ValueError("contract='full_batch' needs window_length (the micro-batches of the current "
+                             "backward's window); ctx.oracle gives it from the schedule")
+        self.contract = contract
+        # full_batch: how many micro-batches the window of the backward being run has
+        self.window_length = window_length
         self.rank = rank
         self.world_size = world_size
         self.precision = precision
@@ -139,6 +156,8 @@ class Oracle(Anchored):
         self.terms = ({name: {p: torch.zeros_like(t) for p, t in ps.items()} for name, ps in self.params.items()}
                       if wrapper in ADDS_AFTER_REDUCING else None)
         self.checks = Checks(self, recorder, accounting)
+        # each model's norm at the last clip_grad_norm, before clipping (what check_grad_norm judges)
+        self.norms: dict[str, ClipNorm] = {}
 
     def _grad_scaler(self, kwargs: Mapping[str, Any]) -> Any:
         device_type = next(next(iter(self.replicas.values())).parameters()).device.type
@@ -172,6 +191,8 @@ class Oracle(Anchored):
         and by the gradient scaler under fp16) into the replicas' gradients; average across ranks
         when the contract says this backward syncs. In a window weighed by tokens (``token_window``)
         the closure returns the sum of the micro-batch's token losses, scaled by world_size / N.
+        Under ``contract="full_batch"`` the loss is scaled by 1/(the micro-batches of its window)
+        instead, and the window's contributions are kept for the ``misweighted`` diagnosis.
 
         ``closure(models)`` computes the loss from the replicas (a dict by model name), the same way
         the case computed it from the prepared models. ``rng``: the key the case's forward ran under
@@ -189,6 +210,9 @@ class Oracle(Anchored):
         flat = [(name, pname, p) for name, ps in self.params.items() for pname, p in ps.items() if p.requires_grad]
         other: torch.Tensor | None = None
         tokens = self.weighting.tokens
+        # the contributions a misweighted diagnosis refits: a token window's, or any window's held to
+        # the full-batch mean
+        weighted = tokens is not None or self.contract == "full_batch"
         if tokens is not None:
             # the token mean's weight, world_size / N, as the two documented loops round it (each
             # backward seeded exactly so); where they differ the oracle runs both and allows each
@@ -197,6 +221,8 @@ class Oracle(Anchored):
             if other_seed is not None:
                 other = loss * other_seed.to(loss.device)
             loss = loss * seed.to(loss.device)
+        elif self.contract == "full_batch":
+            loss = loss / self.window_length()  # type: ignore[misc]
         else:
             loss = loss / self.num_steps
         if self.scaler is not None:
@@ -236,9 +262,9 @@ class Oracle(Anchored):
                 self.allowed[name][pname] = self.allowed[name][pname] + rounding_allowance(p.grad)
             if g_other is not None:
                 self.allowed[name][pname] += (g.detach().double() - g_other.detach().double()).abs()
-            if tokens is not None:
+            if weighted:
                 self.weighting.add(name, pname, g.detach())
-        if tokens is not None:
+        if weighted:
             self.weighting.after_backward(sync=sync)
         if self.sharded is not None:
             why = self.sharded.after_backward({name: m.order for name, m in self.models.items()})
@@ -331,6 +357,8 @@ class Oracle(Anchored):
             # rank's norm sums the squares in another order (its shards, then across the ranks), which
             # rounds the coefficient apart by up to norm_rounding (harness/rank/closeness.py), where it clips
             carried = float(torch.linalg.vector_norm(flat(self.allowed[name].values()), norm_type))
+            self.norms[name] = ClipNorm(norm, carried, sum(g.numel() for g in before.values()),
+                                        next(iter(ps.values())).grad.dtype)
             relative = carried / norm if norm > 0 else 0.0
             if coefficient < 1.0:
                 relative += norm_rounding(sum(g.numel() for g in before.values()),
@@ -412,6 +440,15 @@ class Oracle(Anchored):
         optimizer or a list), whose state the oracle adopts after a mismatch."""
         self.checks.params(step, models, optimizers)
 
+    def check_grad_norm(self, step: MicroStep | int, norms: Mapping[str, Any]) -> None:
+        """Compare the total norm the library reported for each model (by name: what
+        ``accelerator.clip_grad_norm_`` returned, a tensor, a DTensor or a number) with the oracle's at
+        its last ``clip_grad_norm``, before the clip."""
+        for name, reported in norms.items():
+            if name not in self.norms:
+                raise ValueError(f"check_grad_norm: no oracle.clip_grad_norm for {name!r} before it")
+            self.checks.grad_norm(step, name, _as_float(reported), self.norms[name])
+
     def check_sync_flag(self, step: MicroStep, flag: bool) -> None:
         """Compare ``accelerator.sync_gradients`` with the schedule."""
         self.checks.sync_flag(step, flag)
@@ -420,3 +457,12 @@ class Oracle(Anchored):
         """Compare each optimizer's learning rates with the oracle's schedulers' (``optimizers`` by
         model name, one optimizer or a list)."""
         self.checks.lr(step, optimizers)
+
+
+def _as_float(value: Any) -> float:
+    """A reported norm as a number: a DTensor's full value (a replicated norm is the same on every
+    rank; a Partial one is reduced), a tensor's item, or the number itself."""
+    full = getattr(value, "full_tensor", None)
+    if callable(full):
+        value = full()
+    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)

@@ -110,3 +110,13 @@ def windows(schedule: Sequence[MicroStep]) -> list[int]:
             window += 1
     return numbers
 
+
+def window_lengths(schedule: Sequence[MicroStep]) -> dict[int, int]:
+    """The number of micro-batches in the accumulation window of each micro-step, by its ``index``: a
+    full window has ``num_steps``; the last of an epoch (``sync_with_dataloader``) can have fewer."""
+    numbers = windows(schedule)
+    sizes: dict[int, int] = {}
+    for number in numbers:
+        sizes[number] = sizes.get(number, 0) + 1
+    return {point.index: sizes[number] for point, number in zip(schedule, numbers)}
+

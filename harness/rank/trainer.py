@@ -17,7 +17,6 @@ loss, weighed by the window's count on every rank); it never reads what Trainer 
 from __future__ import annotations
 
 import dataclasses
-import math
 import shutil
 import tempfile
 from typing import Any, Callable, Mapping
@@ -26,7 +25,7 @@ import torch
 from torch import nn
 
 from harness import wording as text
-from harness.rank.closeness import norm_rounding
+from harness.rank.checks import ClipNorm
 from harness.rank.hf_models import transformers_or_skip
 from harness.rank.schedule import MicroStep, batches_per_rank
 from harness.rank.tokens import IGNORE_INDEX
@@ -81,7 +80,7 @@ class TrainerWatch:
         self.point: MicroStep | None = None
         # the oracle's gradient norm before clipping, how far the rank's may be from it, and the
         # micro-step of the optimizer step, by optimizer step
-        self.norms: list[tuple[float, float, MicroStep]] = []
+        self.norms: list[tuple[ClipNorm, MicroStep]] = []
         self.logged_norms = 0  # the grad_norms Trainer has logged so far
         self.forwards = 0
         self.steps = 0
@@ -141,11 +140,8 @@ class TrainerWatch:
                                                  last=planned[-1].where(), due=end.where(), steps=self.trainer.args.gradient_accumulation_steps),
             ))
         if self.max_grad_norm > 0:
-            # how far the rank's norm may be from the oracle's: the norm of the gradients' allowances
-            # (|‖a‖ - ‖b‖| <= ‖a - b‖), taken before the clip scales them
-            allowed = torch.cat([a.flatten() for a in oracle.allowed["model"].values()])
-            carried = float(torch.linalg.vector_norm(allowed))
-            self.norms.append((oracle.clip_grad_norm(self.max_grad_norm)["model"], carried, self.point))
+            oracle.clip_grad_norm(self.max_grad_norm)
+            self.norms.append((oracle.norms["model"], self.point))
         oracle.check_grads(self.point, models)
         oracle.check_lr(self.point, {"model": self._hooked})
         # a wrong rate is said above, at every step it is wrong; the oracle's update uses Trainer's, so
@@ -191,28 +187,11 @@ class TrainerWatch:
 
     def _judge_norm(self, n: int, logged: float) -> None:
         """The n-th grad_norm Trainer logged (the norm its clip measured, before clipping) against the
-        oracle's at the n-th optimizer step: a loss scaled wrong is invisible in the update once the
-        clip scales it back, but not here."""
+        oracle's at the n-th optimizer step."""
         if self.max_grad_norm <= 0 or n >= len(self.norms):
             return
-        recorder = self.ctx.recorder
-        expected, carried, point = self.norms[n]
-        params = self.oracle.params["model"].values()
-        recorder.checks += 1
-        recorder.timeline.mark(point.index, "grad_norm")
-        # and the two norms sum the squares in other orders (closeness.norm_rounding)
-        allowed = carried + expected * norm_rounding(sum(p.numel() for p in params), next(iter(params)).dtype)
-        if math.isfinite(logged) and abs(logged - expected) <= allowed:
-            return
-        factor = logged / expected if expected > 0 and math.isfinite(logged) else None
-        recorder.add(Failure(
-            rank=recorder.rank, step=point.index, model="model", param="grad_norm",
-            kind=FailureKind.WRONG_SCALE if factor is not None else FailureKind.MISMATCH,
-            max_abs_diff=abs(logged - expected) if math.isfinite(logged) else math.inf,
-            checked="grad_norm", factor=factor,
-            message=text.grad_norm_text(rank=recorder.rank, where=point.where(),
-                                        logged=logged, expected=expected, allowed=allowed),
-        ))
+        norm, point = self.norms[n]
+        self.oracle.checks.grad_norm(point, "model", logged, norm, who="logged by Trainer")
 
 
 def _window_end(schedule: list[MicroStep], point: MicroStep) -> MicroStep:

@@ -433,4 +433,4 @@ def apply_fault(name: str | None, *, rank: int) -> Iterator[None]:
 
 
 # The faults of one wrapper's path, registered into FAULTS after these (the self-check's order).
-from harness.selfcheck import faults_deepspeed, faults_fsdp, faults_tokens  # noqa: E402,F401
+from harness.selfcheck import faults_deepspeed, faults_fsdp, faults_tokens, faults_upstream  # noqa: E402,F401
