@@ -28,9 +28,13 @@ def uses_extra(pattern, point, window, rank):
     the sync point (so the branch is unused in the synced backward, used earlier in the window);
     never used (unused on every rank for the whole window).
     ``per_rank``: each rank its own way, alternating by micro-batch and by rank, so that at every
-    step some ranks use the branch and some do not (where there are several ranks)."""
+    step some ranks use the branch and some do not (where there are several ranks).
+    ``before_sync``: every rank, every window, at every micro-batch but the synced one: the reproducer
+    of pytorch #69031 (a parameter used only under ``no_sync`` never synced; fixed by PR #124193)."""
     if pattern == "per_rank":
         return (point.index + rank) % 2 == 0
+    if pattern == "before_sync":
+        return not point.optimizer_step
     turn = window % 3
     if turn == 0:
         return True
@@ -40,7 +44,8 @@ def uses_extra(pattern, point, window, rank):
 
 
 # find_unused_parameters is DistributedDataParallel's option
-@case("unused_parameters", variants=grid(steps=[2, 3], pattern=["same", "per_rank"], precision=PRECISIONS),
+@case("unused_parameters",
+      variants=grid(steps=[2, 3], pattern=["same", "per_rank", "before_sync"], precision=PRECISIONS),
       wrappers=["ddp"])
 def test_unused_parameters(ctx):
     """``Branchy`` under ``accumulate`` with ``DistributedDataParallelKwargs(find_unused_parameters=True)``.

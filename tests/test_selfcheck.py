@@ -65,6 +65,8 @@ EXPECTED_DIAGNOSES = {
     # the live upstream bugs' cases, each with its bug planted where the installed release is right
     "short_window_rescaled": ("short_last_window_rescaled", "steps=2-fp32", {"misweighted"}),
     "clip_returns_local_norm": ("accumulate_clip_grad_norm", "steps=2-fp32-wrapper=fsdp2", {"wrong_scale"}),
+    "static_graph_syncs_once": ("static_graph", "steps=2-first=synced-fp32", {"not_synced", "comm_missing"}),
+    "unused_at_sync_kept_local": ("unused_parameters", "steps=2-pattern=before_sync-fp32", {"not_synced"}),
 }
 
 

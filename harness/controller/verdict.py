@@ -7,7 +7,7 @@ from typing import Sequence
 from harness import wording as text
 from harness.decorator import Diagnosis
 from harness.matrix.schema import Cell
-from harness.records import UNCHECKED_KINDS, CellOutcome, Failure, RankOutcome, Status
+from harness.records import UNCHECKED_KINDS, CellOutcome, Failure, FailureKind, RankOutcome, Status
 from harness.timeline import Timeline
 
 
@@ -93,11 +93,14 @@ def judge(
     cell.unchecked = dict(sorted({k: v for r in results for k, v in r.unchecked.items()}.items()))
     if failures or omitted:  # where the ranks parted from the oracle, drawn by the HTML report
         cell.timeline = Timeline.join(r.timeline for r in results if r.timeline is not None)
-    if cell.grad_checks == 0:
+    # a declared defect that raises (harness/rank/raises.py) can raise before any check: the exception,
+    # matched on every rank, is the evidence
+    raised = any(f.kind == FailureKind.RAISED for f in failures)
+    if cell.grad_checks == 0 and not raised:
         cell.status = Status.MISSED if detects else Status.ERROR
         cell.summary = text.NO_GRADIENT_CHECK
         return cell
-    if world_size >= 2 and cell.vacuous_checks == cell.grad_checks:
+    if world_size >= 2 and cell.vacuous_checks == cell.grad_checks and not raised:
         cell.summary = text.all_vacuous_summary(cell)
         return cell
     if detects:

@@ -56,7 +56,107 @@ def _clip_returns_local_norm(rank: int) -> Iterator[None]:
         yield
 
 
+
+def _ddp_hooked(condition: Any, make_hook: Any) -> Any:
+    """A patch of ``Accelerator.prepare_model`` that gives every DDP model it returns for which
+    ``condition(ddp)`` holds the comm hook ``make_hook(ddp)`` makes (instead of DDP's average)."""
+
+    @contextlib.contextmanager
+    def patch(rank: int) -> Iterator[None]:
+        import torch
+        from accelerate import Accelerator
+
+        original = Accelerator.prepare_model
+
+        def prepare_model(self: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+            prepared = original(self, model, *args, **kwargs)
+            if isinstance(prepared, torch.nn.parallel.DistributedDataParallel) and condition(prepared):
+                with contextlib.suppress(RuntimeError):  # a hook is registered already (a DDP kwargs handler)
+                    prepared.register_comm_hook(None, make_hook(prepared))
+            return prepared
+
+        with _patched(Accelerator, "prepare_model", prepare_model):
+            yield
+
+    return patch
+
+
+def _averaged(bucket: Any) -> Any:
+    """DDP's own reduction of a bucket: the all-rank average, as a future of the bucket's buffer (a
+    hook's future must hold a Python object: all_reduce's holds a list of tensors)."""
+    import torch.distributed as dist
+
+    buffer = bucket.buffer()
+    buffer.div_(dist.get_world_size())
+    return dist.all_reduce(buffer, async_op=True).get_future().then(lambda future: future.value()[0])
+
+
+def _syncs_first_iteration_only(ddp: Any) -> Any:
+    # static graph's first iteration all-reduces (its delayed reduction); from the second forward on
+    # each bucket comes back as this rank's own, with no collective: gradients silently stop being
+    # averaged, as reported of static_graph with no_sync (huggingface/accelerate#3679)
+    import torch
+
+    forwards = [0]
+
+    def count(module: Any, args: Any) -> None:
+        forwards[0] += 1
+
+    ddp.register_forward_pre_hook(count)
+
+    def hook(state, bucket):  # unannotated: DDP rejects a bucket annotation that is not GradBucket
+        if forwards[0] <= 1:
+            return _averaged(bucket)
+        future: Any = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+
+    return hook
+
+
+def _unused_at_sync_kept_local(ddp: Any) -> Any:
+    # with find_unused_parameters, a parameter that this backward did not use keeps this rank's own
+    # gradient after the sync, though an earlier micro-batch of the window used it: the reducer knows
+    # only the synced backward's use (pytorch #69031, before PR #124193 in torch 2.4)
+    import torch
+
+    before: dict[int, Any] = {}
+
+    def remember(module: Any, args: Any) -> None:
+        before.clear()
+        before.update({id(p): None if p.grad is None else p.grad.detach().clone() for p in module.parameters()})
+
+    ddp.register_forward_pre_hook(remember)
+
+    def hook(state, bucket):  # unannotated: DDP rejects a bucket annotation that is not GradBucket
+        buffer = bucket.buffer()
+        kept = []
+        offset = 0
+        for p in bucket.parameters():
+            size = p.numel()
+            earlier = before.get(id(p))
+            now = p.grad
+            if now is None or (earlier is not None and torch.equal(now, earlier)):  # not used since the forward
+                kept.append((offset, size, buffer[offset:offset + size].clone()))
+            offset += size
+
+        def restore(future: Any) -> Any:
+            reduced = future.value()
+            for start, size, local in kept:
+                reduced[start:start + size] = local
+            return reduced
+
+        return _averaged(bucket).then(restore)
+
+    return hook
+
 register(Fault("short_window_rescaled", "Accelerator.backward divides the last loss of an epoch's short window "
                "by that window's micro-batches, not the steps", _short_window_rescaled))
 register(Fault("clip_returns_local_norm", "Accelerator.clip_grad_norm_ clips by the total norm but returns the norm "
                "of this rank's shards (pytorch #170862)", _clip_returns_local_norm, wrappers=("fsdp2",)))
+register(Fault("static_graph_syncs_once", "a static-graph DDP model all-reduces its first iteration only, then keeps "
+               "each rank's own gradients (as reported of static_graph with no_sync, accelerate #3679)",
+               _ddp_hooked(lambda ddp: ddp.static_graph, _syncs_first_iteration_only)))
+register(Fault("unused_at_sync_kept_local", "with find_unused_parameters, a parameter unused by the synced backward "
+               "keeps this rank's own gradient from the window's earlier micro-batches (pytorch #69031)",
+               _ddp_hooked(lambda ddp: ddp.find_unused_parameters, _unused_at_sync_kept_local)))
