@@ -8,7 +8,7 @@ accumulation steps, so each epoch ends in a shorter window; padded labels are -1
 """
 
 from harness import Diagnosis, case, grid
-from harness.rank.hf_models import causal_lm, classifier, pad, sequences
+from harness.rank.hf_models import causal_lm, classifier, moe_causal_lm, pad, sequences
 from harness.rank.trainer import checked_trainer
 
 EPOCHS = 2
@@ -89,3 +89,38 @@ def test_trainer_classifier_plain_mean(ctx):
     model = ctx.model(classifier)
     model.accepts_loss_kwargs = False
     train_classifier(ctx, model)
+
+
+# transformers #48690 (open; PRs #48691 and #48706 open): a MoE model adds router_aux_loss_coef times its
+# router's load-balancing loss to the LM loss it returns, and Trainer, having had num_items_in_batch
+# (the window's tokens on every rank), multiplies the whole loss by the number of processes so that
+# DDP's average leaves the token mean: the router term, a mean already, comes out world_size times its
+# weight. Nor is it divided by the accumulation steps (Trainer skips that division when the model
+# takes num_items_in_batch): the window's router terms are summed, not averaged; found by this case,
+# no upstream report found. Neither is a uniform scale of the gradient: mismatch.
+ROUTER_LOSS_TIMES_RANKS = Diagnosis("mismatch", model="model", ranks=2, when={"steps": 1},
+                                    upstream="huggingface/transformers#48690")
+ROUTER_LOSS_TIMES_STEPS = Diagnosis("mismatch", model="model", when={"steps": 2},
+                                    upstream="router loss summed over the window's micro-batches, found by this case")
+
+
+@case("trainer_moe_router_loss", variants=grid(steps=[1, 2], precision=["fp32"]), wrappers=["ddp"],
+      defects={"ddp": (ROUTER_LOSS_TIMES_RANKS, ROUTER_LOSS_TIMES_STEPS)})
+def test_trainer_moe_router_loss(ctx):
+    """A one-layer Mixtral of four experts (its router's load-balancing loss weighed 0.5) trained by
+    ``Trainer.train()`` with ``average_tokens_across_devices``: each step's gradient must be the token
+    mean's plus 0.5 times the mean of the router losses of the window's micro-batches on every rank."""
+    model = ctx.model(moe_causal_lm)
+    trainer = checked_trainer(ctx, model, train_dataset=data(ctx, "tokens"), data_collator=pad, loss="tokens",
+                              gradient_accumulation_steps=ctx.variant["steps"], **token_averaging_on(), **ARGUMENTS)
+    trainer.train()
+
+
+def token_averaging_on():
+    """``average_tokens_across_devices=True`` (the default from 4.54 on), where the release has it."""
+    from transformers import TrainingArguments
+
+    from harness.wrappers.probe import takes_parameter
+
+    return {"average_tokens_across_devices": True} if takes_parameter(TrainingArguments,
+                                                                      "average_tokens_across_devices") else {}

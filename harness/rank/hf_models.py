@@ -43,6 +43,19 @@ def causal_lm() -> Any:
     return LlamaForCausalLM(tiny_llama_config())
 
 
+def moe_causal_lm() -> Any:
+    """A one-layer Mixtral of four experts, two per token, its router's load-balancing loss on
+    (``output_router_logits``, weighed ``router_aux_loss_coef``): the MoE loss Trainer adds to the LM's."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+                           num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                           router_aux_loss_coef=0.5, tie_word_embeddings=False, pad_token_id=PAD_ID,
+                           attn_implementation="eager")
+    return MixtralForCausalLM(config)
+
+
 def classifier() -> Any:
     from transformers import LlamaForSequenceClassification
 

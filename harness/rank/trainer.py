@@ -43,18 +43,34 @@ FIXED_ARGUMENTS = {"logging_steps": 1, "save_strategy": "no", "report_to": "none
                    "dataloader_num_workers": 0}
 
 
-def _summed_token_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """A causal LM's token losses summed, from its logits: position t predicts label t+1."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))["logits"]
-    return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-                                       batch["labels"][:, 1:].reshape(-1), ignore_index=IGNORE_INDEX,
-                                       reduction="sum")
+def _summed_token_loss(model: nn.Module, batch: Mapping[str, torch.Tensor], router_weight: float = 0.0
+                       ) -> torch.Tensor:
+    """A causal LM's token losses summed, from its logits: position t predicts label t+1; plus a MoE
+    router's auxiliary loss (the model's ``aux_loss``) times ``router_weight`` where given."""
+    outputs = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))
+    logits = outputs["logits"]
+    summed = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                                         batch["labels"][:, 1:].reshape(-1), ignore_index=IGNORE_INDEX,
+                                         reduction="sum")
+    if router_weight:
+        summed = summed + router_weight * outputs["aux_loss"].float()
+    return summed
 
 
-def _summed_sample_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def _summed_sample_loss(model: nn.Module, batch: Mapping[str, torch.Tensor], router_weight: float = 0.0
+                        ) -> torch.Tensor:
     """A classifier's per-sample cross-entropies summed."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))["logits"]
     return nn.functional.cross_entropy(logits.float(), batch["labels"].reshape(-1), reduction="sum")
+
+
+def router_coefficient(model: nn.Module) -> float:
+    """The weight of a MoE model's router auxiliary loss in its training loss (``router_aux_loss_coef``
+    where the model returns it: ``output_router_logits``), else 0."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "output_router_logits", False):
+        return 0.0
+    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
 
 
 def _counted(batch: Mapping[str, torch.Tensor], loss: str) -> torch.Tensor:
@@ -75,6 +91,7 @@ class TrainerWatch:
         self.loss = loss
         self.summed: Callable[..., torch.Tensor] = _summed_token_loss if loss == "tokens" else _summed_sample_loss
         self.max_grad_norm = float(trainer.args.max_grad_norm or 0.0)
+        self.router_coef = router_coefficient(model)
         # the micro-batches this rank's model ran since the last optimizer step, with their micro-steps
         self.window: list[tuple[MicroStep, dict[str, torch.Tensor]]] = []
         self.point: MicroStep | None = None
@@ -123,10 +140,15 @@ class TrainerWatch:
         if not batches:
             self.point = None
             return
-        oracle.token_window([_counted(b, self.loss) for _, b in batches])
+        tokens = oracle.token_window([_counted(b, self.loss) for _, b in batches])
+        # a MoE router's auxiliary loss is no token's: the contract weighs it router_aux_loss_coef times
+        # the mean over the window's micro-batches on every rank (what one micro-batch a step on one
+        # rank gives). The closure's sum is scaled by world_size / N, so the term enters it times
+        # N / (world_size * micro-batches)
+        router = self.router_coef * tokens / (oracle.world_size * len(batches))
         last = len(batches) - 1
         for n, (_, batch) in enumerate(batches):
-            oracle.backward(lambda m, batch=batch: self.summed(m["model"], batch), sync=n == last)
+            oracle.backward(lambda m, batch=batch: self.summed(m["model"], batch, router), sync=n == last)
         planned = [p for p, _ in batches]
         self.point = dataclasses.replace(planned[-1], sync=True, optimizer_step=True)
         if not self.misplaced and (not planned[-1].optimizer_step or any(p.optimizer_step for p in planned[:-1])):
