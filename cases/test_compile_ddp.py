@@ -1,0 +1,130 @@
+"""torch.compile and DDP beyond accelerate's ``dynamo_backend``: a compiled function around the DDP
+model, DDPOptimizer's split graphs, DDP's Python reducer under compiled autograd, and a backward
+under compiled autograd, each under ``accumulate`` (its windows begin under ``no_sync``)."""
+
+import contextlib
+
+import torch
+from torch.utils.data import DataLoader
+
+from harness import Variant, case
+from harness.rank.models import regression_loss
+
+EPOCHS = 2
+BATCHES = 5
+BATCH_SIZE = 4
+STEPS = 2
+# DDPOptimizer's first bucket holds 1 MiB (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES) and it
+# refuses a smaller bucket_cap_mb: its graph splits only in a model of more than 1 MiB of parameters.
+# ``wide`` has 1.3 MiB in its middle layer: with 1 MiB buckets DDP makes two, and DDPOptimizer
+# compiles two subgraphs, each reduced by its own bucket.
+SPLIT_BUCKET_MB = 1
+WIDTH = 512
+
+# (a backward under compiled autograd with DDP's C++ Reducer is refused by torch in one line, "Compiled
+# autograd is not compatible with C++ DDP Reducer, please use optimize_ddp="python_reducer"": the form
+# python_reducer is that advice taken)
+FORMS = ("function", "ddp_optimizer", "python_reducer")
+# aot_eager runs the eager kernels, whose rounding the oracle's allowances are derived for. inductor
+# (it runs here: a C compiler is on PATH) fuses and reorders the kernels' sums: its gradients differ
+# from the eager replica's by 1 to 2 ulps at world size 1 already, beyond those allowances. Its cells
+# wait for an allowance derived from the arithmetic inductor generates (not tuned to pass).
+BACKENDS = ("aot_eager",)
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.05)
+
+
+def slow_sgd(params):
+    """For ``wide``, whose gradients SGD at 0.05 blows up within two epochs."""
+    return torch.optim.SGD(params, lr=0.001)
+
+
+def compile_variants():
+    """Each form under each backend, named ``form=<form>-compile=<backend>`` (fp32: the compiled
+    graphs are the eager kernels' only there)."""
+    return tuple(Variant(f"form={form}-compile={backend}", {"form": form, "compile": backend, "precision": "fp32"})
+                 for backend in BACKENDS for form in FORMS)
+
+
+def wide():
+    """A regressor of 4 features with a middle layer of 1.3 MiB (fp32)."""
+    return torch.nn.Sequential(torch.nn.Linear(4, WIDTH), torch.nn.Tanh(), torch.nn.Linear(WIDTH, 640),
+                               torch.nn.Tanh(), torch.nn.Linear(640, 1))
+
+
+def require_backend(ctx):
+    """inductor writes and builds C++ on CPU: ``skip`` where this host has no C compiler."""
+    import shutil
+
+    if ctx.compile == "inductor" and not any(shutil.which(cc) for cc in ("cc", "gcc", "clang", "c++", "g++")):
+        ctx.skip("inductor needs a C compiler on a CPU host; none is on PATH")
+
+
+@contextlib.contextmanager
+def dynamo_setting(**settings):
+    """``torch._dynamo.config`` changed for the cell only (the ranks are pooled: the next cell must
+    find the defaults)."""
+    with torch._dynamo.config.patch(**settings):
+        yield
+
+
+@contextlib.contextmanager
+def compiled_autograd(backend):
+    """(optimize_ddp="python_reducer" reduces in the backward compiled autograd traces: the block
+    turns it on)"""
+    """Every backward in the block traced by compiled autograd and compiled with ``backend``."""
+    enable = getattr(getattr(torch._dynamo, "compiled_autograd", None), "_enable", None)
+    if enable is None:
+        from harness import Unsupported
+
+        raise Unsupported("torch._dynamo.compiled_autograd._enable (compiled autograd)")
+    with enable(torch.compile(backend=backend)):
+        yield
+
+
+# pytorch #109774: a compiled function around a DDP module ran no all-reduce; PR #152735: compiled
+# autograd and DDP's C++ Reducer (DDP's hooks are not traced; the Python reducer is what compiled
+# autograd syncs with: optimize_ddp="python_reducer"); PR #160745: DDPOptimizer (optimize_ddp=True,
+# the default) under accumulation. Every form runs accumulate's idiomatic loop, the oracle unchanged.
+@case("compile_ddp", variants=compile_variants(), wrappers=["ddp"])
+def test_compile_ddp(ctx):
+    """The ``accumulate`` loop with the model compiled three ways: ``function``, the loss function
+    compiled by the case around the prepared DDP model (no ``dynamo_backend``); ``ddp_optimizer``,
+    accelerate's ``dynamo_backend`` with DDPOptimizer splitting the graph of a model of two buckets;
+    ``python_reducer``, accelerate's ``dynamo_backend`` with ``optimize_ddp="python_reducer"`` and
+    every backward under compiled autograd (DDP's Python reducer)."""
+    require_backend(ctx)
+    form, backend = ctx.variant["form"], ctx.compile
+    options = {}
+    settings = {}
+    if form == "function":
+        options["dynamo_backend"] = "no"
+    elif form == "ddp_optimizer":
+        options.update(ctx.ddp_options(bucket_cap_mb=SPLIT_BUCKET_MB))
+        settings["optimize_ddp"] = "ddp_optimizer"
+    elif form == "python_reducer":
+        settings["optimize_ddp"] = "python_reducer"
+    with dynamo_setting(**settings):
+        accelerator = ctx.accelerator(gradient_accumulation_steps=STEPS, **options)
+        model = ctx.model(wide) if form == "ddp_optimizer" else ctx.model("regressor")
+        make_optimizer = slow_sgd if form == "ddp_optimizer" else sgd
+        dataset, per_rank = ctx.dataset(batches=BATCHES, batch_size=BATCH_SIZE)
+        oracle = ctx.oracle({"model": model}, optimizer=make_optimizer)
+        optimizer = make_optimizer(model.parameters())
+        model, optimizer, loader = accelerator.prepare(model, optimizer, DataLoader(dataset, batch_size=BATCH_SIZE))
+        models = {"model": model}
+        loss_of = torch.compile(regression_loss, backend=backend) if form == "function" else regression_loss
+        around = (lambda: compiled_autograd(backend)) if form == "python_reducer" else contextlib.nullcontext
+        for point, batch in ctx.epochs(loader, ctx.schedule(per_rank, epochs=EPOCHS)):
+            with accelerator.accumulate(model):
+                with around():
+                    accelerator.backward(loss_of(model, batch))
+                oracle.check_sync_flag(point, accelerator.sync_gradients)
+                oracle.backward(lambda m: regression_loss(m["model"], batch), sync=point.sync)
+                oracle.check_grads(point, models)
+                optimizer.step()
+                optimizer.zero_grad()
+            oracle.step(point)
+            oracle.check_params(point, models, {"model": optimizer})
