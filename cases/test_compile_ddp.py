@@ -26,9 +26,14 @@ WIDTH = 512
 # python_reducer is that advice taken)
 FORMS = ("function", "ddp_optimizer", "python_reducer")
 # aot_eager runs the eager kernels, whose rounding the oracle's allowances are derived for. inductor
-# (it runs here: a C compiler is on PATH) fuses and reorders the kernels' sums: its gradients differ
-# from the eager replica's by 1 to 2 ulps at world size 1 already, beyond those allowances. Its cells
-# wait for an allowance derived from the arithmetic inductor generates (not tuned to pass).
+# (on CPU it needs a C compiler, else its cells skip) fuses the kernels and orders their sums its own
+# way: its gradients differ from an eager replica's by 1 to 2 ulps at world size 1 already, where
+# cancellation makes that more than the allowance of a local backward (closeness.py). The compiled
+# function runs under inductor too: there the oracle's loss goes through the same compiled function
+# on the replica, the same graph and kernels as the rank's (as under autocast the replica runs the
+# same bf16 kernels), and the checks stay exact. DDPOptimizer splits the rank's graph at DDP's buckets,
+# and the Python reducer's backward is compiled autograd's own graph: no replica runs those kernels,
+# and their inductor cells wait for an allowance derived from the arithmetic inductor generates.
 BACKENDS = ("aot_eager",)
 
 
@@ -42,10 +47,11 @@ def slow_sgd(params):
 
 
 def compile_variants():
-    """Each form under each backend, named ``form=<form>-compile=<backend>`` (fp32: the compiled
-    graphs are the eager kernels' only there)."""
+    """Each form under aot_eager, and the compiled function under inductor, named
+    ``form=<form>-compile=<backend>`` (fp32)."""
+    pairs = [(form, backend) for backend in BACKENDS for form in FORMS] + [("function", "inductor")]
     return tuple(Variant(f"form={form}-compile={backend}", {"form": form, "compile": backend, "precision": "fp32"})
-                 for backend in BACKENDS for form in FORMS)
+                 for form, backend in pairs)
 
 
 def wide():
@@ -115,14 +121,17 @@ def test_compile_ddp(ctx):
         optimizer = make_optimizer(model.parameters())
         model, optimizer, loader = accelerator.prepare(model, optimizer, DataLoader(dataset, batch_size=BATCH_SIZE))
         models = {"model": model}
-        loss_of = torch.compile(regression_loss, backend=backend) if form == "function" else regression_loss
+        loss_of = replica_loss = regression_loss
+        if form == "function":  # compiled apart for the rank's model and the replica: one graph each
+            loss_of = torch.compile(regression_loss, backend=backend)
+            replica_loss = torch.compile(regression_loss, backend=backend)
         around = (lambda: compiled_autograd(backend)) if form == "python_reducer" else contextlib.nullcontext
         for point, batch in ctx.epochs(loader, ctx.schedule(per_rank, epochs=EPOCHS)):
             with accelerator.accumulate(model):
                 with around():
                     accelerator.backward(loss_of(model, batch))
                 oracle.check_sync_flag(point, accelerator.sync_gradients)
-                oracle.backward(lambda m: regression_loss(m["model"], batch), sync=point.sync)
+                oracle.backward(lambda m: replica_loss(m["model"], batch), sync=point.sync)
                 oracle.check_grads(point, models)
                 optimizer.step()
                 optimizer.zero_grad()
