@@ -305,3 +305,61 @@ def test_two_ranks_with_the_same_data_every_check_is_vacuous(two_ranks):
         result = two_ranks[rank]["alike"]
         assert result["failures"] == []
         assert result["vacuous"] == result["checks"] == 5
+
+
+@pytest.mark.parametrize("divide_by_window", [True, False], ids=["window-mean", "divided-by-the-steps"])
+def test_full_batch_contract_weighs_a_short_window_by_its_micro_batches(divide_by_window):
+    from harness.rank.schedule import window_lengths
+
+    schedule = accumulation_schedule(5, epochs=1, num_steps=3)  # windows of 3 and 2
+    lengths = window_lengths(schedule)
+    at = {"point": schedule[0]}
+    model = make_model("regressor", 7)
+    recorder = Recorder(rank=0)
+    oracle = Oracle({"model": model}, recorder=recorder, rank=0, world_size=1, precision="fp32", num_steps=3,
+                    optimizer=sgd, contract="full_batch", window_length=lambda: lengths[at["point"].index])
+    optimizer = sgd(model.parameters())
+    for point in schedule:
+        at["point"] = point
+        b = batch(point.index)
+        (regression_loss(model, b) / (lengths[point.index] if divide_by_window else 3)).backward()
+        oracle.backward(lambda m: regression_loss(m["model"], b), sync=point.sync)
+        oracle.check_grads(point, {"model": model})
+        if point.optimizer_step:
+            optimizer.step()
+            optimizer.zero_grad()
+        oracle.step(point)
+        oracle.check_params(point, {"model": model}, {"model": optimizer})
+    if divide_by_window:
+        assert recorder.failures == [] and recorder.max_abs_diff == 0.0
+    else:  # the full windows are right; the short one's micro-batches weigh 2/3 of their share
+        grads = [f for f in recorder.failures if f.checked == "grad"]
+        assert grads and {f.step for f in grads} == {4, 5} and {f.kind for f in grads} == {"misweighted"}
+        assert "its micro-batches since the last check weigh 0.666667 times their share of the mean of the " \
+               "micro-batches' losses" in grads[0].message
+
+
+def test_full_batch_contract_needs_the_window_and_an_unknown_contract_is_refused():
+    model = make_model("regressor", 7)
+    with pytest.raises(ValueError, match="needs window_length"):
+        Oracle({"model": model}, recorder=Recorder(rank=0), rank=0, world_size=1, precision="fp32",
+               contract="full_batch")
+    with pytest.raises(ValueError, match="unknown contract 'mean'; known: accelerate, full_batch"):
+        Oracle({"model": model}, recorder=Recorder(rank=0), rank=0, world_size=1, precision="fp32", contract="mean")
+
+
+def test_a_reported_clip_norm_is_judged_against_the_oracles_norm_before_the_clip():
+    model, oracle, recorder = make()
+    b = batch(1)
+    (regression_loss(model, b) * 100).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    oracle.backward(lambda m: regression_loss(m["model"], b) * 100, sync=True)
+    oracle.clip_grad_norm(0.1)
+    oracle.check_grad_norm(1, {"model": norm})
+    assert recorder.failures == []
+    oracle.check_grad_norm(1, {"model": norm * 0.5})  # a shard's norm, say
+    (wrong,) = recorder.failures
+    assert (wrong.kind, wrong.checked, round(wrong.factor, 6)) == ("wrong_scale", "grad_norm", 0.5)
+    assert wrong.message.startswith("grad_norm returned by accelerator.clip_grad_norm_ on rank 0 at step 1: is ")
+    with pytest.raises(ValueError, match="no oracle.clip_grad_norm for 'other'"):
+        oracle.check_grad_norm(1, {"other": norm})

@@ -82,3 +82,12 @@ def test_windows_end_at_optimizer_steps():
 
     points = accumulation_schedule(5, epochs=1, num_steps=2)  # steps at 2, 4, 5
     assert windows(points) == [0, 0, 1, 1, 2]
+
+
+def test_window_lengths_give_each_micro_step_its_windows_count_short_last_windows_included():
+    from harness.rank.schedule import window_lengths
+
+    lengths = window_lengths(accumulation_schedule(5, epochs=2, num_steps=3))
+    assert [lengths[i] for i in range(1, 11)] == [3, 3, 3, 2, 2, 3, 3, 3, 2, 2]
+    across = window_lengths(accumulation_schedule(5, epochs=2, num_steps=3, sync_with_dataloader=False))
+    assert [across[i] for i in range(1, 11)] == [3, 3, 3, 3, 3, 3, 3, 3, 3, 1]

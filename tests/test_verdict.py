@@ -152,3 +152,14 @@ def test_a_pool_that_did_not_start_and_a_controller_that_failed_are_errors():
     assert c.status == "error"
     assert c.summary == "the harness failed while waiting for the cell: OSError: [Errno 9] Bad file descriptor"
     assert format_message(c).startswith("The cell could not be judged: c[v] at world size 2")
+
+
+def test_a_declared_raise_before_any_check_is_detected_and_an_undeclared_cell_without_checks_still_an_error():
+    raised = Diagnosis("raised", match="expect_autograd_hooks_", ranks=2)
+    raising = [result(r, checks=0, grad_checks=0, failures=[failure("raised", model="", rank=r, step=1,
+                                                                     checked="raise")]) for r in (0, 1)]
+    c = cell(*raising, detects=(raised,))
+    assert c.status == "detected", c.summary
+    # a canary of another kind that raised nothing and checked nothing is still missed
+    assert cell(result(0, checks=0, grad_checks=0), result(1, checks=0, grad_checks=0),
+                detects=(raised,)).status == "missed"
