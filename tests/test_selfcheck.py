@@ -167,8 +167,11 @@ def test_default_variants_are_the_first_fp32_one_of_each_case_and_wrapper(catalo
     targets = [t for t in every if t not in reduced and t not in deepspeed_bf16 and t not in accumulated]
     assert len(targets) == sum(len(c.info.wrappers) for c in catalogue)
     assert all(t.precision == "fp32" for t in targets)
-    # not compiled, unless the case has compiled variants only (the compiled-trigger canary)
-    assert all("compile" not in t.variant.params for t in targets if t.case.name != "no_sync_trigger_sync_compiled")
+    # not compiled, unless the case has compiled variants only (the compiled-trigger canary, compile_ddp)
+    assert all("compile" not in t.variant.params for t in targets
+               if any("compile" not in v.params for v in t.case.info.variants))
+    assert {t.case.name for t in targets if "compile" in t.variant.params} == {"no_sync_trigger_sync_compiled",
+                                                                             "compile_ddp"}
     assert len({(t.case.name, t.wrapper) for t in targets}) == len(targets)
     accumulate = {t.wrapper: t.variant.name for t in targets if t.case.name == "accumulate"}
     assert accumulate["ddp"] == "steps=2-fp32" and accumulate["fsdp2"] == "steps=2-fp32-wrapper=fsdp2"
