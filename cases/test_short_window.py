@@ -50,7 +50,9 @@ def short_window_loop(ctx, rescale):
 # its gradient is 1/2 or 2/3 of the full-batch mean's. transformers' Trainer fixed the same in its own
 # loop (PR #39659, 4.55); accelerate documents the division, so this is a canary of a contract it does
 # not promise, and turns ``missed`` the day a release weighs the short window as a full batch.
-@case("short_last_window", variants=grid(steps=[2, 3], precision=PRECISIONS),
+# (fp32 only: what it shows is the loop's weighting, which bf16 autocast does not change; the passing
+# loop below runs in both)
+@case("short_last_window", variants=grid(steps=[2, 3], precision=["fp32"]),
       canary=Diagnosis("misweighted", model="model"))
 def test_short_last_window(ctx):
     """accelerate's idiomatic ``accumulate`` loop, unchanged, held to the full-batch mean: the last
