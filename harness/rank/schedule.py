@@ -119,4 +119,3 @@ def window_lengths(schedule: Sequence[MicroStep]) -> dict[int, int]:
     for number in numbers:
         sizes[number] = sizes.get(number, 0) + 1
     return {point.index: sizes[number] for point, number in zip(schedule, numbers)}
-

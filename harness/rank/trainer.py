@@ -59,9 +59,12 @@ def _summed_token_loss(model: nn.Module, batch: Mapping[str, torch.Tensor], rout
 
 def _summed_sample_loss(model: nn.Module, batch: Mapping[str, torch.Tensor], router_weight: float = 0.0
                         ) -> torch.Tensor:
-    """A classifier's per-sample cross-entropies summed."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))["logits"]
-    return nn.functional.cross_entropy(logits.float(), batch["labels"].reshape(-1), reduction="sum")
+    """A classifier's per-sample cross-entropies summed (plus a MoE router's loss, as above)."""
+    outputs = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))
+    summed = nn.functional.cross_entropy(outputs["logits"].float(), batch["labels"].reshape(-1), reduction="sum")
+    if router_weight:
+        summed = summed + router_weight * outputs["aux_loss"].float()
+    return summed
 
 
 def router_coefficient(model: nn.Module) -> float:
