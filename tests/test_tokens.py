@@ -1,6 +1,6 @@
 """Token-weighted losses: the token data, the oracle's full-batch token mean on real ranks, the
 misweighted diagnosis planted and quiet, and the token cases on a real pool (harness/rank/tokens.py,
-Oracle.token_window, harness/rank/checks.py Reweighing)."""
+Oracle.token_window, harness/rank/diagnosis.py Reweighing)."""
 
 from __future__ import annotations
 

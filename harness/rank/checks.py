@@ -29,7 +29,7 @@ from harness.rank.closeness import (
     norm_rounding,
     rounding_allowance,
 )
-from harness.rank.diagnosis import Hypotheses, diagnose, fitted_weights
+from harness.rank.diagnosis import Hypotheses, Reweighing, diagnose
 from harness.rank.replica import AUTOCAST_DTYPES
 from harness.rank.schedule import MicroStep
 from harness.records import Failure, FailureKind
@@ -181,47 +181,6 @@ class ClipNorm:
     carried: float
     numel: int
     dtype: torch.dtype
-
-
-@dataclass(frozen=True)
-class Reweighing:
-    """A token-weighted gradient explained with other weights: the contributions since the last check
-    (``TokenWeighting.parts``, harness/rank/weighting.py: this rank's own, or after a sync every rank's share, by rank) fitted
-    to the rank's whole gradient over the model, with the contract's weights all 1. ``expectations``:
-    the expected gradients with the fitted weights instead, by parameter, each allowed the
-    expectation's allowance scaled by the largest weight plus its own rounding; under autocast
-    (``low``: bf16, fp16) plus that dtype's rounding of every term: a backward seeded with another
-    weight rounds its low-precision intermediates differently."""
-
-    weights: list[float]
-    expectations: dict[str, Expectation]
-
-    @classmethod
-    def fit(cls, expected: Mapping[str, Expectation], grads: Mapping[str, torch.Tensor | None],
-            parts: list[dict[str, torch.Tensor]], low: torch.dtype | None = None) -> Reweighing | None:
-        names = list(expected)
-        summed = {p: sum(part[p] for part in parts) for p in names}
-        base = {p: expected[p].value - summed[p] for p in names}
-        actual = torch.cat([(grads.get(p) if grads.get(p) is not None else torch.zeros_like(base[p])).reshape(-1)
-                            for p in names])
-        weights = fitted_weights(actual, torch.cat([base[p].reshape(-1) for p in names]),
-                                 [torch.cat([part[p].reshape(-1) for p in names]) for part in parts])
-        if weights is None:
-            return None
-        largest = max(1.0, max(abs(w) for w in weights))
-        expectations = {}
-        for p in names:
-            value = base[p] + sum(w * part[p] for w, part in zip(weights, parts))
-            allowed = largest * expected[p].allowed + rounding_allowance(value)
-            if low is not None:
-                terms = base[p].abs() + sum(abs(w) * part[p].abs() for w, part in zip(weights, parts))
-                allowed = allowed + rounding_allowance(terms, dtype=low)
-            expectations[p] = Expectation(value, allowed)
-        return cls(weights, expectations)
-
-    def weight_of(self, rank: int) -> float:
-        """This rank's weight: its own part's (one part), or its share's among every rank's."""
-        return self.weights[rank] if len(self.weights) > 1 else self.weights[0]
 
 
 class Checks:

@@ -1,6 +1,6 @@
 """Token weighting for the oracle (``Oracle.token_window``): a window weighed by its valid tokens on
 all ranks, the weight as the documented loops round it, and the contributions since the last check
-that the ``misweighted`` diagnosis refits (harness/rank/checks.py, ``Reweighing``)."""
+that the ``misweighted`` diagnosis refits (harness/rank/diagnosis.py, ``Reweighing``)."""
 
 from __future__ import annotations
 
