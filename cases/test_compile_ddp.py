@@ -54,10 +54,18 @@ def compile_variants():
                  for form, backend in pairs)
 
 
-def wide():
-    """A regressor of 4 features with a middle layer of 1.3 MiB (fp32)."""
-    return torch.nn.Sequential(torch.nn.Linear(4, WIDTH), torch.nn.Tanh(), torch.nn.Linear(WIDTH, 640),
-                               torch.nn.Tanh(), torch.nn.Linear(640, 1))
+class Wide(torch.nn.Module):
+    """A regressor of 4 features with a middle layer of 1.3 MiB (fp32). A module of the case's own:
+    dynamo compiles no frame of torch.nn's, so a bare ``nn.Sequential`` under DDP would run eagerly."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(4, WIDTH)
+        self.fc2 = torch.nn.Linear(WIDTH, 640)
+        self.fc3 = torch.nn.Linear(640, 1)
+
+    def forward(self, x):
+        return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
 
 
 def require_backend(ctx):
@@ -90,10 +98,13 @@ def compiled_autograd(backend):
         yield
 
 
-# pytorch #109774: a compiled function around a DDP module ran no all-reduce; PR #152735: compiled
-# autograd and DDP's C++ Reducer (DDP's hooks are not traced; the Python reducer is what compiled
-# autograd syncs with: optimize_ddp="python_reducer"); PR #160745: DDPOptimizer (optimize_ddp=True,
-# the default) under accumulation. Every form runs accumulate's idiomatic loop, the oracle unchanged.
+# pytorch #109774 (open, the "compiled DDP" tracker): a compiled function around a DDP module, where
+# gradients were reported not to sync unless the DDP wrapper itself was compiled; PR #147123 (torch
+# 2.7.0) makes optimize_ddp="python_reducer" apply whether or not the forward is compiled; PR #152735
+# (2.8.0) turns compiled autograd with the C++ Reducer, which silently issued no collective, into the
+# error above; PR #160745 (2.9.0): DDPOptimizer's split graphs' backwards reused the last graph's donated
+# buffers (inductor could write into the wrong ones). Every form runs accumulate's idiomatic loop, the
+# oracle unchanged, and must have compiled what it claims (require_compiled).
 @case("compile_ddp", variants=compile_variants(), wrappers=["ddp"])
 def test_compile_ddp(ctx):
     """The ``accumulate`` loop with the model compiled three ways: ``function``, the loss function
@@ -114,7 +125,7 @@ def test_compile_ddp(ctx):
         settings["optimize_ddp"] = "python_reducer"
     with dynamo_setting(**settings):
         accelerator = ctx.accelerator(gradient_accumulation_steps=STEPS, **options)
-        model = ctx.model(wide) if form == "ddp_optimizer" else ctx.model("regressor")
+        model = ctx.model(Wide) if form == "ddp_optimizer" else ctx.model("regressor")
         make_optimizer = slow_sgd if form == "ddp_optimizer" else sgd
         dataset, per_rank = ctx.dataset(batches=BATCHES, batch_size=BATCH_SIZE)
         oracle = ctx.oracle({"model": model}, optimizer=make_optimizer)
@@ -126,6 +137,7 @@ def test_compile_ddp(ctx):
             loss_of = torch.compile(regression_loss, backend=backend)
             replica_loss = torch.compile(regression_loss, backend=backend)
         around = (lambda: compiled_autograd(backend)) if form == "python_reducer" else contextlib.nullcontext
+        compiled = compile_counts()
         for point, batch in ctx.epochs(loader, ctx.schedule(per_rank, epochs=EPOCHS)):
             with accelerator.accumulate(model):
                 with around():
@@ -137,3 +149,25 @@ def test_compile_ddp(ctx):
                 optimizer.zero_grad()
             oracle.step(point)
             oracle.check_params(point, models, {"model": optimizer})
+        require_compiled(ctx, form, compiled)
+
+
+def compile_counts():
+    """What torch.compile has compiled in this process so far: the AOT autograd graphs (aot_eager and
+    inductor both go through it; DDPOptimizer compiles one a bucket) and compiled autograd's captures."""
+    from torch._dynamo.utils import counters
+
+    return counters["aot_autograd"]["total"], counters["compiled_autograd"]["captures"]
+
+
+def require_compiled(ctx, form, before):
+    """The form compiled what it claims to: a model that dynamo runs eagerly (it compiles no frame of
+    torch.nn's own modules, so a bare ``nn.Sequential`` under DDP compiles nothing) would make the
+    cell a check of eager DDP under a compiled name."""
+    graphs, captures = (now - then for now, then in zip(compile_counts(), before))
+    needed = 2 if form == "ddp_optimizer" and ctx.world_size > 1 else 1  # one graph per bucket
+    if graphs < needed:
+        raise AssertionError(f"torch.compile made {graphs} AOT graph(s) where form={form} makes at least {needed}: "
+                             "the model ran eagerly, and the cell checked nothing compiled")
+    if form == "python_reducer" and captures < 1:
+        raise AssertionError("compiled autograd captured no backward: the Python reducer never ran")
