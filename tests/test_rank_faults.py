@@ -89,3 +89,12 @@ def test_any_other_raise_stays_an_error(raise_session, variant):
     assert cell["status"] == "error"
     assert cell["summary"].startswith("ranks 0, 1 raised ValueError: ")
     assert "Traceback" in cell["detail"]
+
+
+def test_a_compiled_cell_that_compiled_nothing_is_an_error_naming_it(run_pytest):
+    session = run_pytest(PLANTED, "-k", "planted_compiled_nothing", "--world-sizes", "2")
+    cells = session.cells()
+    eager = cells[("planted_compiled_nothing", "sequential-compile=aot_eager", 2)]
+    assert eager["status"] == "error"
+    assert "torch.compile compiled no graph on this rank" in eager["summary"], eager["summary"]
+    assert cells[("planted_compiled_nothing", "own_module-compile=aot_eager", 2)]["status"] == "pass"

@@ -234,9 +234,14 @@ def run_cell(spec: CellSpec, rank: int, device: Any) -> RankResult:
             world_size=spec.world_size, seed=spec.seed, device=device,
         )
         seed_rng(ctx.seed + rank, device)
+        graphs = _compiled_graphs()
         with _planted_fault(spec.fault, rank):
             body(ctx)
             ctx.finish()
+        if ctx.compile is not None and _compiled_graphs() == graphs:
+            raise AssertionError(f"the cell's variant compiles with {ctx.compile}, but torch.compile compiled no graph "
+                                 "on this rank (dynamo compiles no frame of torch.nn's own modules, a bare "
+                                 "nn.Sequential, say): the cell would check eager code under a compiled name")
         outcome, detail = RankOutcome.OK, ""
     except Unsupported as exc:
         outcome, detail = RankOutcome.UNSUPPORTED, str(exc)
@@ -279,6 +284,14 @@ def run_cell(spec: CellSpec, rank: int, device: Any) -> RankResult:
         unchecked=dict(recorder.unchecked) if recorder else {},
         duration_s=time.perf_counter() - started,
     )
+
+
+def _compiled_graphs() -> int:
+    """The graphs torch.compile has handed to AOT autograd in this process so far (aot_eager and
+    inductor both go through it)."""
+    from torch._dynamo.utils import counters
+
+    return counters["aot_autograd"]["total"]
 
 
 def _restore_environment(saved: dict[str, str]) -> None:

@@ -168,3 +168,22 @@ def test_planted_library_error(ctx):
     synced_steps(ctx, accelerator, model, optimizer, oracle, [1])
     ctx.at_step = 2
     _raise(ctx.variant["raiser"])
+
+
+# A compiled variant whose model is torch.nn's own modules alone: under DDP dynamo compiles none of
+# their frames, so the cell would check eager code under a compiled name (harness/rank/runner.py).
+@case("planted_compiled_nothing", wrappers=DDP_ONLY,
+      variants=[Variant("sequential-compile=aot_eager", {"model": "sequential", "compile": "aot_eager"}),
+                Variant("own_module-compile=aot_eager", {"model": "regressor", "compile": "aot_eager"})])
+def test_planted_compiled_nothing(ctx):
+    """Two synced steps of a model accelerate compiles (``dynamo_backend``): a bare ``nn.Sequential``,
+    or the harness's own regressor."""
+    accelerator = ctx.accelerator()
+    if ctx.variant["model"] == "sequential":
+        model = ctx.model(lambda: torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)),
+                          name="sequential")
+    else:
+        model = ctx.model("regressor")
+    oracle = ctx.oracle({"model": model}, optimizer=sgd)
+    model, optimizer = accelerator.prepare(model, sgd(model.parameters()))
+    synced_steps(ctx, accelerator, model, optimizer, oracle, [1, 2])
