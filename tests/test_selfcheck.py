@@ -113,6 +113,20 @@ def test_fault_details_say_where_and_how(fault_cells):
     assert lr and {f.checked for f in lr} >= {"lr"}
 
 
+def test_grads_summed_reaches_ddp_under_dynamo_backend_and_the_python_reducer(catalogue):
+    # accelerate's dynamo_backend returns the compiled module, DDP its _orig_mod; the Python reducer
+    # calls the comm hook a parameter at a time inside compiled autograd's graph
+    case = next(c for c in catalogue if c.name == "compile_ddp")
+    forms = ("form=ddp_optimizer-compile=aot_eager", "form=python_reducer-compile=aot_eager")
+    with Runner(world_size=2) as runner:
+        cells = {name: runner.run(Target(case, next(v for v in case.info.variants if v.name == name)),
+                                  fault="grads_summed") for name in forms}
+    for name, cell in cells.items():
+        assert cell.status == Status.FAIL, (name, cell.summary, cell.detail)
+        assert set(first_kinds(cell)) == {"wrong_scale"}, (name, cell.summary)
+        assert cell.failures[0].factor == pytest.approx(2.0, rel=1e-4)
+
+
 def test_selfcheck_command_exits_1_on_an_uncaught_fault_and_writes_its_table_and_json(tmp_path):
     report = tmp_path / "selfcheck.json"
     process = subprocess.run(

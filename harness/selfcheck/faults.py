@@ -212,10 +212,19 @@ def _scheduler_every_batch(rank: int) -> Iterator[None]:
 
 
 def _sum_hook(state, bucket):  # unannotated: DDP rejects a hook whose bucket annotation is not GradBucket
-    """A DDP comm hook that all-reduces each bucket without dividing by the world size."""
+    """A DDP comm hook that all-reduces each bucket without dividing by the world size. DDP's
+    Python reducer (``optimize_ddp="python_reducer"``) calls it a parameter at a time with
+    ``(grad, param)`` inside the backward compiled autograd traces, and keeps no result: the sum is
+    written into the gradient with a functional collective (one that graph can hold)."""
     import torch.distributed as dist
 
     group = state if state is not None else dist.group.WORLD
+    if isinstance(bucket, tuple):
+        from torch.distributed import _functional_collectives as functional
+
+        grad, _ = bucket
+        grad.copy_(functional.all_reduce(grad, "sum", group))
+        return None
     future = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
     return future.then(lambda fut: fut.value()[0])
 
@@ -223,7 +232,8 @@ def _sum_hook(state, bucket):  # unannotated: DDP rejects a hook whose bucket an
 @contextlib.contextmanager
 def _grads_summed(rank: int) -> Iterator[None]:
     # DDP sums the gradients instead of averaging them: every model that prepare() wraps in DDP
-    # gets a comm hook that all-reduces without the division.
+    # gets a comm hook that all-reduces without the division (under a dynamo_backend the DDP model
+    # is the compiled module's _orig_mod).
     import torch
     from accelerate import Accelerator
 
@@ -231,9 +241,10 @@ def _grads_summed(rank: int) -> Iterator[None]:
 
     def prepare_model(self, model, *args, **kwargs):
         prepared = original(self, model, *args, **kwargs)
-        if isinstance(prepared, torch.nn.parallel.DistributedDataParallel):
+        ddp = getattr(prepared, "_orig_mod", prepared)
+        if isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
             with contextlib.suppress(RuntimeError):  # a hook is registered already (a DDP kwargs handler)
-                prepared.register_comm_hook(None, _sum_hook)
+                ddp.register_comm_hook(None, _sum_hook)
         return prepared
 
     with _patched(Accelerator, "prepare_model", prepare_model):
