@@ -28,13 +28,21 @@ FORMS = ("function", "ddp_optimizer", "python_reducer")
 # aot_eager runs the eager kernels, whose rounding the oracle's allowances are derived for. inductor
 # (on CPU it needs a C compiler, else its cells skip) fuses the kernels and orders their sums its own
 # way: its gradients differ from an eager replica's by 1 to 2 ulps at world size 1 already, where
-# cancellation makes that more than the allowance of a local backward (closeness.py). The compiled
-# function runs under inductor too: there the oracle's loss goes through the same compiled function
-# on the replica, the same graph and kernels as the rank's (as under autocast the replica runs the
-# same bf16 kernels), and the checks stay exact. DDPOptimizer splits the rank's graph at DDP's buckets,
-# and the Python reducer's backward is compiled autograd's own graph: no replica runs those kernels,
-# and their inductor cells wait for an allowance derived from the arithmetic inductor generates.
+# cancellation makes that more than the allowance of a local backward (closeness.py). So under inductor
+# the replica is compiled too and runs the rank's kernels, as under autocast it runs the same bf16
+# kernels, and the checks stay exact: the compiled function goes through the same compiled function;
+# under DDPOptimizer the replica's model is compiled whole, while the rank's graph is split at DDP's
+# buckets, between layers (the gradients are accumulated by eager autograd on both sides): measured
+# exact, seeds 1 to 3 at world sizes 2 to 4 and the default seed at 1 to 4. The Python reducer under
+# inductor has no cell: compiled autograd's graph of an accumulating backward folds ``grad += A @ B``
+# into one addmm (inductor's output code shows it), and one BLAS call that adds the old gradient to
+# the product rounds differently from the replica's product, then add: by up to the product's own
+# rounding, u·Σ|a·b| over its terms, which the oracle does not see (it sees the result). Tried, the
+# cell failed at world size 1 as ``wrong_scale`` on 1 element in 8 (5.8e-7 relative where 4.8e-7 is
+# allowed). Its allowance, derived from those terms, belongs to detection at the arithmetic's limit
+# (issue 34), not to a tolerance widened here.
 BACKENDS = ("aot_eager",)
+INDUCTOR = ("function", "ddp_optimizer")
 
 
 def sgd(params):
@@ -47,9 +55,9 @@ def slow_sgd(params):
 
 
 def compile_variants():
-    """Each form under aot_eager, and the compiled function under inductor, named
-    ``form=<form>-compile=<backend>`` (fp32)."""
-    pairs = [(form, backend) for backend in BACKENDS for form in FORMS] + [("function", "inductor")]
+    """Each form under aot_eager, and the compiled function and DDPOptimizer under inductor (see
+    above for the Python reducer), named ``form=<form>-compile=<backend>`` (fp32)."""
+    pairs = [(form, backend) for backend in BACKENDS for form in FORMS] + [(form, "inductor") for form in INDUCTOR]
     return tuple(Variant(f"form={form}-compile={backend}", {"form": form, "compile": backend, "precision": "fp32"})
                  for form, backend in pairs)
 
@@ -86,9 +94,8 @@ def dynamo_setting(**settings):
 
 @contextlib.contextmanager
 def compiled_autograd(backend):
-    """(optimize_ddp="python_reducer" reduces in the backward compiled autograd traces: the block
-    turns it on)"""
-    """Every backward in the block traced by compiled autograd and compiled with ``backend``."""
+    """Every backward in the block traced by compiled autograd and compiled with ``backend``
+    (optimize_ddp="python_reducer" reduces in the backward compiled autograd traces)."""
     enable = getattr(getattr(torch._dynamo, "compiled_autograd", None), "_enable", None)
     if enable is None:
         from harness import Unsupported
@@ -136,6 +143,8 @@ def test_compile_ddp(ctx):
         if form == "function":  # compiled apart for the rank's model and the replica: one graph each
             loss_of = torch.compile(regression_loss, backend=backend)
             replica_loss = torch.compile(regression_loss, backend=backend)
+        elif backend == "inductor":  # the replica's model compiled whole, once (its kernels: above)
+            replica_loss = compiled_replica_loss(backend)
         around = (lambda: compiled_autograd(backend)) if form == "python_reducer" else contextlib.nullcontext
         compiled = compile_counts()
         for point, batch in ctx.epochs(loader, ctx.schedule(per_rank, epochs=EPOCHS)):
@@ -150,6 +159,19 @@ def test_compile_ddp(ctx):
             oracle.step(point)
             oracle.check_params(point, models, {"model": optimizer})
         require_compiled(ctx, form, compiled)
+
+
+def compiled_replica_loss(backend):
+    """``regression_loss`` of the replica's model compiled with ``backend`` (compiled on first use,
+    for the replica module the oracle hands the closure)."""
+    compiled = {}
+
+    def loss(replica, batch):
+        if replica not in compiled:
+            compiled[replica] = torch.compile(replica, backend=backend)
+        return regression_loss(compiled[replica], batch)
+
+    return loss
 
 
 def compile_counts():
