@@ -15,7 +15,7 @@ MAX_NORM = 0.05  # well below the gradients' norms, so that every sync point cli
 # accumulate_clip_grad scales its loss (and MAX_NORM with it) so that the gradients' norms are about
 # 5e-3 to 9e-3 instead of 5 to 9: clip_grad_norm_'s epsilon (max_norm / (norm + 1e-6)) is then 1e-4
 # of the norm, not one fp32 ulp of it, so an epsilon added more than once moves every clip well past
-# the allowance (torch before 2.11 under FSDP2, below), on every seed, not on some.
+# the allowance (torch before 2.10 under FSDP2, below), on every seed, not on some.
 CLIP_LOSS_SCALE = 1e-3
 
 
@@ -87,13 +87,16 @@ def test_accumulate_scheduler(ctx):
 # its config's gradient_clipping alone. A user's clip call is silently a no-op: the updates are the
 # unclipped gradients', which the checks see as wrong_scale (norm / max_norm).
 CLIP_IGNORED = Diagnosis("wrong_scale", model="model")
-# torch before 2.11 clips FSDP2's DTensor gradients by max_norm / sqrt(sum_r (n_r + 1e-6)^2), n_r each
-# rank's shard norm, instead of max_norm / (norm + 1e-6): the total norm is a Partial DTensor and
-# adding the Python float 1e-6 to it adds it on every rank before the reduction (pytorch #149768;
-# fixed by PRs #170030 and #170035, first in 2.11.0). accelerate 1.x hands FSDP2's gradients to
-# torch's clip_grad_norm_ when they share one mesh, so a user's clip scales by a slightly wrong
-# factor (3e-5 relative here, growing as the norm shrinks toward 1e-6).
-DTENSOR_EPSILON_PER_RANK = Diagnosis("wrong_scale", model="model", ranks=2, fixed_in={"torch": "2.11"},
+# torch before 2.10 clips FSDP2's DTensor gradients by max_norm / sqrt(sum_r (n_r + 1e-6)^2), n_r each
+# rank's shard norm, instead of max_norm / (norm + 1e-6): the total norm is a Partial DTensor (a
+# _NormPartial) and adding the Python float 1e-6 to it adds it on every rank before the reduction
+# (pytorch #149768). From 2.10.0 the total norm clip_grad_norm_ computes is already Replicate (DTensor's
+# reduction of a _NormPartial redistributes first), so the add happens once and the clip is right,
+# though adding a scalar to a Partial DTensor stays wrong until PRs #170030 and #170035 (2.11.0).
+# Measured at world size 2: detected with torch 2.7.1 and 2.9.1, pass with 2.10.0 and 2.13.0.
+# accelerate 1.x hands FSDP2's gradients to torch's clip_grad_norm_ when they share one mesh, so a
+# user's clip scales by a slightly wrong factor (3e-5 relative here, growing as the norm shrinks toward 1e-6).
+DTENSOR_EPSILON_PER_RANK = Diagnosis("wrong_scale", model="model", ranks=2, fixed_in={"torch": "2.10"},
                                      upstream="pytorch/pytorch#149768")
 
 

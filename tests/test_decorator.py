@@ -52,7 +52,7 @@ def test_a_defect_of_some_releases_is_expected_only_while_the_installed_release_
     assert still.described() == "wrong_scale in model (pytorch/pytorch#149768, fixed in torch 999.0)"
     assert still == Diagnosis("wrong_scale", model="model", fixed_in=(("torch", "999.0"),),
                               upstream="pytorch/pytorch#149768")
-    # the catalogue's own: torch before 2.11 adds clip_grad_norm_'s epsilon on every rank under FSDP2
+    # the catalogue's own: torch before 2.10 adds clip_grad_norm_'s epsilon on every rank under FSDP2
     from pathlib import Path
 
     from harness.catalogue import find_case
@@ -61,7 +61,7 @@ def test_a_defect_of_some_releases_is_expected_only_while_the_installed_release_
     info = find_case(root / "cases" / "test_accumulate_optim.py", "test_accumulate_clip_grad")
     fsdp2 = Variant("steps=2-fp32-wrapper=fsdp2", {"steps": 2, "precision": "fp32", "wrapper": "fsdp2"})
     declared = info.detects_for(fsdp2)
-    assert bool(declared) == (versions._release(torch_version) < (2, 11))
+    assert bool(declared) == (versions._release(torch_version) < (2, 10))
     assert [d.upstream for d in info.defects["fsdp2"]] == ["pytorch/pytorch#149768"]
 
 
