@@ -97,10 +97,11 @@ def compiled_autograd(backend):
     """Every backward in the block traced by compiled autograd and compiled with ``backend``
     (optimize_ddp="python_reducer" reduces in the backward compiled autograd traces)."""
     enable = getattr(getattr(torch._dynamo, "compiled_autograd", None), "_enable", None)
-    if enable is None:
-        from harness import Unsupported
+    if enable is None:  # torch lacks it (2.4), not accelerate: a skip, as FSDP2 on a torch without it
+        from harness import SkipCell
 
-        raise Unsupported("torch._dynamo.compiled_autograd._enable (compiled autograd)")
+        raise SkipCell(f"torch {torch.__version__} has no torch._dynamo.compiled_autograd._enable "
+                       "(compiled autograd): form=python_reducer cannot run here")
     with enable(torch.compile(backend=backend)):
         yield
 

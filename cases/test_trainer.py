@@ -8,7 +8,7 @@ accumulation steps, so each epoch ends in a shorter window; padded labels are -1
 """
 
 from harness import Diagnosis, case, grid
-from harness.rank.hf_models import causal_lm, classifier, moe_causal_lm, pad, sequences
+from harness.rank.hf_models import causal_lm, classifier, moe_causal_lm, pad, sequences, transformers_or_skip
 from harness.rank.trainer import checked_trainer
 
 EPOCHS = 2
@@ -23,6 +23,13 @@ WRAPPERS = ["ddp", "fsdp2", "deepspeed-z1", "deepspeed-z2", "deepspeed-z3"]
 
 def data(ctx, labelled):
     return sequences(ctx, labelled=labelled, batches=BATCHES, batch_size=BATCH_SIZE)
+
+
+def hf_model(ctx, factory):
+    """``ctx.model(factory)`` for a transformers model, the cell ``skip`` first where transformers is
+    not installed or cannot run with this torch (the factory imports it)."""
+    transformers_or_skip(ctx)
+    return ctx.model(factory)
 
 
 # average_tokens_across_devices=False: each rank divides by its own window's tokens, and DDP averages
@@ -50,7 +57,7 @@ def test_trainer_causal_lm(ctx):
     window's valid tokens (gathered from every rank with ``average_tokens_across_devices``).
     Every position is labelled (only padding is -100), so the targets are the labels after the
     first of each row."""
-    model = ctx.model(causal_lm)
+    model = hf_model(ctx, causal_lm)
     trainer = checked_trainer(ctx, model, train_dataset=data(ctx, "tokens"), data_collator=pad,
                               loss="tokens", gradient_accumulation_steps=ctx.variant["steps"],
                               **token_averaging(ctx), **ARGUMENTS)
@@ -78,7 +85,7 @@ def test_trainer_classifier(ctx):
     """A tiny Llama sequence classifier, as transformers builds it, trained by ``Trainer.train()``:
     its loss is a plain mean over the micro-batch, which Trainer must divide by the window's
     micro-batches (the last window of an epoch has fewer)."""
-    train_classifier(ctx, ctx.model(classifier))
+    train_classifier(ctx, hf_model(ctx, classifier))
 
 
 @case("trainer_classifier_plain_mean", variants=grid(steps=[2, 3], precision=["fp32"]), wrappers=WRAPPERS)
@@ -86,7 +93,7 @@ def test_trainer_classifier_plain_mean(ctx):
     """The same classifier with ``model.accepts_loss_kwargs = False``, the remedy Trainer documents for
     a model whose loss takes no ``num_items_in_batch``: Trainer divides each micro-batch's mean by
     the window's micro-batch count (PR #39659: by the count it really has, in the shorter last window)."""
-    model = ctx.model(classifier)
+    model = hf_model(ctx, classifier)
     model.accepts_loss_kwargs = False
     train_classifier(ctx, model)
 
@@ -110,7 +117,7 @@ def test_trainer_moe_router_loss(ctx):
     """A one-layer Mixtral of four experts (its router's load-balancing loss weighed 0.5) trained by
     ``Trainer.train()`` with ``average_tokens_across_devices``: each step's gradient must be the token
     mean's plus 0.5 times the mean of the router losses of the window's micro-batches on every rank."""
-    model = ctx.model(moe_causal_lm)
+    model = hf_model(ctx, moe_causal_lm)
     trainer = checked_trainer(ctx, model, train_dataset=data(ctx, "tokens"), data_collator=pad, loss="tokens",
                               gradient_accumulation_steps=ctx.variant["steps"], **token_averaging_on(), **ARGUMENTS)
     trainer.train()

@@ -5,6 +5,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from harness import PRECISIONS, Diagnosis, case, grid
+from harness.rank.models import mse
 from harness.rank.schedule import windows
 
 EPOCHS = 2
@@ -18,7 +19,7 @@ def sgd(params):
 
 def branch_loss(model, batch, use_extra):
     x, y = batch
-    return torch.nn.functional.mse_loss(model(x, use_extra=use_extra), y)
+    return mse(model(x, use_extra=use_extra), y)
 
 
 def uses_extra(pattern, point, window, rank):

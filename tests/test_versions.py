@@ -6,11 +6,13 @@ below raise the range above what is installed instead, in the controller's proce
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, session_env
+from conftest import ROOT, session_env, start_pytest
 
 from harness import versions
 
@@ -88,3 +90,23 @@ def test_a_file_that_imports_the_harness_has_the_fork_server_started_as_it_is_co
                               str(tmp_path / "reports"), str(tmp_path / "test_mine.py")], cwd=ROOT,
                              env=session_env("versions"), capture_output=True, text=True, timeout=600)
     assert process.returncode == 0, (process.stdout + process.stderr)[-2000:]
+
+
+def test_without_transformers_its_cells_skip_and_say_so(tmp_path):
+    """transformers is optional (pyproject's extras): where it cannot be imported, every cell that
+    builds its models (Trainer's, the token loss through a transformers model, DeepSpeed's) is
+    ``skip`` naming it, never an ``error``. Here a package of that name that raises on import hides
+    the installed one from the session and its ranks."""
+    shadow = tmp_path / "shadow" / "transformers"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text('raise ImportError("transformers is hidden by this test")\n')
+    process, _ = start_pytest(["cases/test_trainer.py", "cases/test_token_loss.py", "-k", "trainer or transformers",
+                               "--world-sizes", "1"], tmp_path / "reports",
+                              PYTHONPATH=f"{shadow.parent}{os.pathsep}{ROOT}")
+    stdout, _ = process.communicate(timeout=600)
+    cells = json.loads((tmp_path / "reports" / "matrix.json").read_text())["cells"]
+    assert {c["case"] for c in cells} >= {"trainer_causal_lm", "trainer_classifier", "trainer_classifier_plain_mean",
+                                          "trainer_moe_router_loss"}, stdout[-2000:]
+    assert {c["status"] for c in cells} == {"skip"}, stdout[-3000:]
+    assert all("transformers" in c["summary"] for c in cells), [c["summary"] for c in cells]
+    assert process.returncode == 0, stdout[-2000:]

@@ -170,9 +170,20 @@ def regression_dataset(seed: int, *, samples: int, features: int = 4) -> torch.u
     return torch.utils.data.TensorDataset(x, y)
 
 
+def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``mse_loss`` with both sides in their promoted dtype first: a bf16 output (FSDP2's and
+    DeepSpeed's bf16 return one) against the catalogue's fp32 targets. The forward is the same
+    (``mse_loss`` promotes), and so is the backward, bit for bit (torch 2.13.0: both compute in fp32
+    and cast the gradient to bf16); but the mixed-dtype ``MseLossBackward0`` raises "Found dtype
+    Float but expected BFloat16" on torch 2.7.1 and 2.10.0 (pytorch #36553, #94086), which made every
+    such bf16 cell an ``error`` there."""
+    dtype = torch.promote_types(output.dtype, target.dtype)
+    return torch.nn.functional.mse_loss(output.to(dtype), target.to(dtype))
+
+
 def regression_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     x, y = batch
-    return torch.nn.functional.mse_loss(model(x), y)
+    return mse(model(x), y)
 
 
 def adversarial_loss(models: dict[str, nn.Module], real: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
