@@ -175,8 +175,8 @@ def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     DeepSpeed's bf16 return one) against the catalogue's fp32 targets. The forward is the same
     (``mse_loss`` promotes), and so is the backward, bit for bit (torch 2.13.0: both compute in fp32
     and cast the gradient to bf16); but the mixed-dtype ``MseLossBackward0`` raises "Found dtype
-    Float but expected BFloat16" on torch 2.7.1, 2.9.1 and 2.10.0 (pytorch #36553, #94086), which made every
-    such bf16 cell an ``error`` there."""
+    Float but expected BFloat16" on torch 2.7.1, 2.9.1 and 2.10.0 (pytorch #36553, #94086), which
+    made every such bf16 cell an ``error`` there."""
     dtype = torch.promote_types(output.dtype, target.dtype)
     return torch.nn.functional.mse_loss(output.to(dtype), target.to(dtype))
 
