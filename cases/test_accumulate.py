@@ -7,6 +7,7 @@ from torch.utils.data import DataLoader
 
 from harness import PRECISIONS, Diagnosis, Unsupported, case, compiled, grid
 from harness.rank.models import adversarial_loss, regression_loss
+from harness.wrappers.names import MESHES
 
 EPOCHS = 2
 BATCHES = 5  # per rank and epoch: a multiple of none of the accumulation steps
@@ -20,7 +21,7 @@ def sgd(params):
 # fp16 (a gradient scaler) where accelerate runs it: an accelerator device; on CPU the cell is skip
 # steps=2 first: the lead variant, which every wrapper runs by default (--wrappers auto)
 @case("accumulate", variants=grid(steps=[2, 1, 3], precision=PRECISIONS) + grid(steps=[2], precision=["fp16"])
-      + compiled(*grid(steps=[2], precision=["fp32"])))
+      + compiled(*grid(steps=[2], precision=["fp32"])), meshes=MESHES)
 def test_accumulate(ctx):
     """One model through a prepared dataloader and optimizer for two epochs: forward,
     ``backward``, ``optimizer.step()``, ``optimizer.zero_grad()`` inside ``accumulate(model)``."""

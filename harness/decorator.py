@@ -116,6 +116,7 @@ class CaseInfo:
     wrappers: tuple[str, ...] = ()  # the wrappers the case applies to (harness/wrappers/names.py)
     # a known defect of the library under one wrapper: the diagnoses its cells must produce
     defects: Mapping[str, tuple[Diagnosis, ...]] = field(default_factory=dict)
+    meshes: tuple[str, ...] = ()  # the meshes the case also runs on, under FSDP2 (harness/wrappers/mesh.py)
 
     @property
     def canary(self) -> bool:
@@ -190,6 +191,7 @@ def case(
     canary: Diagnosis | Iterable[Diagnosis] = (),
     wrappers: Iterable[str] | None = None,
     defects: Mapping[str, Diagnosis | Iterable[Diagnosis]] | None = None,
+    meshes: Iterable[str] = (),
 ) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """Declare a case. The decorated function runs on every rank with a ``RankContext``.
 
@@ -209,8 +211,14 @@ def case(
     the diagnoses its cells show (``{"deepspeed-z1": Diagnosis("not_synced")}``). Those cells are
     judged as a canary's, so the run stays green while the defect lasts and turns red (``missed``)
     when a release fixes it; say in the case why it is a defect.
+
+    ``meshes``: the device meshes the case also runs on (``hsdp``, ``tp``, ``cp``: accelerate's
+    ``ParallelismConfig`` under FSDP2, at world sizes of 4 and more; docs/wrappers.md, "Meshes"). Each
+    adds the cells ``<lead variant>-mesh=<name>-wrapper=fsdp2`` (the case must apply to ``fsdp2``).
+    A canary's diagnoses apply to its mesh cells too; a ``Diagnosis`` can name its mesh with
+    ``when={"mesh": ...}``.
     """
-    from harness.wrappers.names import WRAPPERS
+    from harness.wrappers.names import MESH_WRAPPER, MESHES, WRAPPERS
 
     applies = tuple(WRAPPERS if wrappers is None else wrappers)
     unknown = [w for w in applies if w not in WRAPPERS]
@@ -224,6 +232,10 @@ def case(
         known[wrapper] = (diagnoses,) if isinstance(diagnoses, Diagnosis) else tuple(diagnoses)
         if not known[wrapper] or not all(isinstance(d, Diagnosis) for d in known[wrapper]):
             raise TypeError(f"case {name!r}: defects[{wrapper!r}] takes Diagnosis(kind, model=...) objects")
+    mesh_names = tuple(meshes)
+    if any(m not in MESHES for m in mesh_names) or (mesh_names and MESH_WRAPPER not in applies):
+        raise ValueError(f"case {name!r}: meshes= takes names among {', '.join(MESHES)}, for a case that "
+                         f"applies to {MESH_WRAPPER}; got {list(mesh_names)}")
     if canary is True:
         raise TypeError(f"case {name!r}: a canary names the diagnoses it must produce, "
                         "e.g. canary=Diagnosis('not_synced', model='gen'), not canary=True")
@@ -260,6 +272,7 @@ def case(
             description=inspect.getdoc(body) or "",
             wrappers=applies,
             defects=known,
+            meshes=mesh_names,
         )
         return test
 

@@ -261,7 +261,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if info is None:
         return
     settings = metafunc.config.stash[SETTINGS]
-    variants = cell_variants(info.variants, info.wrappers, settings.wrappers)
+    variants = cell_variants(info.variants, info.wrappers, settings.wrappers, info.meshes)
     params = [(info, variant, ws) for variant in variants for ws in settings.world_sizes]
     metafunc.parametrize(
         "harness_cell", params, ids=[cell_id(v.name, ws) for _, v, ws in params], indirect=True

@@ -67,8 +67,11 @@ def sync_flag_text(*, rank: int, where: str, flag: bool, due: bool) -> str:
     return f"accelerator.sync_gradients on rank {rank} at {where}: is {flag}, the schedule says {due}"
 
 
-def comm_text(*, rank: int, where: str, issued: str, syncs: bool, needed: int) -> str:
-    """A backward that issued gradient reductions the contract has none of, or too few."""
+def comm_text(*, rank: int, where: str, issued: str, syncs: bool, needed: int, why: str = "") -> str:
+    """A backward that issued gradient reductions the contract has none of, or too few (under a mesh,
+    ``why``: over the wrong group, or not reaching every data-parallel peer)."""
+    if why:
+        return f"collectives of the backward on rank {rank} at {where}: {issued}; {why}"
     if syncs:
         return (f"collectives of the backward on rank {rank} at {where}: {issued}, where the contract syncs "
                 f"the gradients of {needed} elements (each reduced at least once)")

@@ -165,6 +165,8 @@ class Backward:
 
     reductions: list[tuple[str, int]] = field(default_factory=list)  # (collective, elements)
     complete: bool = True  # False when the ring lost entries: no claim is made
+    # the ranks of each reduction's process group (None where it cannot be named), as ``reductions``
+    groups: list[tuple[int, ...] | None] = field(default_factory=list)
 
     @property
     def reduced(self) -> int:
@@ -227,9 +229,25 @@ def _issued_since(entries: list[dict[str, Any]] | None, started_ns: int) -> Back
         return Backward(complete=False)
     new = [e for e in entries if int(e["time_created_ns"]) >= started_ns]
     complete = len(new) < len(entries) or not entries or int(entries[0]["record_id"]) == 0
-    reductions = [(str(e["profiling_name"]), _numel(e.get("input_sizes"))) for e in new
-                  if _is_reduction(str(e.get("profiling_name", ""))) and _counted(int(e["record_id"]))]
-    return Backward(reductions=reductions, complete=complete)
+    counted = [e for e in new if _is_reduction(str(e.get("profiling_name", ""))) and _counted(int(e["record_id"]))]
+    reductions = [(str(e["profiling_name"]), _numel(e.get("input_sizes"))) for e in counted]
+    return Backward(reductions=reductions, complete=complete, groups=[_group_ranks(e.get("process_group")) for e in counted])
+
+
+def _group_ranks(process_group: Any) -> tuple[int, ...] | None:
+    """The global ranks of the process group a record names (``(name, description)``), from
+    torch.distributed's own registry of groups; None where it is not there."""
+    try:
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _world
+
+        name = str(process_group[0])
+        for group, group_name in _world.pg_names.items():
+            if group_name == name:
+                return tuple(dist.get_process_group_ranks(group))
+    except Exception:  # noqa: BLE001 - another torch's private registry: the group stays unnamed
+        return None
+    return None
 
 
 @dataclass(frozen=True)
@@ -240,31 +258,78 @@ class Verdict:
     backward: Backward
     syncs: bool
     needed: int
+    why: str = ""  # under a mesh: which group was wrong or missing
 
 
-def judge(backwards: list[Backward], syncs: list[tuple[bool, int]], *, reduces_every_micro_batch: bool
-          ) -> list[Verdict]:
+def judge(backwards: list[Backward], syncs: list[tuple[bool, int]], *, reduces_every_micro_batch: bool,
+          mesh: Any = None, rank: int = 0) -> list[Verdict]:
     """The backwards since the last check against what the oracle's backwards say of them:
     ``syncs`` holds, per oracle backward, whether it syncs and how many elements got a gradient.
 
     Paired one to one when the counts agree (a case runs one oracle backward per backward); else
     judged together: any reduction where none syncs is unexpected, too few where one syncs missing.
-    A backward whose records the ring lost is not judged."""
+    A backward whose records the ring lost is not judged.
+
+    Under a ``mesh`` (harness/wrappers/mesh.py) on ``rank``, per mesh dimension: a reduction over the
+    rank's tensor-parallel group is the layers' own (their partial sums), not a gradient sync, and is
+    not counted; any other must run within the rank's data-parallel and context peers
+    (``comm_unexpected`` otherwise, naming the group), and at a sync the groups reduced over must
+    together reach every one of those peers (``comm_missing`` otherwise, naming whom they missed)."""
     if not backwards or not syncs:
         return []
+    if mesh is not None:
+        backwards = [_without_tensor_parallel(b, tuple(mesh.tensor_parallel_group(rank))) for b in backwards]
     if len(backwards) == len(syncs):
         pairs = list(zip(backwards, syncs))
     else:
-        joined = Backward([r for b in backwards for r in b.reductions], all(b.complete for b in backwards))
+        joined = Backward([r for b in backwards for r in b.reductions], all(b.complete for b in backwards),
+                          [g for b in backwards for g in b.groups])
         pairs = [(joined, (any(s for s, _ in syncs), sum(n for s, n in syncs if s)))]
     verdicts = []
     for backward, (sync, needed) in pairs:
         if not backward.complete:
             continue
-        kind = None
+        kind, why = None, ""
         if sync and backward.reduced < needed:
             kind = "comm_missing"
         elif not sync and backward.reductions and not reduces_every_micro_batch:
             kind = "comm_unexpected"
-        verdicts.append(Verdict(kind, backward, sync, needed))
+        elif mesh is not None:
+            kind, why = _judge_groups(backward, sync, mesh, rank)
+        verdicts.append(Verdict(kind, backward, sync, needed, why))
     return verdicts
+
+
+def _without_tensor_parallel(backward: Backward, tensor_parallel: tuple[int, ...]) -> Backward:
+    if len(tensor_parallel) < 2:
+        return backward
+    kept = [(r, g) for r, g in zip(backward.reductions, backward.groups or [None] * len(backward.reductions))
+            if g != tensor_parallel]
+    return Backward([r for r, _ in kept], backward.complete, [g for _, g in kept])
+
+
+def _judge_groups(backward: Backward, sync: bool, mesh: Any, rank: int) -> tuple[str | None, str]:
+    """Under a mesh: a reduction over ranks that are not all data-parallel (or context) peers of
+    ``rank`` is unexpected; at a sync, the reductions must together cover every such mesh dimension,
+    each group counting for the dimensions it spans (HSDP's reduce-scatter over dp_shard, then its
+    all-reduce over dp_replicate, reach every peer between them)."""
+    from harness.wrappers.mesh import AVERAGED
+
+    groups = backward.groups or [None] * len(backward.reductions)
+    if any(g is None for g in groups):
+        return None, ""  # a group that cannot be named: judged by the element count alone
+    peers = set(mesh.averaging_group(rank))
+    covered: set[str] = set()
+    for (op, n), group in zip(backward.reductions, groups):
+        outside = sorted(set(group or ()) - peers)
+        if outside:
+            return "comm_unexpected", (f"{op} of {n} elements over ranks {list(group or ())}: ranks {outside} are "
+                                       f"not among rank {rank}'s data-parallel peers {sorted(peers)}")
+        covered |= mesh.dimensions_of(sorted(group or ()), rank)
+    needed = {d for d, size in mesh.active if d in AVERAGED}
+    if sync and needed - covered:
+        missing = sorted(needed - covered)
+        return "comm_missing", (f"no gradient reduction over mesh dimension {', '.join(missing)} (the groups "
+                                f"reduced over span {', '.join(sorted(covered)) or 'none'}), so rank {rank}'s "
+                                f"gradient is not averaged over all of its data-parallel peers {sorted(peers)}")
+    return None, ""

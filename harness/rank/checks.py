@@ -37,7 +37,7 @@ from harness.timeline import TimelineRecorder
 from harness.wrappers.names import REDUCES_EVERY_MICRO_BATCH
 from harness.wrappers.observed import Observed
 from harness.wrappers.prepare import verify
-from harness.wrappers.sharding import observe
+from harness.wrappers.sharding import observe, tensor_parallel_share
 
 if TYPE_CHECKING:
     from harness.rank.oracle import Oracle
@@ -316,7 +316,10 @@ class Checks:
         if not self.accounting.available:
             self.recorder.unchecked.setdefault(CHECK, accounting_unavailable() or "the flight recorder is off")
             return
-        for verdict in judge(backwards, syncs, reduces_every_micro_batch=oracle.wrapper in REDUCES_EVERY_MICRO_BATCH):
+        if oracle.mesh is not None:
+            syncs = [(sync, tensor_parallel_share(models, needed)) for sync, needed in syncs]
+        for verdict in judge(backwards, syncs, reduces_every_micro_batch=oracle.wrapper in REDUCES_EVERY_MICRO_BATCH,
+                             mesh=oracle.mesh, rank=self.rank):
             self.recorder.comm_checks += 1
             self.recorder.timeline.mark(index, "comm")
             if verdict.kind is None:
@@ -325,7 +328,7 @@ class Checks:
                 rank=self.rank, step=index, model="+".join(models), param="collectives", kind=verdict.kind,
                 max_abs_diff=float(len(verdict.backward.reductions)), checked="comm",
                 message=text.comm_text(rank=self.rank, where=at, issued=verdict.backward.describe(),
-                                       syncs=verdict.syncs, needed=verdict.needed),
+                                       syncs=verdict.syncs, needed=verdict.needed, why=verdict.why),
             ))
 
     def params(self, step: MicroStep | int, models: Mapping[str, nn.Module],

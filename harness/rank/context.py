@@ -27,6 +27,7 @@ from harness.rank.schedule import (
 from harness.records import Failure, FailureKind
 from harness.wrappers import prepare as wrappers
 from harness.wrappers import probe
+from harness.wrappers.mesh import shape as mesh_shape
 from harness.wrappers.names import DDP, DEEPSPEED, WRAPPERS
 
 ModelT = TypeVar("ModelT", bound=nn.Module)
@@ -51,7 +52,10 @@ class RankContext:
     parameters, a dict), ``precision`` (``fp32``, ``bf16`` or ``fp16``), ``wrapper`` (``ddp``,
     ``fsdp2``, ...: harness/wrappers/names.py), ``compile`` (a ``torch.compile`` backend, or None),
     ``rank``, ``world_size``, ``seed`` (the run's base seed) and ``device`` (this rank's
-    ``torch.device``).
+    ``torch.device``); under a mesh (``mesh=`` in the variant), ``mesh`` (its shape:
+    harness/wrappers/mesh.py; None without one), ``data_rank`` and ``data_world`` (the data shard this
+    rank draws and how many there are: tensor- and context-parallel peers draw the same; without a
+    mesh, ``rank`` and ``world_size``).
     """
 
     def __init__(
@@ -78,6 +82,11 @@ class RankContext:
             raise ValueError(f"variant {variant!r}: unknown wrapper {self.wrapper!r}; known: {', '.join(WRAPPERS)}")
         self.compile = self.variant.get("compile")  # a torch.compile backend, e.g. aot_eager
         self._dtype_policy = {key: self.variant.get(key) for key in ("reduce", "grad_accum")}  # names.MIXED_AXES
+        # the device mesh (``mesh=`` in the variant: harness/wrappers/mesh.py), None without one; the
+        # data shard this rank draws and how many there are (tensor- and context-parallel peers draw one)
+        self.mesh = mesh_shape(str(self.variant["mesh"]), world_size) if "mesh" in self.variant else None
+        self.data_rank = self.mesh.data_index(rank) if self.mesh else rank
+        self.data_world = self.mesh.data_shards if self.mesh else world_size
         if self.precision not in MIXED_PRECISION:
             raise ValueError(f"variant {variant!r}: unknown precision {self.precision!r}; "
                              f"known: {', '.join(MIXED_PRECISION)}")
@@ -127,7 +136,7 @@ class RankContext:
         self._scaler_kwargs = _scaler_kwargs_of(kwargs)
         kwargs.update(wrappers.accelerator_kwargs(self.wrapper, kwargs, device_type=self.device.type,
                                                   world_size=self.world_size, num_steps=self.accumulation.num_steps,
-                                                  **self._dtype_policy))
+                                                  mesh=self.mesh, **self._dtype_policy))
         if self.compile is not None:
             self.require_parameter(Accelerator, "dynamo_backend", "Accelerator(dynamo_backend=...)")
             kwargs.setdefault("dynamo_backend", self.compile)
@@ -146,7 +155,7 @@ class RankContext:
         if kwargs["mixed_precision"] == "fp16" and getattr(accelerator, "scaler", None) is None:
             self.skip(f"accelerate makes no fp16 gradient scaler on {self.device.type} "
                       "(it runs fp16 mixed precision on an accelerator device only)")
-        wrappers.after_construction(self.wrapper, accelerator, kwargs)
+        wrappers.after_construction(self.wrapper, accelerator, kwargs, self.mesh)
         self.accounting.watch(accelerator)
         return accelerator
 
@@ -201,10 +210,11 @@ class RankContext:
         return model.to(self.device)
 
     def batch(self, step: int, *, rows: int = 6, features: int = 4, label: str = "") -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's own inputs and targets for one step: different on every rank."""
+        """This rank's own inputs and targets for one step: different on every rank (under a mesh, on
+        every data shard: tensor- and context-parallel peers get the same, as from accelerate's dataloader)."""
         x, y = rank_batch(
-            derive_seed(self.seed, self.case, self.variant_name, label, step, self.rank),
-            self.rank, rows=rows, features=features,
+            derive_seed(self.seed, self.case, self.variant_name, label, step, self.data_rank),
+            self.data_rank, rows=rows, features=features,
         )
         return x.to(self.device), y.to(self.device)
 
@@ -262,23 +272,25 @@ class RankContext:
         """The harness's own datasets' size (``batches`` per rank, the last global batch one sample
         short, unless ``samples`` is given) and what each rank's prepared dataloader must yield."""
         if samples is None:
-            samples = batches * (batch_size if split_batches else batch_size * self.world_size) - 1
+            samples = batches * (batch_size if split_batches else batch_size * self.data_world) - 1
         return samples, self._batches_per_rank(samples, batch_size, split_batches=split_batches,
                                                dispatch_batches=dispatch_batches)
 
     def _batches_per_rank(self, samples: int, batch_size: int, *, split_batches: bool, dispatch_batches: bool,
                           drop_last: bool = False) -> int:
         """What each rank's prepared dataloader must yield per epoch (harness/rank/schedule.py)."""
-        if split_batches and batch_size % self.world_size:
+        if split_batches and batch_size % self.data_world:
             # accelerate rejects this at prepare(): the cell does not apply at this world size
             self.skip(f"split_batches needs the batch size ({batch_size}) to be a multiple of the world size "
-                      f"({self.world_size})")
+                      f"({self.data_world})")
         if dispatch_batches:
             if drop_last:
                 raise ValueError("ctx.dataloader: the harness has no contract for dispatch_batches with drop_last")
+            if self.mesh is not None:
+                self.skip(f"dispatch_batches under mesh={self.mesh.name}: the harness has no contract for it")
             return dispatched_batches_per_rank(samples, batch_size=batch_size, world_size=self.world_size,
                                                split_batches=split_batches)
-        return batches_per_rank(samples, batch_size=batch_size, world_size=self.world_size,
+        return batches_per_rank(samples, batch_size=batch_size, world_size=self.data_world,
                                 split_batches=split_batches, drop_last=drop_last)
 
     # randomness in the forward
@@ -341,6 +353,7 @@ class RankContext:
             more_checks=self._more_checks,
             contract=contract,
             window_length=self._current_window_length,
+            mesh=self.mesh,
         )
         self._oracles.append(oracle)
         return oracle

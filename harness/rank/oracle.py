@@ -71,6 +71,7 @@ class Oracle(Anchored):
         more_checks: Callable[[MicroStep | int], bool] | None = None,
         contract: str = "accelerate",
         window_length: Callable[[], int] | None = None,
+        mesh: Any = None,
     ) -> None:
         if not models:
             raise ValueError("the oracle needs at least one model")
@@ -107,7 +108,13 @@ class Oracle(Anchored):
         # FSDP2, FSDP1 and DeepSpeed in bf16 (harness/rank/replica.py): each rank's unsharded gradients
         # since the last sync accumulate apart, as the wrapper accumulates them, and are reduced as it
         # reduces them; the result is added to the gradient held (harness/rank/sharded_reduce.py)
-        self.sharded = (ShardedReduce(wrapper, precision, reduce, self.params, models, self.collectives, grad_accum)
+        # under a mesh (harness/wrappers/mesh.py) every rank's gradient is still the average over all
+        # ranks: the ranks that average each other's are the data-parallel and context ones, and a
+        # tensor-parallel peer draws the same batch as its rank, so its replica's gradient is the same
+        # and the average over every rank is the average over the data-parallel ones (within the bound)
+        self.mesh = mesh
+        self.sharded = (ShardedReduce(wrapper, precision, reduce, self.params, models, self.collectives, grad_accum,
+                                      mesh=mesh)
                         if wrapper in SHARDED_MIXED and precision in AUTOCAST_DTYPES else None)
         if self.sharded is not None and self.sharded.stage is not None:
             # DeepSpeed makes its fp32 masters from the module it cast to bf16: the weights' low bits go

@@ -23,7 +23,7 @@ that cannot be read), the reduction is allowed the bf16 sum's bound and the cell
 
 from __future__ import annotations
 
-from typing import Hashable, Mapping
+from typing import Any, Hashable, Mapping
 
 import torch
 from torch import nn
@@ -45,8 +45,9 @@ class ShardedReduce:
 
     def __init__(self, wrapper: str, precision: str, reduce: str | None,
                  params: Mapping[str, Mapping[str, torch.Tensor]], models: Mapping[str, nn.Module],
-                 collectives: Collectives, grad_accum: str | None = None) -> None:
+                 collectives: Collectives, grad_accum: str | None = None, mesh: Any = None) -> None:
         self.wrapper = wrapper
+        self.mesh = mesh  # a harness/wrappers/mesh.py Shape, or None
         self.param_dtype = AUTOCAST_DTYPES[precision]
         self.reduce_dtype = torch.float32 if reduce == "fp32" else self.param_dtype
         # DeepSpeed's BF16_Optimizer (ZeRO-1 with ``grad_accum=fp32``) adds each micro-batch's bf16
@@ -156,6 +157,9 @@ class ShardedReduce:
                                                   for n, ps in self.pending.items() for p, t in ps.items()}
         if self.stage is not None:
             return self._deepspeed_layout(segments)
+        if self.wrapper == "fsdp2" and self.mesh is not None:
+            return None, (f"FSDP2 over mesh={self.mesh.name} ({self.mesh.describe()}) reduces over each dimension "
+                          "in turn, an order the oracle does not reproduce")
         if self.wrapper == "fsdp2":
             why = "" if self.world_size == 1 else sharding.fsdp2_reduce_op(self.reduce_dtype) or ring_order_holds(
                 self.world_size, self.reduce_dtype)

@@ -81,7 +81,7 @@ def select_targets(
         chosen = list(catalogue)
     targets = []
     for case in chosen:
-        options = cell_variants(case.info.variants, case.info.wrappers, WRAPPERS)
+        options = cell_variants(case.info.variants, case.info.wrappers, WRAPPERS, case.info.meshes)
         if all_variants:
             picked = list(options)
         elif variants:

@@ -39,6 +39,12 @@ DEFAULT_PRECISIONS = ("fp32",)
 # The wrappers compiled variants run under: DDP, where compiled no_sync has had real bugs (pytorch
 # #109774), and FSDP2, which torch.compile is built to trace.
 COMPILED = frozenset({DDP, "fsdp2"})
+# The meshes a case can run on (``@case(meshes=...)``), from accelerate's ``ParallelismConfig``, under
+# FSDP2 (the wrapper accelerate applies a mesh with): each names the data-parallel and the other
+# dimensions of a world of 4 (2 x 2) or more (harness/wrappers/mesh.py gives the shape at each size).
+# ``hsdp``: dp_replicate=2 x dp_shard=world/2; ``tp``: dp_shard=world/2 x tp=2; ``cp``: dp_shard=world/2 x cp=2.
+MESHES = ("hsdp", "tp", "cp")
+MESH_WRAPPER = "fsdp2"
 
 
 class WrongWrapper(Exception):

@@ -19,6 +19,7 @@ from harness.wrappers.names import (
     DEEPSPEED,
     DEFAULT_PRECISIONS,
     FSDP,
+    MESH_WRAPPER,
     MIXED_AXES,
     PRECISIONS,
     WRAPPERS,
@@ -26,14 +27,17 @@ from harness.wrappers.names import (
 )
 
 
-def cell_variants(variants: Iterable[Variant], applies: Iterable[str], selection: tuple[str, ...] | str
-                  ) -> list[Variant]:
+def cell_variants(variants: Iterable[Variant], applies: Iterable[str], selection: tuple[str, ...] | str,
+                  meshes: Iterable[str] = ()) -> list[Variant]:
     """A case's variants crossed with the wrappers selected that apply to it.
 
     DDP keeps the variant ids it always had. Another wrapper adds ``-wrapper=<name>`` and runs the
     precisions the oracle models for it (compiled variants under FSDP2 only). ``auto``: DDP at every variant, and every other wrapper at
     the case's lead variants (its first variant, and its first compiled one), so that the default
-    run covers every wrapper once per case (compiled and not) at a fraction of the cost."""
+    run covers every wrapper once per case (compiled and not) at a fraction of the cost.
+
+    ``meshes`` (the case's ``@case(meshes=...)``): where FSDP2 is selected, each mesh at the case's
+    lead variants that are not compiled (one a precision), ``<variant>-mesh=<name>-wrapper=fsdp2``."""
     variants = list(variants)
     applies = set(applies)
     chosen = WRAPPERS if selection == AUTO else selection
@@ -57,6 +61,10 @@ def cell_variants(variants: Iterable[Variant], applies: Iterable[str], selection
                 out.extend(Variant(f"{v.name}-{key}={value}-wrapper={wrapper}",
                                    {**v.params, key: value, "wrapper": wrapper})
                            for value in values)
+        if wrapper == MESH_WRAPPER:
+            leads = [v for v in _lead(eligible) if "compile" not in v.params]
+            out.extend(Variant(f"{v.name}-mesh={mesh}-wrapper={wrapper}", {**v.params, "mesh": mesh, "wrapper": wrapper})
+                       for mesh in meshes for v in leads)
     return out
 
 
@@ -72,8 +80,20 @@ def _lead(variants: list[Variant]) -> list[Variant]:
 
 
 def accelerator_kwargs(wrapper: str, kwargs: Mapping[str, Any], *, device_type: str, num_steps: int,
-                       world_size: int, reduce: str | None = None, grad_accum: str | None = None) -> dict[str, Any]:
-    """The ``Accelerator`` keyword arguments that ask for ``wrapper``; SkipCell when it cannot run here."""
+                       world_size: int, reduce: str | None = None, grad_accum: str | None = None,
+                       mesh: Any = None) -> dict[str, Any]:
+    """The ``Accelerator`` keyword arguments that ask for ``wrapper`` (and, under FSDP2, for ``mesh``:
+    a harness/wrappers/mesh.py ``Shape``); SkipCell when it cannot run here."""
+    if mesh is not None:
+        if wrapper != MESH_WRAPPER:
+            raise ValueError(f"mesh={mesh.name} runs under wrapper={MESH_WRAPPER}, not {wrapper}")
+        if kwargs.get("parallelism_config") is not None:
+            raise ValueError(f"mesh={mesh.name}: the harness makes the ParallelismConfig; the case gave one")
+        from harness.wrappers import mesh as meshes
+
+        made = accelerator_kwargs(wrapper, kwargs, device_type=device_type, num_steps=num_steps,
+                                  world_size=world_size, reduce=reduce, grad_accum=grad_accum)
+        return {**made, **meshes.accelerator_kwargs(mesh, device_type=device_type)}
     if wrapper == DDP:
         return {}
     if wrapper in FSDP and world_size < 2:
@@ -144,18 +164,22 @@ def _deepspeed_kwargs(wrapper: str, *, device_type: str, num_steps: int, grad_ac
                                             grad_accum=grad_accum)
 
 
-def after_construction(wrapper: str, accelerator: Any, kwargs: Mapping[str, Any]) -> None:
-    """What the Accelerator needs once built for ``wrapper`` to be what ``prepare`` applies."""
+def after_construction(wrapper: str, accelerator: Any, kwargs: Mapping[str, Any], mesh: Any = None) -> None:
+    """What the Accelerator needs once built for ``wrapper`` (and ``mesh``) to be what ``prepare`` applies."""
     if wrapper in FSDP:
         fsdp_on_cpu(accelerator, kwargs["fsdp_plugin"])
-        _prepare_says_what_it_cannot_do(accelerator, wrapper)
+        if mesh is not None:
+            from harness.wrappers import mesh as meshes
+
+            meshes.after_construction(mesh, accelerator)
+        _prepare_says_what_it_cannot_do(accelerator, wrapper, mesh)
     elif wrapper in DEEPSPEED:
         from harness.wrappers import deepspeed_cpu
 
         deepspeed_cpu.after_construction(accelerator, stage=DEEPSPEED[wrapper])
 
 
-def _prepare_says_what_it_cannot_do(accelerator: Any, wrapper: str) -> None:
+def _prepare_says_what_it_cannot_do(accelerator: Any, wrapper: str, mesh: Any = None) -> None:
     """What an accelerate release's FSDP ``prepare`` cannot do, asked by trying, named in the cell
     instead of a harness error (an instance attribute: the class and every other Accelerator are
     untouched):
@@ -170,13 +194,23 @@ def _prepare_says_what_it_cannot_do(accelerator: Any, wrapper: str) -> None:
       ``torch.compile``'s wrapper prefixes (``KeyError: 'fc1.weight'``) and cannot switch two models'
       optimizers to their shards ("A parameter in the optimizer couldn't be switched"):
       ``unsupported``, naming what accelerate raised. A diff against a release that passes still
-      counts it a regression."""
+      counts it a regression.
+    - An ImportError raised in accelerate's own code: 1.15.0's tensor-parallel prepare under FSDP2
+      imports ``transformers.integrations.tensor_parallel.ReplicateParallel``, which transformers 5
+      no longer has (4.57 has): ``unsupported``, naming it.
+
+    Under ``mesh=tp`` the models are first sharded over the mesh's ``tp`` dimension, as a user
+    shards them before ``prepare`` (harness/wrappers/mesh.py, ``tensor_parallel``)."""
     import functools
 
     original = accelerator.prepare
 
     @functools.wraps(original)
     def prepare(*args: Any, **kwargs: Any) -> Any:
+        if mesh is not None and mesh.size("tp") > 1:
+            from harness.wrappers import mesh as meshes
+
+            meshes.tensor_parallel_all(args, accelerator.torch_device_mesh)
         try:
             prepared = original(*args, **kwargs)
         except TypeError as exc:
@@ -187,7 +221,7 @@ def _prepare_says_what_it_cannot_do(accelerator: Any, wrapper: str) -> None:
 
             raise SkipCell(f"wrapper={wrapper} cannot run here: accelerate {accelerate.__version__}'s prepare "
                            f"calls torch {torch.__version__} with an argument it does not take ({exc})") from None
-        except (AttributeError, KeyError) as exc:
+        except (AttributeError, KeyError, ImportError) as exc:
             if _raised_in(exc, skipping="torch") != "accelerate":
                 raise
             import accelerate

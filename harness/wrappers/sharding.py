@@ -13,7 +13,7 @@ check, in the same order, as the checks already do.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -72,13 +72,21 @@ def observe(model: nn.Module, names: list[str], *, sync: bool) -> Observed:
 
 def _piece_fn(dtensor: Any) -> Piece:
     """This rank's part of a full tensor laid out as ``dtensor`` (Shard and Replicate placements, as
-    DTensor itself splits: ``torch.chunk`` along the sharded dimension, empty past the last chunk)."""
+    DTensor itself splits: ``torch.chunk`` along the sharded dimension, empty past the last chunk).
+    Other placements (FSDP2's ``_StridedShard`` over a tensor-parallel mesh) are split by DTensor
+    itself, each rank from its own copy of the full tensor (``distribute_tensor(src_data_rank=None)``,
+    no communication)."""
+    from torch.distributed.tensor import Replicate, Shard
+
     mesh, placements = dtensor.device_mesh, dtensor.placements
     coordinate = mesh.get_coordinate()
     local_shape = tuple(dtensor.to_local().shape)
+    plain = all(type(p) in (Shard, Replicate) for p in placements)
 
     def piece(full: torch.Tensor) -> torch.Tensor:
         out = full
+        if not plain:
+            return _split_by_dtensor(full, mesh, placements, local_shape)
         for mesh_dim, placement in enumerate(placements):
             if placement.is_shard():
                 chunks = torch.chunk(out, mesh.size(mesh_dim), dim=placement.dim)
@@ -92,6 +100,21 @@ def _piece_fn(dtensor: Any) -> Piece:
         return out
 
     return piece
+
+
+def _split_by_dtensor(full: torch.Tensor, mesh: Any, placements: Any, local_shape: tuple[int, ...]) -> torch.Tensor:
+    from torch.distributed.tensor import distribute_tensor
+
+    from harness.wrappers.probe import parameters
+
+    if "src_data_rank" not in parameters(distribute_tensor):
+        raise ValueError(f"the harness cannot compare a tensor placed as {placements} on this torch "
+                         "(its distribute_tensor has no src_data_rank)")
+    out = distribute_tensor(full.detach(), mesh, placements, src_data_rank=None).to_local()
+    if tuple(out.shape) != local_shape:
+        raise ValueError(f"this rank's shard has shape {local_shape}, but its part of the full tensor "
+                         f"({tuple(full.shape)}, placed {placements}) has {tuple(out.shape)}")
+    return out
 
 
 def _fsdp1(model: nn.Module, *, with_grads: bool) -> Observed:
@@ -186,3 +209,22 @@ def fsdp1_reduce_layout(model: nn.Module) -> tuple[list[tuple[int, dict[str, tup
     except (AttributeError, KeyError, StopIteration, TypeError) as exc:
         return f"FSDP1's flat parameters could not be read on this torch ({type(exc).__name__})"
     return handles, pre, post
+
+
+def tensor_parallel_share(models: Mapping[str, nn.Module], needed: int) -> int:
+    """Of ``needed`` gradient elements (counted on the whole parameters), those of this rank's
+    tensor-parallel slices: under a mesh with a ``tp`` dimension a rank reduces only its slice of a
+    parameter sharded over ``tp`` (read from each parameter's DTensor placements); elsewhere ``needed``."""
+    DTensor = _dtensor_class()
+    whole = local = 0
+    for model in models.values():
+        for p in unwrap(model).parameters():
+            whole += p.numel()
+            share = p.numel()
+            if DTensor is not None and isinstance(p, DTensor):
+                names = p.device_mesh.mesh_dim_names or ()
+                for dim, placement in enumerate(p.placements):
+                    if dim < len(names) and names[dim] == "tp" and placement.is_shard():
+                        share //= p.device_mesh.size(dim)
+            local += share
+    return needed if whole == 0 or local == whole else -(-needed * local // whole)
