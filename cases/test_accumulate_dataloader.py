@@ -6,6 +6,7 @@ from torch.utils.data import DataLoader
 
 from harness import PRECISIONS, Diagnosis, case, grid
 from harness.rank.models import regression_loss
+from harness.wrappers.names import MESHES
 
 EPOCHS = 2
 BATCHES = 5  # per rank and epoch: a multiple of none of the accumulation steps
@@ -48,7 +49,7 @@ def prepared_loader(ctx, accelerator, *, batch_size=BATCH_SIZE, **dataset_option
     return accelerator.prepare(DataLoader(dataset, batch_size=batch_size)), per_rank
 
 
-@case("accumulate_eval_loop", variants=grid(steps=[2, 3], precision=PRECISIONS))
+@case("accumulate_eval_loop", variants=grid(steps=[2, 3], precision=PRECISIONS), meshes=MESHES)
 def test_accumulate_eval_loop(ctx):
     """A second prepared dataloader (evaluation, under ``torch.no_grad``) iterated to its end in the
     middle of every training epoch: the training windows must go on as if it had not run."""
@@ -89,7 +90,7 @@ def test_accumulate_dispatch_batches(ctx):
     train(ctx, accelerator, steps=steps, loader=loader, per_rank=per_rank)
 
 
-@case("accumulate_split_batches", variants=grid(steps=[2, 3], precision=PRECISIONS))
+@case("accumulate_split_batches", variants=grid(steps=[2, 3], precision=PRECISIONS), meshes=MESHES)
 def test_accumulate_split_batches(ctx):
     """``split_batches=True``: every rank gets its slice of each batch of the user's DataLoader (so
     the batch size is global), accumulated as usual."""
@@ -105,7 +106,8 @@ def test_accumulate_split_batches(ctx):
 # local between optimizer steps (no all-reduce where one is due). ZeRO-2/3 reduce every micro-batch
 # anyway. The optimizer steps are right; the memory the option promises is not saved.
 @case("accumulate_sync_each_batch", variants=grid(steps=[2, 3], precision=PRECISIONS),
-      defects={"deepspeed-z1": [Diagnosis("not_synced", model="model"), Diagnosis("comm_missing")]})
+      defects={"deepspeed-z1": [Diagnosis("not_synced", model="model"), Diagnosis("comm_missing")]},
+      meshes=MESHES)
 def test_accumulate_sync_each_batch(ctx):
     """``GradientAccumulationPlugin(sync_each_batch=True)``: gradients are averaged at every batch,
     the optimizer still steps only every N batches and at the end of the dataloader."""
@@ -116,7 +118,7 @@ def test_accumulate_sync_each_batch(ctx):
     train(ctx, accelerator, steps=steps, loader=loader, per_rank=per_rank, schedule=schedule)
 
 
-@case("accumulate_no_dataloader_sync", variants=grid(steps=[2, 3], precision=PRECISIONS))
+@case("accumulate_no_dataloader_sync", variants=grid(steps=[2, 3], precision=PRECISIONS), meshes=MESHES)
 def test_accumulate_no_dataloader_sync(ctx):
     """``GradientAccumulationPlugin(sync_with_dataloader=False)``: no forced sync at the end of the
     dataloader; windows go on into the next epoch."""

@@ -6,6 +6,7 @@ from torch.utils.data import DataLoader
 
 from harness import PRECISIONS, Diagnosis, case, grid
 from harness.rank.models import regression_loss
+from harness.wrappers.names import MESHES
 
 EPOCHS = 2
 BATCHES = 5  # per rank and epoch: a multiple of none of the accumulation steps
@@ -60,7 +61,8 @@ def clip_loss(model, batch):
     return regression_loss(model, batch) * CLIP_LOSS_SCALE
 
 
-@case("accumulate_scheduler", variants=grid(steps=[2, 3], split_batches=[False, True], precision=PRECISIONS))
+@case("accumulate_scheduler", variants=grid(steps=[2, 3], split_batches=[False, True], precision=PRECISIONS),
+      meshes=MESHES)
 def test_accumulate_scheduler(ctx):
     """A prepared ``LambdaLR`` stepped with the optimizer inside ``accumulate``: it must advance only at
     optimizer steps, ``num_processes`` times each (the global batch is that many batches), once each
@@ -102,7 +104,7 @@ DTENSOR_EPSILON_PER_RANK = Diagnosis("wrong_scale", model="model", ranks=2, fixe
 
 @case("accumulate_clip_grad", variants=grid(steps=[2, 3], precision=PRECISIONS) + grid(steps=[2], precision=["fp16"]),
       defects={"deepspeed-z1": CLIP_IGNORED, "deepspeed-z2": CLIP_IGNORED, "deepspeed-z3": CLIP_IGNORED,
-               "fsdp2": DTENSOR_EPSILON_PER_RANK})
+               "fsdp2": DTENSOR_EPSILON_PER_RANK}, meshes=MESHES)
 def test_accumulate_clip_grad(ctx):
     """``accelerator.clip_grad_norm_`` at sync points (``if accelerator.sync_gradients``), as the
     accelerate docs show: it must clip the averaged gradient of the whole window."""
@@ -117,7 +119,7 @@ def test_accumulate_clip_grad(ctx):
 # the gradients are checked as in accumulate_clip_grad.
 @case("accumulate_clip_grad_norm", variants=grid(steps=[2], precision=PRECISIONS),
       defects={"deepspeed-z1": CLIP_IGNORED, "deepspeed-z2": CLIP_IGNORED, "deepspeed-z3": CLIP_IGNORED,
-               "fsdp2": DTENSOR_EPSILON_PER_RANK})
+               "fsdp2": DTENSOR_EPSILON_PER_RANK}, meshes=MESHES)
 def test_accumulate_clip_grad_norm(ctx):
     """``accumulate_clip_grad``, and the total norm ``accelerator.clip_grad_norm_`` returns at each
     sync (a tensor, or under FSDP2 a DTensor) compared on every rank with the norm of the window's
@@ -150,7 +152,7 @@ def clip_loop(ctx, *, check_norm):
         raise AssertionError(f"no gradient norm exceeded {MAX_NORM * CLIP_LOSS_SCALE}: the case checked no clipping")
 
 
-@case("accumulate_adamw", variants=grid(steps=[2, 3], precision=PRECISIONS))
+@case("accumulate_adamw", variants=grid(steps=[2, 3], precision=PRECISIONS), meshes=MESHES)
 def test_accumulate_adamw(ctx):
     """``AdamW`` (moments and weight decay: state that a step at the wrong time corrupts for good)
     under ``accumulate``."""

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 from harness import PRECISIONS, Diagnosis, case, grid
 from harness.rank.hf_models import transformers_or_skip
 from harness.rank.tokens import causal_loss_sum, pad_tokens, token_loss_mean, token_loss_sum, valid_tokens
+from harness.wrappers.names import MESHES
 from harness.wrappers.probe import takes_parameter
 
 EPOCHS = 2
@@ -70,6 +71,11 @@ def train(ctx, accelerator, model, loss_for, *, causal=False):
             oracle.check_params(point, models, {"model": optimizer})
 
 
+def token_model(ctx):
+    """The toy LM; under a tensor-parallel mesh the one with a hidden MLP, which tp splits."""
+    return ctx.model("tiny_mlp_lm" if ctx.mesh is not None and ctx.mesh.size("tp") > 1 else "tiny_lm")
+
+
 def gathered_token_loss(accelerator, window):
     # accelerate's usage guide ("Gradient accumulation on training samples of variable size"): the
     # summed token loss over the window's valid tokens on all ranks (gathered), times the accumulation
@@ -79,23 +85,25 @@ def gathered_token_loss(accelerator, window):
     return lambda model, batch: token_loss_sum(model, batch) * steps * accelerator.num_processes / num_items_in_batch
 
 
-@case("accumulate_token_loss", variants=VARIANTS, defects={"deepspeed-z1": ZERO1_SYNC_EACH_BATCH})
+@case("accumulate_token_loss", variants=VARIANTS, defects={"deepspeed-z1": ZERO1_SYNC_EACH_BATCH},
+      meshes=MESHES)
 def test_accumulate_token_loss(ctx):
     """The documented token loss: each micro-batch's summed token loss divided by the window's valid
     tokens gathered from every rank, times the accumulation steps and the number of processes. Every
     token of the window weighs the same, on every rank."""
-    train(ctx, token_accelerator(ctx), ctx.model("tiny_lm"), gathered_token_loss)
+    train(ctx, token_accelerator(ctx), token_model(ctx), gathered_token_loss)
 
 
 def per_batch_mean(accelerator, window):
     return token_loss_mean
 
 
-@case("accumulate_token_mean", variants=VARIANTS, canary=Diagnosis("misweighted", model="model"))
+@case("accumulate_token_mean", variants=VARIANTS, canary=Diagnosis("misweighted", model="model"),
+      meshes=MESHES)
 def test_accumulate_token_mean(ctx):
     """Canary: the loss is each micro-batch's own token mean (``reduction="mean"``), as before the fix.
     A micro-batch with few valid tokens weighs as much as one with many: ``misweighted``."""
-    train(ctx, token_accelerator(ctx), ctx.model("tiny_lm"), per_batch_mean)
+    train(ctx, token_accelerator(ctx), token_model(ctx), per_batch_mean)
 
 
 def local_token_loss(accelerator, window):
@@ -105,11 +113,35 @@ def local_token_loss(accelerator, window):
 
 
 @case("accumulate_token_local_count", variants=VARIANTS,
-      canary=Diagnosis("misweighted", model="model", ranks=2))
+      canary=Diagnosis("misweighted", model="model", ranks=2), meshes=MESHES)
 def test_accumulate_token_local_count(ctx):
     """Canary: the documented loss with the window's token count of this rank alone (not gathered):
     a rank with fewer tokens weighs its tokens more. Right on one rank; ``misweighted`` from two."""
-    train(ctx, token_accelerator(ctx), ctx.model("tiny_lm"), local_token_loss)
+    train(ctx, token_accelerator(ctx), token_model(ctx), local_token_loss)
+
+
+def data_parallel_count_all_processes(accelerator, window):
+    # transformers #39648 (fixed by PR #45994): the window's valid tokens counted over the
+    # data-parallel ranks (accelerate's flattened "dp" mesh dimension: each batch once), but the loss
+    # scaled by every process, where the gradient is averaged over the data-parallel and context ranks
+    # only (tensor-parallel peers hold the same batch; under cp, without sequence splitting, so do the
+    # context peers)
+    count = sum(valid_tokens(b) for b in window).clone()
+    torch.distributed.all_reduce(count, group=accelerator.torch_device_mesh["dp"].get_group())
+    steps = accelerator.gradient_accumulation_steps
+    return lambda model, batch: token_loss_sum(model, batch) * steps * accelerator.num_processes / count.item()
+
+
+@case("accumulate_token_all_processes", variants=VARIANTS, wrappers=["fsdp2"], meshes=("tp", "cp"),
+      canary=Diagnosis("misweighted", model="model"))
+def test_accumulate_token_all_processes(ctx):
+    """Canary, on a mesh whose tensor- or context-parallel peers draw the same batch: the token loss
+    with the window's tokens counted over the data-parallel ranks and scaled by every process
+    (``accelerator.num_processes``) instead of the ranks the gradient is averaged over: every token
+    weighs twice what it should (transformers #39648, where expert parallelism made it four times)."""
+    if ctx.mesh is None:
+        ctx.skip("a mesh's canary: without a mesh every process is data-parallel and the count is right")
+    train(ctx, token_accelerator(ctx), token_model(ctx), data_parallel_count_all_processes)
 
 
 def tiny_llama():
@@ -128,7 +160,7 @@ def tiny_llama():
 # engine's torch.nn.functional.linear replacement runs on both sides; the buffers are equal); the
 # toy LM's cells pass. The cells are not made rather than judged wrongly.
 @case("accumulate_token_loss_transformers", variants=VARIANTS, defects={"deepspeed-z1": ZERO1_SYNC_EACH_BATCH},
-      wrappers=["ddp", "fsdp2", "fsdp1", "deepspeed-z1", "deepspeed-z2"])
+      wrappers=["ddp", "fsdp2", "fsdp1", "deepspeed-z1", "deepspeed-z2"], meshes=("hsdp", "cp"))
 def test_accumulate_token_loss_transformers(ctx):
     """A tiny Llama from transformers trained through its own loss with ``num_items_in_batch`` (the
     window's valid tokens gathered from every rank, as transformers' Trainer counts them), times the

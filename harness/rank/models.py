@@ -128,6 +128,21 @@ class TinyLM(nn.Module):
         return self.head(torch.tanh(self.embed(input_ids)))
 
 
+class TinyMlpLM(nn.Module):
+    """``TinyLM`` with a hidden MLP between the embedding and the head (up, tanh, down): a pair of
+    Linear layers that tensor parallelism splits column- then row-wise (mesh=tp's token cells)."""
+
+    def __init__(self, vocab: int = 16, dim: int = 8, hidden: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.down(torch.tanh(self.up(torch.tanh(self.embed(input_ids))))))
+
+
 MODEL_TYPES = {
     "regressor": Regressor,
     "generator": Generator,
@@ -135,6 +150,7 @@ MODEL_TYPES = {
     "encoder": Encoder,
     "branchy": Branchy,
     "tiny_lm": TinyLM,
+    "tiny_mlp_lm": TinyMlpLM,
 }
 
 
