@@ -252,7 +252,7 @@ class Checks:
                                previous=None if previous is None else observed.piece_of(pname, previous),
                                expected_sync=oracle.last_sync,
                                reweighted=None if reweighted is None else observed.piece_of(pname, reweighted),
-                               weight=reweighing.weight_of(self.rank) if reweighing else None),
+                               weight=reweighing.weight_of(self.oracle.data_rank) if reweighing else None),
                 )
                 failed = True
                 weights = reweighing.weights if reweighing and kind is FailureKind.MISWEIGHTED else None

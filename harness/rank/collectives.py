@@ -240,6 +240,32 @@ class Collectives:
         averages, allowances = pieces(average, tensors), pieces(allowed, tensors)
         return {k: Expectation(averages[k], allowances[k]) for k in tensors}
 
+    def staged_average(self, tensors: Mapping[Hashable, torch.Tensor], dtype: torch.dtype,
+                       stages: Sequence[Callable[[int], list[int]]]) -> dict[Hashable, Expectation]:
+        """The average of ``tensors`` as a reduction in stages over a mesh makes it (FSDP2's HSDP: a
+        reduce-scatter over the shard dimension, then an all-reduce over the replicate one), each
+        stage a ReduceOp.AVG in ``dtype`` over groups of at most two ranks (``stages[s](rank)``: the
+        group of ``rank`` at stage s). A sum of two rounds once, whichever comes first, and halving is
+        exact: every rank's result is reproduced bit for bit from every rank's values (one
+        all-gather), leaving nothing to allow but the floor. ValueError for a group of three or more,
+        whose order this does not know."""
+        mine = flat(t.detach() for t in tensors.values())
+        low = mine.to(dtype)
+        every = [torch.empty_like(low) for _ in range(self.world_size)]
+        if self.world_size > 1:
+            dist.all_gather(every, low)
+        else:
+            every = [low]
+        for stage in stages:
+            groups = [stage(r) for r in range(self.world_size)]
+            if any(len(g) > 2 for g in groups):
+                raise ValueError(f"a stage over {max(len(g) for g in groups)} ranks")
+            every = [(every[g[0]] + every[g[1]]) / 2 if len(g) == 2 else every[g[0]] for g in groups]
+        average = every[self.rank].to(mine.dtype)
+        allowed = torch.full(mine.shape, floor(dtype), dtype=torch.float64)
+        averages, allowances = pieces(average, tensors), pieces(allowed, tensors)
+        return {k: Expectation(averages[k], allowances[k]) for k in tensors}
+
     def later(self, tensors: Mapping[Hashable, torch.Tensor],
               deliver: Callable[[dict[Hashable, torch.Tensor]], None], *, wait: bool) -> None:
         """Rank 0's copy of ``tensors`` (as they are now), given to ``deliver`` by key: with the next

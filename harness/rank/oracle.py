@@ -155,7 +155,9 @@ class Oracle(Anchored):
         # elements it produced (what a sync must reduce; harness/rank/accounting.py)
         self.backward_syncs: list[tuple[bool, int]] = []
         # token weighting (token_window), and the contributions the misweighted diagnosis refits
-        self.weighting = TokenWeighting(self.params, world_size=world_size)
+        self.weighting = TokenWeighting(self.params, world_size=world_size, shards=None if mesh is None else [
+            mesh.data_index(r) for r in range(world_size)])
+        self.data_rank = rank if mesh is None else mesh.data_index(rank)
         # the size of each gradient's terms: |the gradient the last check adopted| (averaged already:
         # it counts once over the ranks) plus |each backward's since| (zero after a step), which a
         # wrapper that reduces them apart rounds apart

@@ -138,6 +138,16 @@ class ShardedReduce:
 
     def _reduce(self) -> tuple[dict[Key, Expectation], str]:
         pending: dict[Hashable, torch.Tensor] = {(n, p): t for n, ps in self.pending.items() for p, t in ps.items()}
+        if self.mesh is not None and not self._one_world_group():
+            staged, why = self._mesh_stages()
+            if staged is not None:
+                averaged = self.collectives.staged_average(pending, self.reduce_dtype, staged)
+                self.clear()
+                return averaged, ""  # type: ignore[return-value]
+            [averaged] = self.collectives.reduce_all([Reduction(pending, summed_in=self.reduce_dtype)])
+            self.clear()
+            return averaged, (f"the {DTYPE_NAMES.get(self.reduce_dtype, self.reduce_dtype)} reduction is judged "  # type: ignore[return-value]
+                              f"within its rounding bound: {why}")
         layout, why = self._layout()
         if layout is not None:
             segments, pre, post = layout
@@ -150,6 +160,31 @@ class ShardedReduce:
         self.clear()
         return averaged, why  # type: ignore[return-value]
 
+    def _one_world_group(self) -> bool:
+        """Whether FSDP2 over the mesh reduce-scatters over every rank at once, in rank order, and no
+        more (mesh=cp: dp_shard x cp flattened), as it does with no mesh: then its layout applies."""
+        mesh = self.mesh
+        return mesh.size("dp_replicate") == 1 and mesh.size("tp") == 1 and \
+            mesh.peers(0, ("dp_shard", "cp")) == list(range(self.world_size))
+
+    def _mesh_stages(self) -> tuple[list[Any] | None, str]:
+        """FSDP2 over a mesh reduces in stages: a reduce-scatter over its shard group (accelerate's
+        ``dp_shard_cp``: the ranks differing in dp_shard and cp), then, under HSDP, an all-reduce of
+        the shard over the ``dp_replicate`` group, each with ReduceOp.AVG (torch's
+        ``foreach_reduce``); tensor-parallel peers each reduce their own slice. Each stage's group, by
+        rank, where every group has at most two ranks (the order of two adds does not matter); else
+        None and why the order is not known."""
+        mesh = self.mesh
+        why = sharding.fsdp2_reduce_op(self.reduce_dtype)
+        if why:
+            return None, why
+        stages = [lambda r: mesh.peers(r, ("dp_shard", "cp")), lambda r: mesh.peers(r, ("dp_replicate",))]
+        widest = max(len(stage(r)) for stage in stages for r in range(self.world_size))
+        if widest > 2:
+            return None, (f"FSDP2 over mesh={mesh.name} ({mesh.describe()}) reduces over groups of {widest} ranks, "
+                          "whose order the oracle does not reproduce on a mesh")
+        return stages, ""
+
     def _layout(self) -> tuple[tuple[dict[Hashable, torch.Tensor], float, float | None] | None, str]:
         """Each pending element's ring segment and the divide factors before and after the sum (None:
         the world size after, as ReduceOp.AVG), or None and why the order is not known here."""
@@ -157,9 +192,6 @@ class ShardedReduce:
                                                   for n, ps in self.pending.items() for p, t in ps.items()}
         if self.stage is not None:
             return self._deepspeed_layout(segments)
-        if self.wrapper == "fsdp2" and self.mesh is not None:
-            return None, (f"FSDP2 over mesh={self.mesh.name} ({self.mesh.describe()}) reduces over each dimension "
-                          "in turn, an order the oracle does not reproduce")
         if self.wrapper == "fsdp2":
             why = "" if self.world_size == 1 else sharding.fsdp2_reduce_op(self.reduce_dtype) or ring_order_holds(
                 self.world_size, self.reduce_dtype)

@@ -28,8 +28,12 @@ class TokenWeighting:
     """One oracle's token weighting: ``tokens``, the window's valid tokens on all ranks (None outside
     a token-weighted window), and by model the weighted contributions since the last check."""
 
-    def __init__(self, params: Mapping[str, Mapping[str, torch.Tensor]], *, world_size: int) -> None:
+    def __init__(self, params: Mapping[str, Mapping[str, torch.Tensor]], *, world_size: int,
+                 shards: list[int] | None = None) -> None:
         self.world_size = world_size
+        # the data shard each rank draws, by rank (under a mesh tensor- and context-parallel peers draw
+        # one: their contributions are the same and are fitted as one); None: every rank its own
+        self.shards = shards
         self.tokens: int | None = None
         self._new = {name: {p: torch.zeros_like(t) for p, t in ps.items()} for name, ps in params.items()}
         self._parts: dict[str, list[dict[str, torch.Tensor]]] = {}  # every rank's, after a sync
@@ -75,8 +79,9 @@ class TokenWeighting:
             if self.world_size > 1:
                 dist.all_gather(gathered, flat)
             sizes = [t.numel() for t in new.values()]
-            self._parts[name] = [{p: piece.view_as(t).clone() / self.world_size
-                                  for (p, t), piece in zip(new.items(), g.split(sizes))} for g in gathered]
+            parts = [{p: piece.view_as(t).clone() / self.world_size
+                      for (p, t), piece in zip(new.items(), g.split(sizes))} for g in gathered]
+            self._parts[name] = parts if self.shards is None else _by_shard(parts, self.shards)
             for t in new.values():
                 t.zero_()
 
@@ -97,3 +102,14 @@ class TokenWeighting:
         self._parts.pop(name, None)
         self._weighted.discard(name)
         self._mixed.discard(name)
+
+
+def _by_shard(parts: list[dict[str, torch.Tensor]], shards: list[int]) -> list[dict[str, torch.Tensor]]:
+    """Every rank's share summed over the ranks of one data shard, by shard (their least-squares fit
+    would have as many identical columns as the shard has ranks)."""
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for part, shard in zip(parts, shards):
+        held = out.setdefault(shard, {p: torch.zeros_like(t) for p, t in part.items()})
+        for p, t in part.items():
+            held[p] += t
+    return [out[shard] for shard in sorted(out)]
