@@ -101,6 +101,11 @@ class Oracle(Anchored):
         self.more_checks = more_checks
         self.collectives = Collectives(rank=rank, world_size=world_size)
         self.replicas = {name: copy.deepcopy(unwrap(m)) for name, m in models.items()}
+        if mesh is not None and mesh.size("tp") > 1:
+            from harness.wrappers.mesh import split_like_tensor_parallel
+
+            for replica in self.replicas.values():
+                split_like_tensor_parallel(replica, mesh.size("tp"))
         self._require_equal_on_every_rank()
         self.models = forward_as(self.replicas, precision, wrapper=wrapper, reduce=reduce)
         self.params = {name: dict(r.named_parameters()) for name, r in self.replicas.items()}

@@ -158,16 +158,14 @@ def verify(mesh: Shape, device_mesh: Any) -> None:
                            f"{mesh.describe()} as the harness expects")
 
 
-def tensor_parallel(model: Any, device_mesh: Any) -> None:
-    """Shard ``model`` over the mesh's ``tp`` dimension before accelerate prepares it, as a user does
-    ("Model should undergo tensor parallel before passing it to accelerate"): in each module, a
-    ``Linear`` whose output feeds the next ``Linear`` (in_features == out_features) column-wise, that
-    next one row-wise (Megatron's MLP split); every other parameter is left for accelerate, which
-    replicates it over ``tp``. A model with no such pair has nothing to shard: ValueError."""
+def tensor_parallel_plan(model: Any) -> dict[str, str]:
+    """Which Linear layers of ``model`` tensor parallelism shards, and how (``colwise``, ``rowwise``):
+    in each module, a ``Linear`` whose output feeds the next ``Linear`` (in_features == out_features,
+    even) column-wise, that next one row-wise (Megatron's MLP split). Every other parameter is left
+    for accelerate, which replicates it over ``tp``."""
     from torch import nn
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    plan: dict[str, Any] = {}
+    plan: dict[str, str] = {}
     for parent_name, parent in model.named_modules():
         linears = [(n, m) for n, m in parent.named_children() if isinstance(m, nn.Linear)]
         index = 0
@@ -175,14 +173,59 @@ def tensor_parallel(model: Any, device_mesh: Any) -> None:
             (first, a), (second, b) = linears[index], linears[index + 1]
             if a.out_features == b.in_features and a.out_features % 2 == 0:
                 prefix = f"{parent_name}." if parent_name else ""
-                plan[prefix + first], plan[prefix + second] = ColwiseParallel(), RowwiseParallel()
+                plan[prefix + first], plan[prefix + second] = "colwise", "rowwise"
                 index += 2
             else:
                 index += 1
-    if not plan:
-        raise ValueError(f"mesh=tp: {type(model).__name__} has no pair of Linear layers to shard over tp")
-    parallelize_module(model, device_mesh["tp"], plan)
+    return plan
 
+
+def tensor_parallel(model: Any, device_mesh: Any) -> None:
+    """Shard ``model`` over the mesh's ``tp`` dimension (``tensor_parallel_plan``) before accelerate
+    prepares it, as a user does ("Model should undergo tensor parallel before passing it to
+    accelerate"). A model with nothing to shard cannot run under mesh=tp: SkipCell."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = tensor_parallel_plan(model)
+    if not plan:
+        raise SkipCell(f"mesh=tp: {type(model).__name__} has no pair of Linear layers to shard over tp")
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    parallelize_module(model, device_mesh["tp"], {name: styles[style]() for name, style in plan.items()})
+
+
+def split_like_tensor_parallel(replica: Any, parts: int) -> None:
+    """Make the oracle's ``replica`` (unsharded) compute its tensor-parallel layers as ``parts`` ranks
+    do, so that its rounding is theirs (each layer's forward replaced on the instance; the parameters
+    and their names are untouched):
+
+    - column-wise: each rank's rows of the weight (and bias) applied to the whole input, the outputs
+      side by side (``ColwiseParallel``: Shard(0) weight, Replicate input);
+    - row-wise: each rank's columns of the weight applied to its slice of the input, with the bias
+      divided by ``parts`` on every rank (DTensor makes a Replicate bias Partial so to add it to a
+      Partial product), the partial outputs then summed (the all-reduce of ``RowwiseParallel``'s
+      Partial output). At two ranks the sum's order does not matter; the backward's sums of two
+      partial gradients neither."""
+    import functools
+
+    import torch
+    from torch.nn import functional
+
+    def colwise(module: Any, x: Any) -> Any:
+        weights = module.weight.chunk(parts, 0)
+        biases = module.bias.chunk(parts, 0) if module.bias is not None else [None] * parts
+        return torch.cat([functional.linear(x, w, b) for w, b in zip(weights, biases)], dim=-1)
+
+    def rowwise(module: Any, x: Any) -> Any:
+        bias = module.bias / parts if module.bias is not None else None
+        outputs = [functional.linear(xk, wk, bias) for xk, wk in zip(x.chunk(parts, -1), module.weight.chunk(parts, 1))]
+        total = outputs[0]
+        for out in outputs[1:]:
+            total = total + out
+        return total
+
+    for name, style in tensor_parallel_plan(replica).items():
+        module = replica.get_submodule(name)
+        module.forward = functools.partial(colwise if style == "colwise" else rowwise, module)
 
 
 def tensor_parallel_all(objects: Any, device_mesh: Any) -> None:
