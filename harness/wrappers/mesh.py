@@ -211,13 +211,15 @@ def split_like_tensor_parallel(replica: Any, parts: int) -> None:
     from torch.nn import functional
 
     def colwise(module: Any, x: Any) -> Any:
-        weights = module.weight.chunk(parts, 0)
+        weights = [w.contiguous() for w in module.weight.chunk(parts, 0)]
         biases = module.bias.chunk(parts, 0) if module.bias is not None else [None] * parts
         return torch.cat([functional.linear(x, w, b) for w, b in zip(weights, biases)], dim=-1)
 
     def rowwise(module: Any, x: Any) -> Any:
         bias = module.bias / parts if module.bias is not None else None
-        outputs = [functional.linear(xk, wk, bias) for xk, wk in zip(x.chunk(parts, -1), module.weight.chunk(parts, 1))]
+        # each rank's slice is a tensor of its own (contiguous), as the kernels see it there
+        outputs = [functional.linear(xk.contiguous(), wk.contiguous(), bias)
+                   for xk, wk in zip(x.chunk(parts, -1), module.weight.chunk(parts, 1))]
         total = outputs[0]
         for out in outputs[1:]:
             total = total + out
