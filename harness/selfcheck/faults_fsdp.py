@@ -9,6 +9,7 @@ then shows between sync points) give it away.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any, Iterator
 
 from harness.selfcheck.planted import Fault, _patched, register
@@ -79,6 +80,62 @@ def _fsdp1_no_sync_noop(rank: int) -> Iterator[None]:
         yield
 
 
+def _is_hsdp(module: Any) -> bool:
+    """Whether an FSDP2 module reduces over a replicate dimension too (HSDP): its parameter group
+    all-reduces the reduce-scattered shard over a second process group."""
+    try:
+        group = module._get_fsdp_state()._fsdp_param_group
+        return group is not None and group._all_reduce_process_group is not None
+    except (AttributeError, AssertionError):
+        return False
+
+
+@contextlib.contextmanager
+def _hsdp_replicate_last_only(rank: int) -> Iterator[None]:
+    # Under HSDP, no_sync defers only the replicate all-reduce (FSDPModule.set_requires_all_reduce,
+    # the optimisation torchtitan PR #4505 and VeOmni PR #781 make): every micro-batch is
+    # reduce-scattered and kept as a partial shard; at the sync the all-reduce is given the last
+    # micro-batch's shard alone, the earlier ones dropped: the bug class of pytorch PR #125484's
+    # warning and Megatron-LM PR #7186 ("only the last microbatch's gradient reaches the optimizer").
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    original_sync, original_reduce = FSDPModule.set_requires_gradient_sync, _fsdp_param_group.foreach_reduce
+
+    def set_requires_gradient_sync(self: Any, requires_gradient_sync: bool, *args: Any, **kwargs: Any) -> None:
+        if not _is_hsdp(self):
+            return original_sync(self, requires_gradient_sync, *args, **kwargs)
+        original_sync(self, True, *args, **kwargs)
+        self.set_requires_all_reduce(requires_gradient_sync, *args, **kwargs)
+
+    def foreach_reduce(*args: Any, **kwargs: Any) -> Any:
+        bound = inspect.signature(original_reduce).bind(*args, **kwargs)
+        if bound.arguments.get("all_reduce_grads"):
+            bound.arguments["partial_reduce_output"] = None
+        return original_reduce(*bound.args, **bound.kwargs)
+
+    with _patched(FSDPModule, "set_requires_gradient_sync", set_requires_gradient_sync), \
+            _patched(_fsdp_param_group, "foreach_reduce", foreach_reduce):
+        yield
+
+
+@contextlib.contextmanager
+def _hsdp_replicate_never(rank: int) -> Iterator[None]:
+    # Under HSDP the replicate all-reduce stays off after the window (set_requires_all_reduce(False)
+    # never undone): every rank's shard is averaged over its dp_shard group only.
+    from torch.distributed.fsdp import FSDPModule
+
+    original = FSDPModule.set_requires_gradient_sync
+
+    def set_requires_gradient_sync(self: Any, requires_gradient_sync: bool, *args: Any, **kwargs: Any) -> None:
+        original(self, requires_gradient_sync, *args, **kwargs)
+        if _is_hsdp(self):
+            self.set_requires_all_reduce(False, *args, **kwargs)
+
+    with _patched(FSDPModule, "set_requires_gradient_sync", set_requires_gradient_sync):
+        yield
+
+
 register(Fault("fsdp2_no_sync_noop", "FSDP2's set_requires_gradient_sync(False) does nothing (accelerate before "
                "1.11.0: no_sync a no-op under FSDP2)", _fsdp2_no_sync_noop, wrappers=("fsdp2",)))
 register(Fault("fsdp2_reduce_sums", "FSDP2 reduce-scatters the gradients without dividing by the world size",
@@ -87,3 +144,8 @@ register(Fault("fsdp2_reduce_in_param_dtype", "FSDP2 reduce-scatters in bf16 alt
                "(pytorch #190626)", _fsdp2_reduce_in_param_dtype, wrappers=("fsdp2",), needs="reduce=fp32"))
 register(Fault("fsdp1_no_sync_noop", "FullyShardedDataParallel.no_sync does nothing (FSDP1 syncs every micro-batch)",
                _fsdp1_no_sync_noop, wrappers=("fsdp1",)))
+register(Fault("hsdp_replicate_last_only", "under HSDP no_sync defers only the replicate all-reduce, which at the sync "
+               "gets the last micro-batch's shard alone (Megatron-LM PR #7186's shape)", _hsdp_replicate_last_only,
+               wrappers=("fsdp2",), needs="mesh=hsdp"))
+register(Fault("hsdp_replicate_never", "under HSDP the replicate all-reduce never runs: each shard is averaged over "
+               "its dp_shard group only", _hsdp_replicate_never, wrappers=("fsdp2",), needs="mesh=hsdp"))
