@@ -62,7 +62,7 @@ def add_diff_parser(subparsers: argparse._SubParsersAction) -> None:
             "ran, inside the selection it ran), then the improvements, then other status changes,\n"
             "then the cells present in only one file, then a count line. The world sizes CANDIDATE\n"
             "ran are those it records and those of its cells. A CANDIDATE that ran a narrower\n"
-            "selection (-k, -m, paths, --world-sizes, --wrappers; its environment's 'selection')\n"
+            "selection (-k, -m, paths, --world-sizes, --wrappers, --meshes; its environment's 'selection')\n"
             "has the BASE cells it did not select counted as 'not selected', not as regressions.\n"
             "Runs are labelled by the accelerate version they recorded, else by file name."
         ),

@@ -55,6 +55,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="the wrappers cells train under: a comma list of ddp, fsdp2, fsdp1, deepspeed-z1, "
                          "deepspeed-z2, deepspeed-z3 (each at every variant it applies to), or auto: ddp at "
                          "every variant and every other wrapper at each case's lead variants. Default: auto.")
+    group.addoption("--meshes", default="auto", metavar="LIST",
+                    help="the device meshes FSDP2 cells also run on, at world sizes of 4 and more: a comma "
+                         "list of hsdp, tp, cp, or none, or auto: each case's own. Default: auto.")
     from harness.selfcheck.faults import FAULTS, PERTURBATION_FORMS  # no torch: the patches import it in the ranks
 
     group.addoption("--harness-fault", default=None, metavar="NAME",
@@ -154,6 +157,8 @@ class HarnessState:
             "world_sizes": list(self.settings.world_sizes),
             "wrappers": self.settings.wrappers if isinstance(self.settings.wrappers, str)
             else ",".join(self.settings.wrappers),
+            "meshes": self.settings.meshes if isinstance(self.settings.meshes, str)
+            else ",".join(self.settings.meshes) or "none",
             "seed": self.settings.seed,
         }
         if self.settings.fault is not None:  # a matrix made under an injected fault must say so
@@ -205,6 +210,7 @@ def pytest_configure(config: pytest.Config) -> None:
             seed=config.getoption("seed"),
             fault=config.getoption("harness_fault"),
             wrappers=config.getoption("wrappers"),
+            meshes=config.getoption("meshes"),
             gpu_count=0 if launch is not None else None,
         )
         if launch is not None:
@@ -261,7 +267,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if info is None:
         return
     settings = metafunc.config.stash[SETTINGS]
-    variants = cell_variants(info.variants, info.wrappers, settings.wrappers, info.meshes)
+    variants = cell_variants(info.variants, info.wrappers, settings.wrappers,
+                             info.meshes if settings.meshes == "auto" else [m for m in info.meshes if m in settings.meshes])
     params = [(info, variant, ws) for variant in variants for ws in settings.world_sizes]
     metafunc.parametrize(
         "harness_cell", params, ids=[cell_id(v.name, ws) for _, v, ws in params], indirect=True

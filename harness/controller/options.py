@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from harness.wrappers.names import parse as parse_wrappers
+from harness.wrappers.names import parse_meshes
 
 BACKENDS = ("auto", "gloo", "nccl")
 DEFAULT_CASE_TIMEOUT_S = 120.0
@@ -39,6 +40,8 @@ class Settings:
     relaunch: tuple[str, ...] = ()
     # the wrappers cells run under (--wrappers): "auto" or names (harness/wrappers/names.py)
     wrappers: tuple[str, ...] | str = "auto"
+    # the meshes FSDP2 cells also run on (--meshes): "auto" (each case's own) or names, () for none
+    meshes: tuple[str, ...] | str = "auto"
 
 
 def parse_world_sizes(text: str) -> tuple[int, ...] | None:
@@ -116,7 +119,7 @@ def count_gpus() -> int:
 
 def resolve(
     *, world_sizes: str, backend: str, report_dir: str, case_timeout: str | float, seed: str | int,
-    gpu_count: int | None = None, fault: str | None = None, wrappers: str = "auto",
+    gpu_count: int | None = None, fault: str | None = None, wrappers: str = "auto", meshes: str = "auto",
 ) -> Settings:
     """Validate every option and resolve ``auto``: nccl when every rank can have its own GPU."""
     sizes = parse_world_sizes(world_sizes)
@@ -127,6 +130,10 @@ def resolve(
         wrapper_selection = parse_wrappers(wrappers)
     except ValueError as exc:
         raise OptionError(f"--wrappers: {exc}") from None
+    try:
+        mesh_selection = parse_meshes(meshes)
+    except ValueError as exc:
+        raise OptionError(f"--meshes: {exc}") from None
     gpus = count_gpus() if gpu_count is None else gpu_count
     if backend == "auto":
         wanted = max(sizes) if sizes else 1
@@ -146,4 +153,5 @@ def resolve(
         gpu_count=gpus,
         fault=fault,
         wrappers=wrapper_selection,
+        meshes=mesh_selection,
     )

@@ -32,7 +32,7 @@ class MatrixDiff:
     ``vanished`` holds the base cells that held (pass or detected) and are missing from the
     candidate at a world size the candidate ran and inside its selection: regressions of their own
     kind. ``not_selected`` holds the base cells the candidate's selection left out (``-k``, ``-m``,
-    paths, ``--world-sizes``, ``--wrappers``; its environment's ``selection``): not compared. Other
+    paths, ``--world-sizes``, ``--wrappers``, ``--meshes``; its environment's ``selection``): not compared. Other
     base cells the candidate lacks are in ``only_in_base``.
     """
 

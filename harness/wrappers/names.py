@@ -64,3 +64,17 @@ def parse(value: str) -> tuple[str, ...] | str:
     if unknown:
         raise ValueError(f"unknown wrapper {unknown[0]!r}; known: {', '.join(WRAPPERS)} (or {AUTO!r})")
     return tuple(n for n in WRAPPERS if n in names)
+
+
+def parse_meshes(value: str) -> tuple[str, ...] | str:
+    """``--meshes``: ``auto`` (each case's own, ``@case(meshes=...)``), ``none``, or a comma list of
+    mesh names; ValueError names what is wrong."""
+    value = value.strip()
+    if value in (AUTO, "none"):
+        return AUTO if value == AUTO else ()
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    unknown = [n for n in names if n not in MESHES]
+    if unknown or not names:
+        raise ValueError(f"unknown mesh {unknown[0]!r}; known: {', '.join(MESHES)} (or {AUTO!r}, 'none')" if unknown
+                         else f"expected {AUTO!r}, 'none' or a comma list of {', '.join(MESHES)}; got {value!r}")
+    return tuple(n for n in MESHES if n in names)
