@@ -227,10 +227,10 @@ QUICK_MODULES = {
     "test_faults", "test_fp16", "test_launch", "test_layout", "test_matrix_input", "test_matrix_page", "test_merge",
     "test_options", "test_oracle", "test_progress", "test_report", "test_schedule", "test_selfcheck", "test_sweep",
     "test_timeline", "test_tokens", "test_unchecked", "test_verdict", "test_versions", "test_workflow",
-    "test_wrappers",
+    "test_wrappers", "test_mesh",
 }
 SLOW_FIXTURES = {"run_pytest", "left_out_run", "perturbed_run", "browser", "planted", "fault_cells", "token_cells", "agents_run", "pool_run",
-                 "faults_run", "faults_session", "two_ranks", "runner", "installed"}
+                 "faults_run", "faults_session", "two_ranks", "runner", "installed", "mesh_cells"}
 NOT_QUICK = {
     "test_a_raise_is_an_error_naming_rank_and_host_and_the_launch_goes_on",
     "test_a_rank_that_dies_is_an_error_and_every_later_cell_is_not_run",
@@ -254,6 +254,8 @@ NOT_QUICK = {
     "test_a_file_that_imports_the_harness_has_the_fork_server_started_as_it_is_collected",
     "test_a_rank_is_compared_with_its_own_shard_of_the_full_tensor_even_when_the_split_is_uneven",
     "test_the_flight_recorder_sees_ddp_reduce_in_a_synced_backward_only",
+    "test_an_hsdp_replicate_reduction_that_misses_micro_batches_or_never_runs_fails",
+    "test_two_agents_of_two_processes_make_a_two_by_two_mesh",
 }
 
 
@@ -268,7 +270,7 @@ def is_quick(item) -> bool:
 # prints), run first: the xdist workers take files in collection order, and a long file taken last
 # would leave the other worker idle at the end.
 LONGEST_FILES = ("test_launch.py", "test_plugin.py", "test_selfcheck.py", "test_example.py", "test_wrappers.py",
-                 "test_parallel.py", "test_rank_faults.py", "test_matrix_input.py")
+                 "test_parallel.py", "test_mesh.py", "test_rank_faults.py", "test_matrix_input.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -371,12 +371,12 @@ class Oracle(Anchored):
             # rank's norm sums the squares in another order (its shards, then across the ranks), which
             # rounds the coefficient apart by up to norm_rounding (harness/rank/closeness.py), where it clips
             carried = float(torch.linalg.vector_norm(flat(self.allowed[name].values()), norm_type))
-            self.norms[name] = ClipNorm(norm, carried, sum(g.numel() for g in before.values()),
-                                        next(iter(ps.values())).grad.dtype)
+            # the gradients' dtype: of any that has one (a check may have adopted a rank that held none)
+            dtype = next((p.grad.dtype for p in ps.values() if p.grad is not None), next(iter(ps.values())).dtype)
+            self.norms[name] = ClipNorm(norm, carried, sum(g.numel() for g in before.values()), dtype)
             relative = carried / norm if norm > 0 else 0.0
             if coefficient < 1.0:
-                relative += norm_rounding(sum(g.numel() for g in before.values()),
-                                          next(iter(ps.values())).grad.dtype)
+                relative += norm_rounding(sum(g.numel() for g in before.values()), dtype)
             for pname, magnitude in before.items():
                 grad = ps[pname].grad
                 self.allowed[name][pname] = (

@@ -121,18 +121,18 @@ def _hsdp_replicate_last_only(rank: int) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _hsdp_replicate_never(rank: int) -> Iterator[None]:
-    # Under HSDP the replicate all-reduce stays off after the window (set_requires_all_reduce(False)
-    # never undone): every rank's shard is averaged over its dp_shard group only.
-    from torch.distributed.fsdp import FSDPModule
+    # Under HSDP the replicate all-reduce never runs (FSDP2 reduces as if its mesh had no replicate
+    # dimension): every rank's shard is the average over its dp_shard group only.
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
-    original = FSDPModule.set_requires_gradient_sync
+    original = _fsdp_param_group.foreach_reduce
 
-    def set_requires_gradient_sync(self: Any, requires_gradient_sync: bool, *args: Any, **kwargs: Any) -> None:
-        original(self, requires_gradient_sync, *args, **kwargs)
-        if _is_hsdp(self):
-            self.set_requires_all_reduce(False, *args, **kwargs)
+    def foreach_reduce(*args: Any, **kwargs: Any) -> Any:
+        bound = inspect.signature(original).bind(*args, **kwargs)
+        bound.arguments["all_reduce_group"] = None
+        return original(*bound.args, **bound.kwargs)
 
-    with _patched(FSDPModule, "set_requires_gradient_sync", set_requires_gradient_sync):
+    with _patched(_fsdp_param_group, "foreach_reduce", foreach_reduce):
         yield
 
 
