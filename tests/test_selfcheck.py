@@ -71,9 +71,10 @@ EXPECTED_DIAGNOSES = {
 
 
 def test_every_registered_fault_has_an_expected_diagnosis():
-    # a DeepSpeed fault is tested where deepspeed is installed (tests/test_deepspeed.py)
+    # a DeepSpeed fault is tested where deepspeed is installed (tests/test_deepspeed.py), a mesh's on
+    # a pool of four ranks (tests/test_mesh.py)
     assert set(EXPECTED_DIAGNOSES) == {name for name, fault in selfcheck.FAULTS.items()
-                                       if not set(fault.wrappers) & set(DEEPSPEED)}
+                                       if not set(fault.wrappers) & set(DEEPSPEED) and not fault.needs.startswith("mesh=")}
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +179,12 @@ def test_default_variants_are_the_first_fp32_one_of_each_case_and_wrapper(catalo
     with_bf16 = [c for c in catalogue if any(v.params.get("precision") == "bf16" for v in c.info.variants)]
     assert len(deepspeed_bf16) == sum(sum(w.startswith("deepspeed") for w in c.info.wrappers) for c in with_bf16)
     assert len(accumulated) == sum("deepspeed-z1" in c.info.wrappers for c in with_bf16)
-    targets = [t for t in every if t not in reduced and t not in deepspeed_bf16 and t not in accumulated]
+    # and the first mesh=hsdp one of each case that runs on it, the path of the HSDP faults (world size 4)
+    meshed = [t for t in every if "mesh" in t.variant.params]
+    assert {(t.wrapper, t.precision, t.variant.params["mesh"]) for t in meshed} == {("fsdp2", "fp32", "hsdp")}
+    assert len(meshed) == sum("hsdp" in c.info.meshes for c in catalogue)
+    targets = [t for t in every if t not in reduced and t not in deepspeed_bf16 and t not in accumulated
+               and t not in meshed]
     assert len(targets) == sum(len(c.info.wrappers) for c in catalogue)
     assert all(t.precision == "fp32" for t in targets)
     # not compiled, unless the case has compiled variants only (the compiled-trigger canary, compile_ddp)

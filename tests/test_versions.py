@@ -101,7 +101,7 @@ def test_without_transformers_its_cells_skip_and_say_so(tmp_path):
     shadow.mkdir(parents=True)
     (shadow / "__init__.py").write_text('raise ImportError("transformers is hidden by this test")\n')
     process, _ = start_pytest(["cases/test_trainer.py", "cases/test_token_loss.py", "-k", "trainer or transformers",
-                               "--world-sizes", "1"], tmp_path / "reports",
+                               "--world-sizes", "1", "--meshes", "none"], tmp_path / "reports",
                               PYTHONPATH=f"{shadow.parent}{os.pathsep}{ROOT}")
     stdout, _ = process.communicate(timeout=600)
     cells = json.loads((tmp_path / "reports" / "matrix.json").read_text())["cells"]
