@@ -241,14 +241,16 @@ class Collectives:
         return {k: Expectation(averages[k], allowances[k]) for k in tensors}
 
     def staged_average(self, tensors: Mapping[Hashable, torch.Tensor], dtype: torch.dtype,
-                       stages: Sequence[Callable[[int], list[int]]]) -> dict[Hashable, Expectation]:
+                       stages: Sequence[Callable[[int], list[int]]],
+                       segments: Mapping[Hashable, torch.Tensor] | None = None) -> dict[Hashable, Expectation]:
         """The average of ``tensors`` as a reduction in stages over a mesh makes it (FSDP2's HSDP: a
         reduce-scatter over the shard dimension, then an all-reduce over the replicate one), each
-        stage a ReduceOp.AVG in ``dtype`` over groups of at most two ranks (``stages[s](rank)``: the
-        group of ``rank`` at stage s). A sum of two rounds once, whichever comes first, and halving is
-        exact: every rank's result is reproduced bit for bit from every rank's values (one
-        all-gather), leaving nothing to allow but the floor. ValueError for a group of three or more,
-        whose order this does not know."""
+        stage a ReduceOp.AVG in ``dtype`` (``stages[s](rank)``: the group of ``rank`` at stage s, in
+        rank order). A sum of two rounds once, whichever comes first, and halving is exact; a group of
+        more ranks sums each element in its ring segment's order (``segments``, per element, for the
+        first stage: a reduce-scatter on gloo, ``_ring_sum``). Every rank's result is reproduced bit
+        for bit from every rank's values (one all-gather), leaving nothing to allow but the floor.
+        ValueError for a group of three or more without segments, or past the first stage."""
         mine = flat(t.detach() for t in tensors.values())
         low = mine.to(dtype)
         every = [torch.empty_like(low) for _ in range(self.world_size)]
@@ -256,11 +258,14 @@ class Collectives:
             dist.all_gather(every, low)
         else:
             every = [low]
-        for stage in stages:
+        segment = flat(segments.values()) if segments is not None else None
+        for index, stage in enumerate(stages):
             groups = [stage(r) for r in range(self.world_size)]
-            if any(len(g) > 2 for g in groups):
-                raise ValueError(f"a stage over {max(len(g) for g in groups)} ranks")
-            every = [(every[g[0]] + every[g[1]]) / 2 if len(g) == 2 else every[g[0]] for g in groups]
+            if any(len(g) > 2 for g in groups) and (index > 0 or segment is None):
+                raise ValueError(f"a stage over {max(len(g) for g in groups)} ranks, in an order not given")
+            every = [(every[g[0]] + every[g[1]]) / 2 if len(g) == 2
+                     else _ring_sum([every[m] for m in g], segment, dtype) / len(g) if len(g) > 2
+                     else every[g[0]] for g in groups]
         average = every[self.rank].to(mine.dtype)
         allowed = torch.full(mine.shape, floor(dtype), dtype=torch.float64)
         averages, allowances = pieces(average, tensors), pieces(allowed, tensors)

@@ -141,7 +141,8 @@ class ShardedReduce:
         if self.mesh is not None and not self._one_world_group():
             staged, why = self._mesh_stages()
             if staged is not None:
-                averaged = self.collectives.staged_average(pending, self.reduce_dtype, staged)
+                stages, segments = staged
+                averaged = self.collectives.staged_average(pending, self.reduce_dtype, stages, segments)
                 self.clear()
                 return averaged, ""  # type: ignore[return-value]
             [averaged] = self.collectives.reduce_all([Reduction(pending, summed_in=self.reduce_dtype)])
@@ -167,23 +168,68 @@ class ShardedReduce:
         return mesh.size("dp_replicate") == 1 and mesh.size("tp") == 1 and \
             mesh.peers(0, ("dp_shard", "cp")) == list(range(self.world_size))
 
-    def _mesh_stages(self) -> tuple[list[Any] | None, str]:
+    def _mesh_stages(self) -> tuple[tuple[list[Any], dict[Hashable, torch.Tensor] | None] | None, str]:
         """FSDP2 over a mesh reduces in stages: a reduce-scatter over its shard group (accelerate's
         ``dp_shard_cp``: the ranks differing in dp_shard and cp), then, under HSDP, an all-reduce of
         the shard over the ``dp_replicate`` group, each with ReduceOp.AVG (torch's
         ``foreach_reduce``); tensor-parallel peers each reduce their own slice. Each stage's group, by
-        rank, where every group has at most two ranks (the order of two adds does not matter); else
-        None and why the order is not known."""
+        rank, and where the shard group has more than two ranks each element's ring segment in its
+        reduce-scatter (``_mesh_segments``); else None and why the order is not known."""
         mesh = self.mesh
         why = sharding.fsdp2_reduce_op(self.reduce_dtype)
         if why:
             return None, why
-        stages = [lambda r: mesh.peers(r, ("dp_shard", "cp")), lambda r: mesh.peers(r, ("dp_replicate",))]
-        widest = max(len(stage(r)) for stage in stages for r in range(self.world_size))
-        if widest > 2:
-            return None, (f"FSDP2 over mesh={mesh.name} ({mesh.describe()}) reduces over groups of {widest} ranks, "
-                          "whose order the oracle does not reproduce on a mesh")
-        return stages, ""
+
+        def shard(r: int) -> list[int]:
+            return mesh.peers(r, ("dp_shard", "cp"))
+
+        def replicate(r: int) -> list[int]:
+            return mesh.peers(r, ("dp_replicate",))
+
+        if mesh.size("dp_replicate") > 2:
+            return None, (f"FSDP2 over mesh={mesh.name} ({mesh.describe()}) all-reduces over {mesh.size('dp_replicate')} "
+                          "replicas, in an order the oracle does not reproduce")
+        segments = None
+        width = len(shard(self.collectives.rank))
+        if width > 2:
+            why = ring_order_holds(self.world_size, self.reduce_dtype)
+            if why:
+                return None, why
+            segments = self._mesh_segments(width)
+            if isinstance(segments, str):
+                return None, segments
+        return ([shard, replicate], segments), ""
+
+    def _mesh_segments(self, width: int) -> dict[Hashable, torch.Tensor] | str:
+        """Each pending element's ring segment in FSDP2's reduce-scatter over a shard group of
+        ``width`` ranks: FSDP2's layout (``ring_segments``) of the tensors it reduces, which under
+        ``tp`` are this rank's tensor-parallel slices (harness/wrappers/mesh.py's plan: column-wise
+        rows, row-wise weight columns), mapped back to the elements of the whole gradient; elements of
+        other slices are not this rank's and stay 0. A string says why where the layout cannot be read."""
+        from harness.wrappers.mesh import tensor_parallel_plan
+
+        mesh, rank = self.mesh, self.collectives.rank
+        parts, part = mesh.size("tp"), mesh.coordinate(rank)["tp"]
+        segments: dict[Hashable, torch.Tensor] = {(n, p): torch.zeros(t.numel(), dtype=torch.long)
+                                                  for n, ps in self.pending.items() for p, t in ps.items()}
+        for name, model in self.models.items():
+            groups = sharding.fsdp2_reduce_groups(model)
+            if not groups:
+                return f"FSDP2's parameter groups of {name!r} could not be read"
+            plan = tensor_parallel_plan(unwrap(model)) if parts > 1 else {}
+            for group in groups:
+                taking_part = [pname for pname in group if (name, pname) in self.taking_part]
+                places = []
+                for pname in taking_part:
+                    full = self.pending[name][pname]
+                    module, kind = pname.rpartition(".")[::2]
+                    style = plan.get(module)
+                    dim = 0 if style == "colwise" else 1 if style == "rowwise" and kind == "weight" else None
+                    index = torch.arange(full.numel()).view(full.shape)
+                    places.append(index if dim is None else index.chunk(parts, dim)[part].contiguous())
+                for pname, place, segment in zip(taking_part, places, ring_segments([p.shape for p in places], width)):
+                    segments[(name, pname)][place.reshape(-1)] = segment
+        return segments
 
     def _layout(self) -> tuple[tuple[dict[Hashable, torch.Tensor], float, float | None] | None, str]:
         """Each pending element's ring segment and the divide factors before and after the sum (None:
