@@ -46,11 +46,16 @@ WEIGHED_UNITS = {"tokens": "token mean", "micro-batches": "mean of the micro-bat
 
 
 def mismatch_text(*, what: str, where: str, kind: str, factor: float | None, diff: Difference,
-                  weights: Sequence[float] | None = None, unit: str = "tokens") -> str:
+                  weights: Sequence[float] | None = None, unit: str = "tokens",
+                  shards: Sequence[Sequence[int]] | None = None) -> str:
     """The assert_close-style block for one mismatch, headed by where and what; a misweighted one
-    after a sync names every rank's weight, and what its weights weigh (``unit``: WEIGHED_UNITS)."""
+    after a sync names every rank's weight (under a mesh every data shard's, with the ranks that draw
+    it: ``shards``), and what its weights weigh (``unit``: WEIGHED_UNITS)."""
     text = KIND_TEXT[kind].format(factor=factor or 0.0, unit=unit, mean=WEIGHED_UNITS[unit])
-    if weights is not None and len(weights) > 1:
+    if weights is not None and len(weights) > 1 and shards is not None and len(shards) == len(weights):
+        text += " (weights by data shard: " + ", ".join(
+            f"{w:.6g} (ranks {', '.join(map(str, ranks))})" for w, ranks in zip(weights, shards)) + ")"
+    elif weights is not None and len(weights) > 1:
         text += " (weights by rank: " + ", ".join(f"{w:.6g}" for w in weights) + ")"
     share = 100.0 * diff.mismatched / max(diff.numel, 1)
     return (

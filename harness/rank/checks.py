@@ -114,10 +114,12 @@ def make_failure(
     noun: str | None = None,
     weights: list[float] | None = None,
     unit: str = "tokens",
+    shards: list[list[int]] | None = None,
 ) -> Failure:
     """A failure of a gradient check (``checked="grad"``) or a parameter check (``"param"``), where
     ``diff`` compared the gradients or the updates; ``noun`` names what was compared otherwise;
-    ``weights``: a misweighted gradient's fitted weights (by rank, after a sync)."""
+    ``weights``: a misweighted gradient's fitted weights (by rank, after a sync; under a mesh by data
+    shard, ``shards`` the ranks of each)."""
     noun = noun or ("gradient of" if checked == "grad" else "update of parameter")
     what = f"{noun} '{model}.{param}'"
     return Failure(
@@ -136,7 +138,7 @@ def make_failure(
         atol=diff.allowed_abs,
         rtol=diff.allowed_rel if math.isfinite(diff.allowed_rel) else 1e308,
         message=text.mismatch_text(what=what, where=f"on rank {rank} at {where}", kind=kind, factor=factor, diff=diff,
-                                   weights=weights, unit=unit),
+                                   weights=weights, unit=unit, shards=shards),
     )
 
 
@@ -257,9 +259,10 @@ class Checks:
                 failed = True
                 weights = reweighing.weights if reweighing and kind is FailureKind.MISWEIGHTED else None
                 unit = "tokens" if oracle.weighting.tokens is not None else "micro-batches"
+                shards = None if oracle.mesh is None else oracle.mesh.shard_ranks()
                 self.recorder.add(make_failure(rank=self.rank, step=index, where=at, model=name, param=pname,
                                                checked="grad", kind=kind, factor=factor, diff=diff, weights=weights,
-                                               unit=unit))
+                                               unit=unit, shards=shards))
             oracle.adopt_grads(name, grads)
             if failed:
                 oracle.restart_window(name, grads)

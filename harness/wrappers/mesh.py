@@ -97,6 +97,10 @@ class Shape:
         """How many different batches the ranks draw at each step (accelerate's dataloader)."""
         return self.size("dp_replicate") * self.size("dp_shard")
 
+    def shard_ranks(self) -> list[list[int]]:
+        """The ranks that draw each data shard, by shard."""
+        return [[r for r in range(self.world_size) if self.data_index(r) == i] for i in range(self.data_shards)]
+
     def data_index(self, rank: int) -> int:
         """The data shard ``rank`` draws: tensor- and context-parallel peers draw the same."""
         return rank // (self.size("cp") * self.size("tp"))
