@@ -148,7 +148,7 @@ def test_a_rank_is_compared_with_its_own_shard_of_the_full_tensor_even_when_the_
 def test_fsdp_cells_pass_shard_by_shard_with_their_collectives_checked(run_pytest):
     session = run_pytest("cases/test_fused_loss.py", "cases/test_no_sync.py", "cases/test_accumulate.py",
                          "-k", "test_fused_loss or test_no_sync or test_accumulate[", "--wrappers", "fsdp2,fsdp1",
-                         "--world-sizes", "1,2", "-q", timeout=900)
+                         "--world-sizes", "1,2", "--meshes", "none", "-q", timeout=900)
     assert session.returncode == 0, session.stdout[-3000:]
     cells = session.cells()
     run = {k: c for k, c in cells.items() if k[2] == 2}
@@ -169,7 +169,7 @@ def test_fsdp2_bf16_is_the_wrappers_arithmetic_exactly_and_a_1e_5_error_fails_it
     reducing in fp32: the oracle computes in bf16 from the fp32 masters, accumulates in the reduce
     dtype and sums the ranks in gloo's ring order (odd chunks at 3 ranks), so nothing differs."""
     session = run_pytest("cases/test_fused_loss.py", "cases/test_accumulate.py", "-k", "bf16",
-                         "--wrappers", "fsdp2", "--world-sizes", "2,3", "-q", timeout=900)
+                         "--wrappers", "fsdp2", "--world-sizes", "2,3", "--meshes", "none", "-q", timeout=900)
     bf16 = {k: c for k, c in session.cells().items() if k[0] in ("fused_loss", "accumulate")}
     assert {k[1] for k in bf16} >= {"bf16-wrapper=fsdp2", "bf16-reduce=fp32-wrapper=fsdp2",
                                     "steps=3-bf16-wrapper=fsdp2", "steps=3-bf16-reduce=fp32-wrapper=fsdp2"}
