@@ -151,6 +151,7 @@ def after_construction(mesh: Shape, accelerator: Any) -> None:
 
 
 def verify(mesh: Shape, device_mesh: Any) -> None:
+    """WrongWrapper unless ``device_mesh`` has the mesh's dimensions and its ranks laid out row-major."""
     names = tuple(getattr(device_mesh, "mesh_dim_names", None) or ())
     expected_names = tuple(d for d, _ in mesh.active)
     if names != expected_names:
