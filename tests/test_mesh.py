@@ -187,3 +187,17 @@ def test_two_agents_of_two_processes_make_a_two_by_two_mesh(tmp_path):
         "steps=2-fp32-mesh=hsdp-wrapper=fsdp2": "pass", "steps=2-fp32-mesh=cp-wrapper=fsdp2": "pass"}
     environment = run.matrix["environment"]
     assert (environment["nodes"], environment["processes_per_node"], environment["meshes"]) == (2, 2, "hsdp,cp")
+
+
+def test_accelerate_asking_importlib_for_a_missing_transformers_is_accelerates_refusal():
+    """accelerate 1.10 to 1.12 read transformers' version through importlib.metadata in their
+    tensor-parallel prepare: without transformers the exception is raised in Python's own library,
+    for accelerate, and the tp cell is ``unsupported`` naming it (it was an ``error``)."""
+    from harness.wrappers.prepare import _raised_in
+
+    namespace: dict = {}
+    exec(compile("import importlib.metadata\ndef prepare():\n    importlib.metadata.version('no-such-package-x1')\n",
+                 "/venv/lib/python3.11/site-packages/accelerate/accelerator.py", "exec"), namespace)
+    with pytest.raises(ImportError) as raised:
+        namespace["prepare"]()
+    assert _raised_in(raised.value) == "accelerate"

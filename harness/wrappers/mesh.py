@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from harness.decorator import SkipCell
+from harness.decorator import SkipCell, Unsupported
 from harness.wrappers.names import MESHES, WrongWrapper
 
 # accelerate's order of mesh dimensions (ParallelismConfig._get_mesh), the slowest-varying first
@@ -131,7 +131,13 @@ def accelerator_kwargs(mesh: Shape, *, device_type: str) -> dict[str, Any]:
 
     config_class = probe.require(accelerate.utils, "ParallelismConfig", "accelerate.utils.ParallelismConfig")
     probe.require_parameter(accelerate.Accelerator, "parallelism_config", "Accelerator(parallelism_config=...)")
-    config = config_class(**{f"{d}_size": n for d, n in mesh.sizes if n > 1})
+    sizes = {f"{d}_size": n for d, n in mesh.sizes if n > 1}
+    try:
+        config = config_class(**sizes)
+    except ImportError as exc:  # accelerate 1.10 to 1.12: tp_size needs transformers (its version read at once)
+        spelled = ", ".join(f"{k}={v}" for k, v in sizes.items())
+        raise Unsupported(f"ParallelismConfig({spelled})",
+                          f"accelerate {accelerate.__version__} raised {type(exc).__name__}: {exc}") from None
     if device_type == "cpu":
         deferred = config._validate_accelerator
         config._validate_accelerator = lambda accelerator: None  # an instance attribute: the class is untouched

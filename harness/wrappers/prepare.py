@@ -303,8 +303,15 @@ def refusal(wrapper: str, exc: BaseException) -> Unsupported | None:
 def _raised_in(exc: BaseException, *, skipping: str = "") -> str:
     """The package (``accelerate``, ``deepspeed``, ``torch``, ...) of the innermost frame that raised
     ``exc``, passing over frames of ``skipping`` (an attribute lookup that torch's ``Module``
-    answers is raised there for its caller); "" when none is a package's."""
+    answers is raised there for its caller) and of Python's own library (accelerate 1.10 to 1.12 ask
+    ``importlib.metadata`` for transformers' version, which raises there for accelerate); "" when none
+    is a package's."""
+    import sysconfig
+
+    stdlib = sysconfig.get_paths()["stdlib"].replace("\\", "/").rstrip("/") + "/"
     for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if frame.filename.replace("\\", "/").startswith(stdlib) and "-packages/" not in frame.filename:
+            continue
         parts = frame.filename.replace("\\", "/").split("/")
         if "site-packages" in parts or "dist-packages" in parts:
             index = max(i for i, p in enumerate(parts) if p in ("site-packages", "dist-packages"))
