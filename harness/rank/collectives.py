@@ -157,6 +157,15 @@ def ring_order_holds(world_size: int, dtype: torch.dtype, *, average: bool = Tru
     return _ORDER_HOLDS[key]
 
 
+def _reproduced(total: torch.Tensor, mine: torch.Tensor, tensors: Mapping[Hashable, torch.Tensor],
+                dtype: torch.dtype) -> dict[Hashable, Expectation]:
+    """A reduction the oracle reproduced (``total``, flat, in ``dtype``), cut back into ``tensors``'
+    shapes in ``mine``'s dtype, each element allowed nothing but ``dtype``'s floor."""
+    allowed = torch.full(mine.shape, floor(dtype), dtype=torch.float64)
+    averages, allowances = pieces(total.to(mine.dtype), tensors), pieces(allowed, tensors)
+    return {k: Expectation(averages[k], allowances[k]) for k in tensors}
+
+
 class Collectives:
     """One oracle's collectives on one rank."""
 
@@ -225,20 +234,12 @@ class Collectives:
         low = mine.to(dtype)
         if pre > 1:
             low = low / pre
-        every = [torch.empty_like(low) for _ in range(self.world_size)]
-        if self.world_size > 1:
-            dist.all_gather(every, low)
-        else:
-            every = [low]
-        total = _ring_sum(every, flat(segments.values()), dtype)
+        total = _ring_sum(self._every(low), flat(segments.values()), dtype)
         if post_scales:
             total = (total.float() * torch.tensor(1.0 / post, dtype=torch.float32)).to(dtype)
         elif post > 1:
             total = total / post
-        average = total.to(mine.dtype)
-        allowed = torch.full(mine.shape, floor(dtype), dtype=torch.float64)
-        averages, allowances = pieces(average, tensors), pieces(allowed, tensors)
-        return {k: Expectation(averages[k], allowances[k]) for k in tensors}
+        return _reproduced(total, mine, tensors, dtype)
 
     def staged_average(self, tensors: Mapping[Hashable, torch.Tensor], dtype: torch.dtype,
                        stages: Sequence[Callable[[int], list[int]]],
@@ -252,12 +253,7 @@ class Collectives:
         for bit from every rank's values (one all-gather), leaving nothing to allow but the floor.
         ValueError for a group of three or more without segments, or past the first stage."""
         mine = flat(t.detach() for t in tensors.values())
-        low = mine.to(dtype)
-        every = [torch.empty_like(low) for _ in range(self.world_size)]
-        if self.world_size > 1:
-            dist.all_gather(every, low)
-        else:
-            every = [low]
+        every = self._every(mine.to(dtype))
         segment = flat(segments.values()) if segments is not None else None
         for index, stage in enumerate(stages):
             groups = [stage(r) for r in range(self.world_size)]
@@ -266,10 +262,15 @@ class Collectives:
             every = [(every[g[0]] + every[g[1]]) / 2 if len(g) == 2
                      else _ring_sum([every[m] for m in g], segment, dtype) / len(g) if len(g) > 2
                      else every[g[0]] for g in groups]
-        average = every[self.rank].to(mine.dtype)
-        allowed = torch.full(mine.shape, floor(dtype), dtype=torch.float64)
-        averages, allowances = pieces(average, tensors), pieces(allowed, tensors)
-        return {k: Expectation(averages[k], allowances[k]) for k in tensors}
+        return _reproduced(every[self.rank], mine, tensors, dtype)
+
+    def _every(self, low: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``low``, by rank (one all-gather)."""
+        if self.world_size < 2:
+            return [low]
+        every = [torch.empty_like(low) for _ in range(self.world_size)]
+        dist.all_gather(every, low)
+        return every
 
     def later(self, tensors: Mapping[Hashable, torch.Tensor],
               deliver: Callable[[dict[Hashable, torch.Tensor]], None], *, wait: bool) -> None:

@@ -138,35 +138,24 @@ class ShardedReduce:
 
     def _reduce(self) -> tuple[dict[Key, Expectation], str]:
         pending: dict[Hashable, torch.Tensor] = {(n, p): t for n, ps in self.pending.items() for p, t in ps.items()}
-        if self.mesh is not None and not self._one_world_group():
+        averaged = None
+        if self.mesh is not None:
             staged, why = self._mesh_stages()
             if staged is not None:
                 stages, segments = staged
                 averaged = self.collectives.staged_average(pending, self.reduce_dtype, stages, segments)
-                self.clear()
-                return averaged, ""  # type: ignore[return-value]
-            [averaged] = self.collectives.reduce_all([Reduction(pending, summed_in=self.reduce_dtype)])
-            self.clear()
-            return averaged, (f"the {DTYPE_NAMES.get(self.reduce_dtype, self.reduce_dtype)} reduction is judged "  # type: ignore[return-value]
-                              f"within its rounding bound: {why}")
-        layout, why = self._layout()
-        if layout is not None:
-            segments, pre, post = layout
-            averaged = self.collectives.ring_average(pending, segments, self.reduce_dtype, pre=pre, post=post,
-                                                     post_scales=self.bf16_optimizer)
         else:
+            layout, why = self._layout()
+            if layout is not None:
+                segments, pre, post = layout
+                averaged = self.collectives.ring_average(pending, segments, self.reduce_dtype, pre=pre, post=post,
+                                                         post_scales=self.bf16_optimizer)
+        if averaged is None:
             [averaged] = self.collectives.reduce_all([Reduction(pending, summed_in=self.reduce_dtype)])
             why = (f"the {DTYPE_NAMES.get(self.reduce_dtype, self.reduce_dtype)} reduction is judged "
                    f"within its rounding bound: {why}")
         self.clear()
         return averaged, why  # type: ignore[return-value]
-
-    def _one_world_group(self) -> bool:
-        """Whether FSDP2 over the mesh reduce-scatters over every rank at once, in rank order, and no
-        more (mesh=cp: dp_shard x cp flattened), as it does with no mesh: then its layout applies."""
-        mesh = self.mesh
-        return mesh.size("dp_replicate") == 1 and mesh.size("tp") == 1 and \
-            mesh.peers(0, ("dp_shard", "cp")) == list(range(self.world_size))
 
     def _mesh_stages(self) -> tuple[tuple[list[Any], dict[Hashable, torch.Tensor] | None] | None, str]:
         """FSDP2 over a mesh reduces in stages: a reduce-scatter over its shard group (accelerate's
@@ -174,7 +163,7 @@ class ShardedReduce:
         the shard over the ``dp_replicate`` group, each with ReduceOp.AVG (torch's
         ``foreach_reduce``); tensor-parallel peers each reduce their own slice. Each stage's group, by
         rank, and where the shard group has more than two ranks each element's ring segment in its
-        reduce-scatter (``_mesh_segments``); else None and why the order is not known."""
+        reduce-scatter (``_fsdp2_segments``); else None and why the order is not known."""
         mesh = self.mesh
         why = sharding.fsdp2_reduce_op(self.reduce_dtype)
         if why:
@@ -195,21 +184,22 @@ class ShardedReduce:
             why = ring_order_holds(self.world_size, self.reduce_dtype)
             if why:
                 return None, why
-            segments = self._mesh_segments(width)
+            segments = self._fsdp2_segments(width)
             if isinstance(segments, str):
                 return None, segments
         return ([shard, replicate], segments), ""
 
-    def _mesh_segments(self, width: int) -> dict[Hashable, torch.Tensor] | str:
-        """Each pending element's ring segment in FSDP2's reduce-scatter over a shard group of
-        ``width`` ranks: FSDP2's layout (``ring_segments``) of the tensors it reduces, which under
-        ``tp`` are this rank's tensor-parallel slices (harness/wrappers/mesh.py's plan: column-wise
-        rows, row-wise weight columns), mapped back to the elements of the whole gradient; elements of
-        other slices are not this rank's and stay 0. A string says why where the layout cannot be read."""
+    def _fsdp2_segments(self, width: int) -> dict[Hashable, torch.Tensor] | str:
+        """Each pending element's ring segment in FSDP2's reduce-scatter over a group of ``width``
+        ranks: FSDP2's layout (``ring_segments``) of the gradients taking part, by parameter group;
+        under a mesh's ``tp`` those are this rank's tensor-parallel slices (harness/wrappers/mesh.py's
+        plan: column-wise rows, row-wise weight columns), mapped back to the elements of the whole
+        gradient, elements of other slices staying 0 (not this rank's). A string says why where the
+        layout cannot be read."""
         from harness.wrappers.mesh import tensor_parallel_plan
 
-        mesh, rank = self.mesh, self.collectives.rank
-        parts, part = mesh.size("tp"), mesh.coordinate(rank)["tp"]
+        mesh = self.mesh
+        parts, part = (mesh.size("tp"), mesh.coordinate(self.collectives.rank)["tp"]) if mesh is not None else (1, 0)
         segments: dict[Hashable, torch.Tensor] = {(n, p): torch.zeros(t.numel(), dtype=torch.long)
                                                   for n, ps in self.pending.items() for p, t in ps.items()}
         for name, model in self.models.items():
@@ -243,16 +233,8 @@ class ShardedReduce:
                 self.world_size, self.reduce_dtype)
             if why:
                 return None, why
-            for name, model in self.models.items():
-                groups = sharding.fsdp2_reduce_groups(model)
-                if not groups:
-                    return None, f"FSDP2's parameter groups of {name!r} could not be read"
-                for group in groups:
-                    taking_part = [pname for pname in group if (name, pname) in self.taking_part]
-                    sizes = [self.pending[name][pname].shape for pname in taking_part]
-                    for pname, segment in zip(taking_part, ring_segments(sizes, self.world_size)):
-                        segments[(name, pname)] = segment
-            return (segments, 1.0, None), ""
+            fsdp2 = self._fsdp2_segments(self.world_size)
+            return (None, fsdp2) if isinstance(fsdp2, str) else ((fsdp2, 1.0, None), "")
         factors: set[tuple[float, float]] = set()
         for name, model in self.models.items():
             layout = sharding.fsdp1_reduce_layout(unwrap(model))
