@@ -234,20 +234,26 @@ def _issued_since(entries: list[dict[str, Any]] | None, started_ns: int) -> Back
     return Backward(reductions=reductions, complete=complete, groups=[_group_ranks(e.get("process_group")) for e in counted])
 
 
+# Each process group's ranks by the name records give it: a group's name is never reused in a process
+_GROUP_RANKS: dict[str, tuple[int, ...]] = {}
+
+
 def _group_ranks(process_group: Any) -> tuple[int, ...] | None:
     """The global ranks of the process group a record names (``(name, description)``), from
-    torch.distributed's own registry of groups; None where it is not there."""
+    torch.distributed's own registry of groups (read again only for a name not seen yet); None
+    where it is not there."""
     try:
-        import torch.distributed as dist
-        from torch.distributed.distributed_c10d import _world
-
         name = str(process_group[0])
-        for group, group_name in _world.pg_names.items():
-            if group_name == name:
-                return tuple(dist.get_process_group_ranks(group))
+        if name not in _GROUP_RANKS:
+            import torch.distributed as dist
+            from torch.distributed.distributed_c10d import _world
+
+            for group, group_name in _world.pg_names.items():
+                if str(group_name) == name:
+                    _GROUP_RANKS[name] = tuple(dist.get_process_group_ranks(group))
     except Exception:  # noqa: BLE001 - another torch's private registry: the group stays unnamed
         return None
-    return None
+    return _GROUP_RANKS.get(name)
 
 
 @dataclass(frozen=True)
