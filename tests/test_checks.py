@@ -2,8 +2,8 @@
 
 import torch
 
-from harness.rank.checks import make_failure
 from harness.rank.closeness import Expectation, difference
+from harness.rank.recorder import make_failure
 
 
 def exact(values):

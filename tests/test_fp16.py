@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.rank.checks import Recorder
 from harness.rank.models import make_model, regression_loss
 from harness.rank.oracle import Oracle
+from harness.rank.recorder import Recorder
 from harness.rank.schedule import accumulation_schedule
 
 

@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 from distributed import run_on_ranks
 
-from harness.rank.checks import Recorder
 from harness.rank.models import make_model, regression_loss
 from harness.rank.oracle import Oracle
+from harness.rank.recorder import Recorder
 from harness.rank.replica import MixedPrecisionReplica
 from harness.rank.schedule import accumulation_schedule
 

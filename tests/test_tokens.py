@@ -12,11 +12,11 @@ from distributed import run_on_ranks
 
 from harness import catalogue as case_catalogue
 from harness.decorator import Diagnosis, Variant
-from harness.rank.checks import Recorder
 from harness.rank.closeness import Expectation, rounding_allowance
 from harness.rank.diagnosis import Hypotheses, diagnose, fitted_weights
 from harness.rank.models import TinyLM, derive_seed, seeded
 from harness.rank.oracle import Oracle
+from harness.rank.recorder import Recorder
 from harness.rank.tokens import IGNORE_INDEX, TokenDataset, pad_tokens, token_loss_sum, valid_tokens
 from harness.rank.weighting import token_seeds
 from harness.records import FailureKind, Status

@@ -1,5 +1,6 @@
 """How a rank's state is judged against the oracle: the checks a case calls, the diagnosis of a
-mismatch, the failures recorded, and the oracle anchored to the rank's real state afterwards.
+mismatch (the failures go to the rank's ``Recorder``, harness/rank/recorder.py), and the oracle
+anchored to the rank's real state afterwards.
 
 After every check the oracle carries on from the state the rank is really in (its parameters, and
 its gradients after a gradient check), so each check judges only the arithmetic since the last
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
@@ -30,10 +31,10 @@ from harness.rank.closeness import (
     rounding_allowance,
 )
 from harness.rank.diagnosis import Hypotheses, Reweighing, diagnose
+from harness.rank.recorder import Recorder, make_failure, mark_point, where
 from harness.rank.replica import AUTOCAST_DTYPES
 from harness.rank.schedule import MicroStep
 from harness.records import Failure, FailureKind
-from harness.timeline import TimelineRecorder
 from harness.wrappers.names import REDUCES_EVERY_MICRO_BATCH
 from harness.wrappers.observed import Observed
 from harness.wrappers.prepare import verify
@@ -42,104 +43,9 @@ from harness.wrappers.sharding import observe, tensor_parallel_share
 if TYPE_CHECKING:
     from harness.rank.oracle import Oracle
 
-# Failures kept per rank; the rest are counted. The first ones in step order say the most.
-MAX_FAILURES = 64
-
-
-@dataclass
-class Recorder:
-    """Failures and check counts of one rank in one cell."""
-
-    rank: int
-    failures: list[Failure] = field(default_factory=list)
-    omitted: int = 0
-    checks: int = 0  # every comparison: gradients, parameters, flags, learning rates
-    grad_checks: int = 0
-    vacuous_checks: int = 0  # gradient checks where synced and local could not be told apart
-    comm_checks: int = 0  # backwards whose collectives were judged (harness/rank/accounting.py)
-    max_abs_diff: float = 0.0
-    # the checks that could not run here, by name, each with its reason (docs/upgrade-checks.md):
-    # recorded where one would have run, so that the cell says so
-    unchecked: dict[str, str] = field(default_factory=dict)
-    timeline: TimelineRecorder = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.timeline = TimelineRecorder(rank=self.rank)
-
-    def add(self, failure: Failure) -> None:
-        self.timeline.mark(failure.step, failure.checked, failure.kind)
-        if len(self.failures) < MAX_FAILURES:
-            self.failures.append(failure)
-        else:
-            self.omitted += 1
-
-    def observe(self, max_abs: float) -> None:
-        self.max_abs_diff = max(self.max_abs_diff, max_abs)
-
-
 def as_optimizers(value: Any) -> tuple[Any, ...]:
     """One optimizer, or a list or tuple of them, as a tuple."""
     return tuple(value) if isinstance(value, (list, tuple)) else (value,)
-
-
-def where(step: MicroStep | int) -> tuple[int, str]:
-    """A failure's step number and the words for where it is."""
-    if isinstance(step, MicroStep):
-        return step.index, step.where()
-    return step, f"step {step}"
-
-
-def mark_point(recorder: Recorder, step: MicroStep | int, *, sync: bool | None = None,
-               optimizer_step: bool | None = None) -> None:
-    """The schedule's micro-step for the timeline: all of it from a MicroStep, else what the oracle
-    knows at this check (the last backward's sync, whether the optimizer was due)."""
-    if isinstance(step, MicroStep):
-        recorder.timeline.at(step.index, epoch=step.epoch, batch=step.batch, sync=step.sync,
-                             optimizer_step=step.optimizer_step)
-    else:
-        recorder.timeline.at(step, sync=sync, optimizer_step=optimizer_step)
-
-
-def make_failure(
-    *,
-    rank: int,
-    step: int,
-    where: str,
-    model: str,
-    param: str,
-    checked: str,
-    kind: FailureKind,
-    factor: float | None,
-    diff: Difference,
-    noun: str | None = None,
-    weights: list[float] | None = None,
-    unit: str = "tokens",
-    shards: list[list[int]] | None = None,
-) -> Failure:
-    """A failure of a gradient check (``checked="grad"``) or a parameter check (``"param"``), where
-    ``diff`` compared the gradients or the updates; ``noun`` names what was compared otherwise;
-    ``weights``: a misweighted gradient's fitted weights (by rank, after a sync; under a mesh by data
-    shard, ``shards`` the ranks of each)."""
-    noun = noun or ("gradient of" if checked == "grad" else "update of parameter")
-    what = f"{noun} '{model}.{param}'"
-    return Failure(
-        rank=rank,
-        step=step,
-        model=model,
-        param=param,
-        kind=kind,
-        max_abs_diff=diff.max_abs,
-        max_rel_diff=diff.max_rel if math.isfinite(diff.max_rel) else 1e308,
-        index=list(diff.max_abs_index),
-        checked=checked,
-        factor=factor,
-        mismatched=diff.mismatched,
-        numel=diff.numel,
-        atol=diff.allowed_abs,
-        rtol=diff.allowed_rel if math.isfinite(diff.allowed_rel) else 1e308,
-        message=text.mismatch_text(what=what, where=f"on rank {rank} at {where}", kind=kind, factor=factor, diff=diff,
-                                   weights=weights, unit=unit, shards=shards),
-    )
 
 
 def _grad_or_zeros(observed: Observed, pname: str) -> torch.Tensor:

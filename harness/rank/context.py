@@ -13,10 +13,10 @@ from torch import nn
 from harness import wording as text
 from harness.decorator import SkipCell
 from harness.rank.accounting import Accounting
-from harness.rank.checks import Recorder
 from harness.rank.models import derive_seed, seeded
 from harness.rank.oracle import ModelOptimizers, OptimizerFactory, Oracle, SchedulerFactory
 from harness.rank.rank_data import RankData
+from harness.rank.recorder import Recorder
 from harness.rank.schedule import (
     MicroStep,
     accumulation_schedule,

@@ -12,9 +12,10 @@ from torch import nn
 from harness.decorator import ALL_PRECISIONS
 from harness.rank.accounting import Accounting
 from harness.rank.anchoring import Anchored
-from harness.rank.checks import Checks, ClipNorm, Recorder, as_optimizers
+from harness.rank.checks import Checks, ClipNorm, as_optimizers
 from harness.rank.closeness import Expectation, norm_rounding, rounding_allowance
 from harness.rank.collectives import Collectives, Reduction, flat
+from harness.rank.recorder import Recorder
 from harness.rank.replica import AUTOCAST_DTYPES, SHARDED_MIXED, autocast_of, forward_as, unsharded_grads, unwrap
 from harness.rank.schedule import MicroStep
 from harness.rank.sharded_reduce import ShardedReduce

@@ -1,0 +1,107 @@
+"""What one rank records in one cell: its failures (each with the message a user reads first) and
+its check counts, and the marks of its timeline; harness/rank/checks.py judges, this keeps."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from harness import wording as text
+from harness.rank.closeness import Difference
+from harness.rank.schedule import MicroStep
+from harness.records import Failure, FailureKind
+from harness.timeline import TimelineRecorder
+
+# Failures kept per rank; the rest are counted. The first ones in step order say the most.
+MAX_FAILURES = 64
+
+
+@dataclass
+class Recorder:
+    """Failures and check counts of one rank in one cell."""
+
+    rank: int
+    failures: list[Failure] = field(default_factory=list)
+    omitted: int = 0
+    checks: int = 0  # every comparison: gradients, parameters, flags, learning rates
+    grad_checks: int = 0
+    vacuous_checks: int = 0  # gradient checks where synced and local could not be told apart
+    comm_checks: int = 0  # backwards whose collectives were judged (harness/rank/accounting.py)
+    max_abs_diff: float = 0.0
+    # the checks that could not run here, by name, each with its reason (docs/upgrade-checks.md):
+    # recorded where one would have run, so that the cell says so
+    unchecked: dict[str, str] = field(default_factory=dict)
+    timeline: TimelineRecorder = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.timeline = TimelineRecorder(rank=self.rank)
+
+    def add(self, failure: Failure) -> None:
+        self.timeline.mark(failure.step, failure.checked, failure.kind)
+        if len(self.failures) < MAX_FAILURES:
+            self.failures.append(failure)
+        else:
+            self.omitted += 1
+
+    def observe(self, max_abs: float) -> None:
+        self.max_abs_diff = max(self.max_abs_diff, max_abs)
+
+
+def where(step: MicroStep | int) -> tuple[int, str]:
+    """A failure's step number and the words for where it is."""
+    if isinstance(step, MicroStep):
+        return step.index, step.where()
+    return step, f"step {step}"
+
+
+def mark_point(recorder: Recorder, step: MicroStep | int, *, sync: bool | None = None,
+               optimizer_step: bool | None = None) -> None:
+    """The schedule's micro-step for the timeline: all of it from a MicroStep, else what the oracle
+    knows at this check (the last backward's sync, whether the optimizer was due)."""
+    if isinstance(step, MicroStep):
+        recorder.timeline.at(step.index, epoch=step.epoch, batch=step.batch, sync=step.sync,
+                             optimizer_step=step.optimizer_step)
+    else:
+        recorder.timeline.at(step, sync=sync, optimizer_step=optimizer_step)
+
+
+def make_failure(
+    *,
+    rank: int,
+    step: int,
+    where: str,
+    model: str,
+    param: str,
+    checked: str,
+    kind: FailureKind,
+    factor: float | None,
+    diff: Difference,
+    noun: str | None = None,
+    weights: list[float] | None = None,
+    unit: str = "tokens",
+    shards: list[list[int]] | None = None,
+) -> Failure:
+    """A failure of a gradient check (``checked="grad"``) or a parameter check (``"param"``), where
+    ``diff`` compared the gradients or the updates; ``noun`` names what was compared otherwise;
+    ``weights``: a misweighted gradient's fitted weights (by rank, after a sync; under a mesh by data
+    shard, ``shards`` the ranks of each)."""
+    noun = noun or ("gradient of" if checked == "grad" else "update of parameter")
+    what = f"{noun} '{model}.{param}'"
+    return Failure(
+        rank=rank,
+        step=step,
+        model=model,
+        param=param,
+        kind=kind,
+        max_abs_diff=diff.max_abs,
+        max_rel_diff=diff.max_rel if math.isfinite(diff.max_rel) else 1e308,
+        index=list(diff.max_abs_index),
+        checked=checked,
+        factor=factor,
+        mismatched=diff.mismatched,
+        numel=diff.numel,
+        atol=diff.allowed_abs,
+        rtol=diff.allowed_rel if math.isfinite(diff.allowed_rel) else 1e308,
+        message=text.mismatch_text(what=what, where=f"on rank {rank} at {where}", kind=kind, factor=factor, diff=diff,
+                                   weights=weights, unit=unit, shards=shards),
+    )
