@@ -134,9 +134,10 @@ class Anchored:
         ``optimizers`` is one optimizer or several, in the order of the oracle's for that model."""
         for mine, theirs in zip(self.optimizers.get(name, ()), as_optimizers(optimizers)):
             state = theirs.state_dict()
-            if not isinstance(state, dict) or set(state) != {"state", "param_groups"}:
-                # not a torch optimizer's state (DeepSpeed's ZeRO optimizer keeps its own flat
-                # partitions): there is nothing to adopt, and later steps are judged against the
+            if not isinstance(state, dict) or set(state) != {"state", "param_groups"} or not _same_shapes(mine, state):
+                # not a torch optimizer's state of whole tensors (DeepSpeed's ZeRO optimizer keeps its
+                # own flat partitions; FSDP2's moments are DTensor shards, FSDP1's of its flat
+                # parameters): there is nothing to adopt, and later steps are judged against the
                 # oracle's own state
                 continue
             mine.load_state_dict(copy.deepcopy(state))
@@ -145,3 +146,18 @@ class Anchored:
         """The parameters were checked: the next check judges the next optimizer step."""
         self.before_step = None
         self.stepped = False
+
+
+def _same_shapes(mine: torch.optim.Optimizer, state: dict[str, Any]) -> bool:
+    """Whether every tensor of the state another optimizer saved is a plain tensor of the shape of the
+    parameter it belongs to in ``mine`` (or a scalar, a step count): what ``load_state_dict`` can take."""
+    params = [p for group in mine.param_groups for p in group["params"]]
+    for index, entries in state["state"].items():
+        if not isinstance(index, int) or index >= len(params):
+            return False
+        for value in entries.values():
+            if type(value).__name__ == "DTensor":
+                return False
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != params[index].shape:
+                return False
+    return True

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, ContextManager, Hashable, Iterable, Iterator, Mapping
+from typing import Any, Callable, ContextManager, Hashable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -22,6 +22,7 @@ from harness.rank.schedule import (
     accumulation_schedule,
     window_lengths,
 )
+from harness.rank.watch import LoopRefused, Watch
 from harness.records import Failure, FailureKind
 from harness.wrappers import prepare as wrappers
 from harness.wrappers import probe
@@ -89,6 +90,7 @@ class RankContext(RankData):
         self.recorder = Recorder(rank=rank)
         self.accounting = Accounting()
         self.accumulation: Accumulation | None = None
+        self._made: Any = None  # the last Accelerator ctx.accelerator made
         self._scaler_kwargs: dict[str, Any] = {}
         self._oracles: list[Oracle] = []
         self._last_point = 0  # the last micro-step of the schedules made here
@@ -153,6 +155,7 @@ class RankContext(RankData):
                       "(it runs fp16 mixed precision on an accelerator device only)")
         wrappers.after_construction(self.wrapper, accelerator, kwargs, self.mesh)
         self.accounting.watch(accelerator)
+        self._made = accelerator
         return accelerator
 
     def _no_deepspeed_here(self, exc: Exception) -> None:
@@ -222,6 +225,13 @@ class RankContext(RankData):
         really had, as one batch of all of them would give, so a short last window weighs its samples
         as a full one does; the windows come from the schedule the case iterates with ``epochs`` or
         ``windows``, and a window weighed otherwise is ``misweighted``, with the weights."""
+        return self._oracle(models, num_steps=self._given_once("num_steps", num_steps, self._accumulation().num_steps),
+                            optimizer=optimizer, optimizers=optimizers, scheduler=scheduler,
+                            scheduler_steps=scheduler_steps, contract=contract, replay_rng=self.replay_rng)
+
+    def _oracle(self, models: Mapping[str, nn.Module], *, num_steps: int, replay_rng: Any, **options: Any) -> Oracle:
+        """The oracle of ``oracle`` and ``watch``: the accumulation steps resolved, and the RNG replay
+        of the case's forwards (``replay_rng`` keys, or the watch's states of the loop's)."""
         scaler = self._scaler_kwargs if self.precision == "fp16" else None
         oracle = Oracle(
             models,
@@ -229,23 +239,69 @@ class RankContext(RankData):
             rank=self.rank,
             world_size=self.world_size,
             precision=self.precision,
-            num_steps=self._given_once("num_steps", num_steps, self._accumulation().num_steps),
-            optimizer=optimizer,
-            optimizers=optimizers,
-            scheduler=scheduler,
-            scheduler_steps=scheduler_steps,
-            replay_rng=self.replay_rng,
+            num_steps=num_steps,
+            replay_rng=replay_rng,
             scaler_kwargs=scaler,
             wrapper=self.wrapper,
             **self._dtype_policy,
             accounting=self.accounting,
             more_checks=self._more_checks,
-            contract=contract,
             window_length=self._current_window_length,
             mesh=self.mesh,
+            **options,
         )
         self._oracles.append(oracle)
         return oracle
+
+    def watch(
+        self,
+        accelerator: Any,
+        models: nn.Module | Mapping[str, nn.Module],
+        *,
+        loss: Callable[[Any, Any], torch.Tensor],
+        optimizers: ModelOptimizers | Mapping[str, ModelOptimizers] | None = None,
+        optimizer: OptimizerFactory | Mapping[str, OptimizerFactory] | None = None,
+        scheduler: SchedulerFactory | None = None,
+        scheduler_steps: int = 1,
+        clip_grad_norm: float | None = None,
+        num_steps: int | None = None,
+        contract: str = "accelerate",
+    ) -> Watch:
+        """Check a training loop as it is: ``with ctx.watch(accelerator, model, loss=loss_fn, ...):``
+        around the call of your own training function, which gets ``accelerator`` (and ``model``) and
+        prepares, iterates, backs and steps as it always does (harness/rank/watch.py).
+
+        The specification: ``loss(model, batch)`` (with several models, ``loss(models_by_name, batch)``):
+        the loss of one micro-batch, before any division by the accumulation steps, computed by the
+        oracle on its replicas from a copy of each batch the loop drew; ``optimizers``/``optimizer``,
+        ``scheduler``, ``scheduler_steps`` and ``contract`` as for ``oracle``; ``clip_grad_norm``: the
+        norm the gradients are clipped to before each optimizer step (the loop's
+        ``accelerator.clip_grad_norm_`` is then checked too; a loop that clips without it is refused);
+        ``num_steps``: for a loop that accumulates by hand (``no_sync``) under an Accelerator of one
+        step, the micro-batches of its windows (otherwise the Accelerator's). The dropout of the
+        loop's forwards is replayed for the oracle's without ``replay_rng``.
+
+        Call it with the models as ``model`` built them, before anything is prepared. What cannot be
+        inferred from the loop's calls is refused in one line (``LoopRefused``): a backward with no
+        batch drawn from a prepared dataloader, batches taken ahead of their backward, a second
+        Accelerator, a model or optimizer the specification does not name."""
+        if accelerator is not self._made or self.accumulation is None:
+            raise LoopRefused("ctx.watch: give it the Accelerator ctx.accelerator(...) made (the harness watches "
+                              "what each backward issues, and the cell's wrapper and precision are set there)")
+        if any(getattr(accelerator, f"_{kind}", None) for kind in ("models", "optimizers", "dataloaders")):
+            raise LoopRefused("ctx.watch: the Accelerator has prepared objects already; call ctx.watch before "
+                              "accelerator.prepare (the oracle's replicas are copies of the models as built)")
+        named = {"model": models} if isinstance(models, nn.Module) else dict(models)
+        configured = self.accumulation.num_steps
+        if num_steps is not None and configured != 1:
+            self._given_once("num_steps", num_steps, configured)
+        steps = configured if num_steps is None else num_steps
+        watch = Watch(self, accelerator, named, loss=loss, clip_grad_norm=clip_grad_norm,
+                      scheduler=scheduler is not None, num_steps=steps)
+        watch.oracle = self._oracle(named, num_steps=steps, optimizer=optimizer, optimizers=optimizers,
+                                    scheduler=scheduler, scheduler_steps=scheduler_steps, contract=contract,
+                                    replay_rng=watch.replay)
+        return watch
 
     def _current_window_length(self) -> int:
         """The micro-batches of the window of the micro-step ``epochs`` last gave the case."""

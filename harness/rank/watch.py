@@ -1,0 +1,485 @@
+"""A training loop checked as it is: ``ctx.watch(accelerator, models, loss=...)`` around the user's
+own training function (docs/writing-a-case.md#a-loop-as-it-is-ctxwatch).
+
+The loop gets the case's Accelerator, instrumented on this instance only (the class and every other
+Accelerator are untouched), and the objects it prepares: the prepared dataloaders' batches say which
+micro-batch each ``accelerator.backward`` belongs to, and the micro-step the accumulation contract
+gives it (the schedule, from the loader's length); ``accumulate`` says where the loop reads
+``sync_gradients``; ``clip_grad_norm_`` where it clips and what norm it got. The oracle runs the
+specification's loss on its replicas from a copy of the very batch the loop drew, under the RNG state
+the loop's forward ran under (dropout draws the same masks), and every backward and every micro-step's
+parameters are checked with the same checks as a hand-written case. What the watch cannot infer from
+these calls is refused in one line (``LoopRefused``) that says what to give instead.
+
+What a sync really did is not read from ``no_sync`` or ``trigger_sync_in_backward``: the collectives
+each backward issued are counted (harness/rank/accounting.py), and the gradients judged; nor are the
+optimizers' ``step`` and ``zero_grad`` counted: their effect on every parameter is judged at every
+micro-step, which a step that changes nothing (an optimizer without gradients) does not fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from harness import wording as text
+from harness.rank.replica import unwrap
+from harness.rank.schedule import MicroStep, accumulation_schedule, window_lengths
+from harness.records import Failure, FailureKind
+
+if TYPE_CHECKING:
+    from harness.rank.context import RankContext
+    from harness.rank.oracle import Oracle
+
+# the Accelerator's methods that prepare objects; each call's results are adopted once it returns
+PREPARE = ("prepare", "prepare_model", "prepare_data_loader", "prepare_optimizer", "prepare_scheduler")
+# the attribute a watched dataloader carries its watch in
+WATCH_ATTRIBUTE = "_gradsync_watch"
+
+
+class LoopRefused(ValueError):
+    """What the watch cannot infer from the loop's calls: one line, with what to give instead."""
+
+
+@dataclass
+class _Loader:
+    """One dataloader the loop prepared, as the watch follows it."""
+
+    number: int  # 1-based, in the order the loop prepared them
+    expected: int  # the batches each rank's prepared loader must yield per epoch (the contract)
+    epochs: int = 0  # iterations begun
+    seen: int = 0  # batches drawn in the current iteration
+    pending: int = 0  # batches drawn since the last backward
+    batch: Any = None  # a copy of the last batch drawn, as drawn
+    rng: Any = None  # the RNG state when it was drawn (the loop's forward runs under it)
+    trained: bool = False  # a backward has taken one of its batches
+
+    def name(self) -> str:
+        return f"prepared dataloader {self.number}"
+
+
+class Watch:
+    """The oracle and the checks of one case's loop, run from the calls the loop makes anyway.
+    Made by ``RankContext.watch``; a context manager around the loop."""
+
+    def __init__(
+        self,
+        ctx: RankContext,
+        accelerator: Any,
+        models: Mapping[str, nn.Module],
+        *,
+        loss: Callable[[Any, Any], torch.Tensor],
+        clip_grad_norm: float | None,
+        scheduler: bool,
+        num_steps: int,
+    ) -> None:
+        self.ctx = ctx
+        self.accelerator = accelerator
+        self.oracle: Oracle  # made by RankContext.watch with this watch's replay of the loop's RNG
+        self.originals = dict(models)
+        self.prepared: dict[str, nn.Module] = {}
+        self.optimizers: dict[str, list[Any]] = {name: [] for name in models}
+        self.loss = loss
+        self.clip = clip_grad_norm
+        self.check_lr = scheduler
+        accumulation = ctx._accumulation()
+        self.contract = dict(num_steps=num_steps, sync_with_dataloader=accumulation.sync_with_dataloader,
+                             sync_each_batch=accumulation.sync_each_batch)
+        self.loaders: dict[int, _Loader] = {}  # by id of the prepared loader
+        self.last_drawn: _Loader | None = None
+        self.drawn_since_backward: list[_Loader] = []
+        self.training: _Loader | None = None  # the loader whose batches the backwards take
+        self.unsettled: MicroStep | None = None  # backed, its optimizer step and parameters not yet judged
+        self.clipped = False  # the oracle clipped this window
+        self.backwards = 0
+        self.accumulating = 0  # depth of accelerator.accumulate(...) blocks open
+        self.stopped = ""  # why the watch stopped checking (the schedule failed): the rest passes through
+        self.rng_states: dict[int, Any] = {}
+        self._iterations: set[type] = set()  # the loader classes whose iteration tells the watch
+        self._restore: list[Callable[[], None]] = []
+
+    # the context manager
+
+    def __enter__(self) -> Watch:
+        accelerator = self.accelerator
+        for method in PREPARE:
+            if hasattr(accelerator, method):
+                self._patch(accelerator, method, self._preparing(getattr(accelerator, method)))
+        self._patch(accelerator, "backward", self._backward(accelerator.backward))
+        self._patch(accelerator, "accumulate", self._accumulate(accelerator.accumulate))
+        if hasattr(accelerator, "clip_grad_norm_"):
+            self._patch(accelerator, "clip_grad_norm_", self._clip(accelerator.clip_grad_norm_))
+        self._refuse_second_accelerator()
+        return self
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
+        for restore in reversed(self._restore):
+            restore()
+        self._restore.clear()
+        if kind is not None:
+            return
+        self._settle()
+        if not self.backwards and not self.stopped:
+            raise LoopRefused("ctx.watch: the loop ran no accelerator.backward, so nothing was checked; the loop must "
+                              "call accelerator.backward(loss) on batches drawn from a dataloader it prepared")
+
+    def _patch(self, owner: Any, name: str, value: Any) -> None:
+        """Set ``owner.name`` for the watch; an instance's own method is put back by removing it."""
+        had = name in vars(owner)
+        before = vars(owner).get(name)
+        setattr(owner, name, value)
+
+        def restore() -> None:
+            if had:
+                setattr(owner, name, before)
+            else:
+                with contextlib.suppress(AttributeError):
+                    delattr(owner, name)
+
+        self._restore.append(restore)
+
+    def _refuse_second_accelerator(self) -> None:
+        """A loop that makes its own Accelerator runs outside the watch (and shares accelerate's
+        process-wide state with the case's): refused when it is made."""
+        from accelerate import Accelerator
+
+        original = Accelerator.__init__
+
+        @functools.wraps(original)
+        def init(*args: Any, **kwargs: Any) -> None:
+            raise LoopRefused("ctx.watch: the loop made a second Accelerator; take the one the case gives it "
+                              "(ctx.accelerator(...), with the Accelerator's arguments there) as a parameter")
+
+        Accelerator.__init__ = init  # type: ignore[method-assign]
+        self._restore.append(lambda: setattr(Accelerator, "__init__", original))
+
+    # what the loop prepares
+
+    def _preparing(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def prepare(*args: Any, **kwargs: Any) -> Any:
+            given = list(args) + list(kwargs.values())
+            result = original(*args, **kwargs)
+            results = list(result) if isinstance(result, (tuple, list)) and len(given) != 1 else [result]
+            if len(results) == len(given):
+                for before, after in zip(given, results):
+                    self._adopt(before, after)
+            return result
+
+        return prepare
+
+    def _adopt(self, before: Any, after: Any) -> None:
+        """One object the loop prepared: a model of the specification, a dataloader (watched from now
+        on), an optimizer (by the model whose parameters it holds), a scheduler."""
+        from torch.utils.data import DataLoader
+
+        if isinstance(before, nn.Module):
+            name = next((n for n, m in self.originals.items() if m is before or m is unwrap(after)), None)
+            if name is None:
+                if any(p.requires_grad for p in before.parameters()):
+                    raise LoopRefused(f"ctx.watch: the loop prepares a model the specification does not name "
+                                      f"({type(before).__name__}); give every model it trains to ctx.watch, by name")
+                return
+            self.prepared[name] = after
+        elif isinstance(before, DataLoader):
+            self._watch_loader(before, after)
+        elif isinstance(before, torch.optim.Optimizer):
+            self.optimizers[self._owner(before)].append(after)
+
+    def _owner(self, optimizer: torch.optim.Optimizer) -> str:
+        """The model whose parameters ``optimizer`` holds (each optimizer holds one model's)."""
+        if len(self.originals) == 1:
+            return next(iter(self.originals))
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        owners = [name for name, model in self.originals.items()
+                  if held & {id(p) for p in model.parameters()}]
+        if len(owners) != 1:
+            raise LoopRefused("ctx.watch: an optimizer of the loop holds the parameters of "
+                              f"{' and '.join(owners) or 'no model the specification names'}; the checks need "
+                              "each optimizer to hold one named model's parameters")
+        return owners[0]
+
+    def _watch_loader(self, raw: Any, prepared: Any) -> None:
+        """Follow ``prepared``'s batches: its class's iteration tells the watch of the loaders that
+        carry it, for as long as the watch lasts (accelerate's loaders answer ``__class__`` with their
+        base loader's, so their class cannot be swapped for one instance; others iterate as before)."""
+        if vars(prepared).get(WATCH_ATTRIBUTE) is self:
+            return
+        state = _Loader(number=len(self.loaders) + 1, expected=self._expected(raw))
+        self.loaders[id(prepared)] = state
+        vars(prepared)[WATCH_ATTRIBUTE] = self
+        cls = type(prepared)
+        if cls in self._iterations:
+            return
+        own = "__iter__" in vars(cls)
+        before = vars(cls).get("__iter__")
+        iterate = cls.__iter__
+        self._iterations.add(cls)
+
+        @functools.wraps(iterate)
+        def __iter__(loader: Any) -> Iterator[Any]:
+            batches = iterate(loader)
+            watch = vars(loader).get(WATCH_ATTRIBUTE)
+            return watch.iterate(loader, batches) if isinstance(watch, Watch) else batches
+
+        cls.__iter__ = __iter__  # type: ignore[method-assign]
+        self._restore.append(lambda: setattr(cls, "__iter__", before) if own else delattr(cls, "__iter__"))
+
+    def _expected(self, loader: Any) -> int:
+        """The batches each rank's prepared loader must yield per epoch, from the loader the loop
+        gave ``prepare`` and the Accelerator's dataloader options (accelerate's sharding contract)."""
+        from torch.utils.data import IterableDataset
+
+        if isinstance(loader.dataset, IterableDataset):
+            raise LoopRefused("ctx.watch: the loop prepares a DataLoader of an IterableDataset, whose batches per rank "
+                              "the harness cannot know; give it a map-style Dataset")
+        if loader.batch_size is None:
+            raise LoopRefused("ctx.watch: the loop prepares a DataLoader with a batch_sampler, whose batches per rank "
+                              "the harness cannot know; give it batch_size= (and shuffle=, drop_last=) instead")
+        split, dispatch = _dataloader_options(self.accelerator)
+        return self.ctx._batches_per_rank(len(loader.dataset), loader.batch_size, split_batches=split,
+                                          dispatch_batches=dispatch, drop_last=loader.drop_last)
+
+    # the loop's batches
+
+    def iterate(self, loader: Any, batches: Iterator[Any]) -> Iterator[Any]:
+        """A watched loader's iteration (``batches``: its own)."""
+        state = self.loaders[id(loader)]
+        state.epochs += 1
+        state.seen = 0
+        state.pending = 0
+        for batch in batches:
+            self._drawn(state, batch)
+            yield batch
+        self._ended(state)
+
+    def _drawn(self, state: _Loader, batch: Any) -> None:
+        """A batch drawn: the last micro-batch's step is over (the loop draws the next one after it)."""
+        self._settle()
+        state.seen += 1
+        if self.stopped:
+            return
+        if state.trained and state.pending:
+            self._refuse_ahead(state)
+        state.pending += 1
+        state.batch = tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, batch)
+        state.rng = _rng_state(self.ctx.device)
+        self.last_drawn = state
+        if state not in self.drawn_since_backward:
+            self.drawn_since_backward.append(state)
+
+    def _ended(self, state: _Loader) -> None:
+        """A watched loader's iteration ran to its end."""
+        self._settle()
+        if state in self.drawn_since_backward:
+            self.drawn_since_backward.remove(state)
+        state.pending = 0
+        if not state.trained or self.stopped:
+            return
+        if state.seen != state.expected:
+            recorder = self.ctx.recorder
+            recorder.timeline.mark(0, "schedule")
+            recorder.add(Failure(
+                rank=recorder.rank, step=0, model="dataloader", param="len", kind=FailureKind.SCHEDULE,
+                max_abs_diff=float(abs(state.seen - state.expected)), checked="schedule",
+                message=text.batch_count_text(rank=recorder.rank, what=f"the {state.name()}", epoch=state.epochs - 1,
+                                              seen=state.seen, expected=state.expected),
+            ))
+            self.stopped = "its dataloader yielded another number of batches than the contract's"
+
+    def _refuse_ahead(self, state: _Loader) -> None:
+        raise LoopRefused(f"ctx.watch: the loop drew batch {state.seen} of epoch {state.epochs - 1} from its "
+                          f"{state.name()} before the backward of the one before it; the watch pairs each backward "
+                          "with the one batch drawn before it: for a loop that takes a window's batches first (to "
+                          "count its tokens), write the case with ctx.windows and the oracle (docs/writing-a-case.md)")
+
+    # the loop's backward, accumulate and clip
+
+    def _backward(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def backward(*args: Any, **kwargs: Any) -> Any:
+            if self.stopped:
+                return original(*args, **kwargs)
+            try:
+                state, point = self._micro_step()
+            except _Extra:
+                return original(*args, **kwargs)
+            result = original(*args, **kwargs)
+            self._after_backward(state, point)
+            return result
+
+        return backward
+
+    def _micro_step(self) -> tuple[_Loader, MicroStep]:
+        """The micro-step of the backward about to run: the batch the loop drew last, where the
+        contract puts it. What cannot be paired is refused before the backward runs."""
+        state = self.last_drawn
+        if state is None or not state.pending:
+            raise LoopRefused("ctx.watch: accelerator.backward with no batch drawn since the last backward from a "
+                              "dataloader the loop prepared; the watch pairs each backward with the batch the loop "
+                              "drew from a DataLoader it gave accelerator.prepare: prepare the loop's data source")
+        if state.pending > 1:
+            raise LoopRefused(f"ctx.watch: the loop drew {state.pending} batches from its {state.name()} before one "
+                              "backward; the watch pairs each backward with the one batch drawn before it: for a loop "
+                              "that takes a window's batches first, write the case with ctx.windows and the oracle "
+                              "(docs/writing-a-case.md)")
+        others = [s.name() for s in self.drawn_since_backward if s is not state]
+        if others:
+            raise LoopRefused(f"ctx.watch: the loop drew from its {' and '.join(others)} and its {state.name()} "
+                              "for one backward; the specification's loss takes one batch: give the loop one "
+                              "training dataloader (an evaluation loader run to its end between steps is fine)")
+        if self.training is not None and state is not self.training:
+            raise LoopRefused(f"ctx.watch: backwards on batches of the {self.training.name()} and then of the "
+                              f"{state.name()}; the watch follows one training dataloader")
+        self.training = state
+        state.trained = True
+        return state, self._point(state)
+
+    def _point(self, state: _Loader) -> MicroStep:
+        """The contract's micro-step for the ``seen``-th batch of the ``epochs``-th iteration (the
+        schedule of that many epochs, so that windows run on across epochs where the contract says)."""
+        epoch, batch = state.epochs - 1, state.seen - 1
+        if batch >= state.expected:  # the epoch's end reports it; nothing of this batch can be judged
+            self.stopped = "its dataloader yielded more batches than the contract's"
+            raise _Extra()
+        schedule = accumulation_schedule(state.expected, epochs=epoch + 1, **self.contract)
+        ctx = self.ctx
+        ctx._last_point = max(ctx._last_point, schedule[-1].index)
+        ctx._window_lengths.update(window_lengths(schedule))
+        point = next(p for p in schedule if p.epoch == epoch and p.batch == batch)
+        ctx.at_step = point.index
+        return point
+
+    def _after_backward(self, state: _Loader, point: MicroStep) -> None:
+        oracle = self.oracle
+        if self.accumulating:
+            oracle.check_sync_flag(point, self.accelerator.sync_gradients)
+        batch, self.rng_states[point.index] = state.batch, state.rng
+        state.pending, state.batch, state.rng = 0, None, None
+        self.drawn_since_backward.clear()
+        single = next(iter(self.originals)) if len(self.originals) == 1 else None
+        loss = self.loss
+
+        def closure(replicas: dict[str, nn.Module]) -> torch.Tensor:
+            return loss(replicas[single] if single is not None else replicas, batch)
+
+        oracle.backward(closure, sync=point.sync, rng=point.index)
+        oracle.check_grads(point, self.models())
+        self.backwards += 1
+        self.unsettled = point
+        self.clipped = False
+
+    def replay(self, key: int) -> Any:
+        """The RNG state the loop's forward of micro-step ``key`` ran under, for the oracle's forward."""
+        return _replayed(self.rng_states.pop(key), self.ctx.device)
+
+    def _accumulate(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        @contextlib.contextmanager
+        def accumulate(*models: Any) -> Iterator[None]:
+            with original(*models):
+                self.accumulating += 1
+                try:
+                    yield
+                finally:
+                    self.accumulating -= 1
+
+        return accumulate
+
+    def _clip(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+            parameters = list(parameters) if not isinstance(parameters, torch.Tensor) else [parameters]
+            norm = original(parameters, *args, **kwargs)
+            if self.stopped:
+                return norm
+            if self.clip is None:
+                raise LoopRefused("ctx.watch: the loop clips its gradients (accelerator.clip_grad_norm_) and the "
+                                  "specification does not; give ctx.watch clip_grad_norm= the norm they are clipped "
+                                  "to before each optimizer step")
+            point = self.unsettled
+            if point is not None and point.optimizer_step and not self.clipped:
+                self._clip_oracle(point)
+                name = self._clipped_model(parameters)
+                if name is not None and norm is not None:
+                    self.oracle.check_grad_norm(point, {name: norm})
+            return norm
+
+        return clip_grad_norm_
+
+    def _clip_oracle(self, point: MicroStep) -> None:
+        """The specification's clip before the optimizer step at ``point``, and the loop's clipped
+        gradients checked against it (the oracle then carries on from them, as after any check)."""
+        self.oracle.clip_grad_norm(self.clip)  # type: ignore[arg-type]
+        self.clipped = True
+        self.oracle.check_grads(point, self.models())
+
+    def _clipped_model(self, parameters: list[Any]) -> str | None:
+        """The model whose parameters a clip was given, when they are all of one model's."""
+        given = {id(p) for p in parameters}
+        for name, model in self.models().items():
+            if given and given <= {id(p) for p in model.parameters()}:
+                return name
+        return None
+
+    # each micro-step's optimizer step and parameters
+
+    def _settle(self) -> None:
+        """The last backward's micro-step is over: the oracle clips (where the specification does and
+        the loop did not call the clip) and steps where the contract says, and the parameters are
+        judged."""
+        point, self.unsettled = self.unsettled, None
+        if point is None:
+            return
+        oracle = self.oracle
+        if self.clip is not None and point.optimizer_step and not self.clipped:
+            self._clip_oracle(point)
+        oracle.step(point)
+        optimizers = {name: opts for name, opts in self.optimizers.items() if opts}
+        oracle.check_params(point, self.models(), optimizers)
+        if self.check_lr and optimizers:
+            oracle.check_lr(point, optimizers)
+
+    def models(self) -> dict[str, nn.Module]:
+        """The loop's models by name: the prepared ones, else as given (a loop that never prepared one)."""
+        return {name: self.prepared.get(name, model) for name, model in self.originals.items()}
+
+
+class _Extra(Exception):
+    """A backward on a batch beyond the contract's count: the epoch's end reports it."""
+
+
+def _dataloader_options(accelerator: Any) -> tuple[bool, bool]:
+    """The Accelerator's ``split_batches`` and ``dispatch_batches`` (its ``dataloader_config`` from
+    accelerate 0.28, its own attributes before)."""
+    config = getattr(accelerator, "dataloader_config", None)
+    source = config if config is not None else accelerator
+    return bool(getattr(source, "split_batches", False)), bool(getattr(source, "dispatch_batches", False))
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+@contextlib.contextmanager
+def _replayed(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> Iterator[None]:
+    """Run the block under ``state`` (torch's CPU RNG, and the GPU's of ``device``), then put the
+    RNG back as it was."""
+    cpu, cuda = state
+    before = _rng_state(device)
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(before[0])
+        if before[1] is not None:
+            torch.cuda.set_rng_state(before[1], device)
