@@ -1,0 +1,188 @@
+"""Training loops checked as they are (``ctx.watch``), each with one of the usual mistakes of a loop
+that accumulates, or with what the watch cannot infer; run only by tests/test_watch.py (not a test
+module). The loops know nothing of the harness: each is what a user would have written."""
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from harness import PRECISIONS, RankContext, case, grid
+
+STEPS = 2
+MAX_NORM = 0.05  # below the gradients' norms: every clip clips
+
+
+class Noisy(nn.Module):
+    """A user's model with strong dropout: a forward replayed under other masks is far off."""
+
+    def __init__(self, features: int = 4, hidden: int = 8) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(features, hidden), nn.LayerNorm(hidden), nn.Tanh(), nn.Dropout(0.5))
+        self.head = nn.Linear(hidden, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def make_optimizers(model: nn.Module) -> list[torch.optim.Optimizer]:
+    return [torch.optim.AdamW(model.body.parameters(), lr=1e-2), torch.optim.SGD(model.head.parameters(), lr=0.05)]
+
+
+def loss_fn(model: nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def dataset(samples: int = 23) -> TensorDataset:
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(samples, 4, generator=generator) + torch.linspace(-2, 2, samples).unsqueeze(1)
+    return TensorDataset(x, torch.randn(samples, 1, generator=generator) + x[:, :1])
+
+
+# --- the loops ---------------------------------------------------------------------------------------
+
+def accumulate_loop(accelerator, model, data, *, divide=False, epochs=2):
+    """accelerate's idiom; ``divide``: the loss divided by the steps by hand as well (the guide's bug)."""
+    loader = DataLoader(data, batch_size=3, shuffle=True)
+    optimizers = make_optimizers(model)
+    model, loader, *optimizers = accelerator.prepare(model, loader, *optimizers)
+    for _ in range(epochs):
+        for batch in loader:
+            with accelerator.accumulate(model):
+                loss = loss_fn(model, batch)
+                if divide:
+                    loss = loss / accelerator.gradient_accumulation_steps
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
+                for optimizer in optimizers:
+                    optimizer.step()
+                    optimizer.zero_grad()
+
+
+def by_hand(accelerator, model, data, *, steps=STEPS, mistake="", epochs=2):
+    """Accumulation by hand with ``no_sync``; ``mistake`` plants one of the usual ones."""
+    loader = DataLoader(data, batch_size=3, shuffle=True)
+    optimizers = make_optimizers(model)
+    model, loader, *optimizers = accelerator.prepare(model, loader, *optimizers)
+    forward_model = accelerator.unwrap_model(model) if mistake == "unwrapped_forward" else model
+    for _ in range(epochs):
+        for step, batch in enumerate(loader):
+            window_ends = (step + 1) % steps == 0 or step + 1 == len(loader)
+            context = contextlib.nullcontext() if window_ends else accelerator.no_sync(model)
+            if mistake == "forward_outside_no_sync":
+                loss = loss_fn(forward_model, batch) / steps
+                with context:
+                    accelerator.backward(loss)
+            else:
+                with context:
+                    loss = loss_fn(forward_model, batch) / steps
+                    accelerator.backward(loss)
+            if mistake == "clip_in_window" and not window_ends:
+                accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
+            if mistake == "one_optimizer_every_batch" and not window_ends:
+                optimizers[0].step()
+                optimizers[0].zero_grad()
+            if window_ends:
+                accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
+                for optimizer in optimizers:
+                    optimizer.step()
+                    optimizer.zero_grad()
+
+
+def windows_first(accelerator, model, data):
+    """Takes each window's batches before its first backward (to count their tokens, say)."""
+    loader = DataLoader(data, batch_size=3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, loader, optimizer = accelerator.prepare(model, loader, optimizer)
+    batches = iter(loader)
+    for window in zip(batches, batches):
+        for batch in window:
+            with accelerator.accumulate(model):
+                accelerator.backward(loss_fn(model, batch))
+                optimizer.step()
+                optimizer.zero_grad()
+
+
+def unprepared_data(accelerator, model, data):
+    """Iterates a DataLoader it never gave ``prepare``."""
+    loader = DataLoader(data, batch_size=3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    for batch in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(loss_fn(model, batch))
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def own_accelerator(accelerator, model, data):
+    """Makes its own Accelerator."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(gradient_accumulation_steps=STEPS)
+    accumulate_loop(accelerator, model, data)
+
+
+# --- the cases ---------------------------------------------------------------------------------------
+
+def watched(ctx: RankContext, *, accelerator_steps: int, **spec):
+    accelerator = ctx.accelerator(gradient_accumulation_steps=accelerator_steps)
+    model = ctx.model(Noisy)
+    return accelerator, model, ctx.watch(accelerator, model, loss=loss_fn, optimizers=make_optimizers, **spec)
+
+
+@case("watch_accumulate", variants=grid(steps=[1, 2, 3], precision=PRECISIONS), wrappers=["ddp", "fsdp2"])
+def test_watch_accumulate(ctx):
+    accelerator, model, watch = watched(ctx, accelerator_steps=ctx.variant["steps"], clip_grad_norm=MAX_NORM)
+    with watch:
+        accumulate_loop(accelerator, model, dataset())
+
+
+@case("watch_by_hand", variants=grid(steps=[2, 3], precision=PRECISIONS), wrappers=["ddp", "fsdp2"])
+def test_watch_by_hand(ctx):
+    steps = ctx.variant["steps"]
+    accelerator, model, watch = watched(ctx, accelerator_steps=1, clip_grad_norm=MAX_NORM, num_steps=steps)
+    with watch:
+        by_hand(accelerator, model, dataset(), steps=steps)
+
+
+# the guide's bug: accelerator.backward divides by the steps, and so does the loop
+@case("watch_loss_divided_twice", variants=grid(precision=PRECISIONS), wrappers=["ddp"])
+def test_watch_loss_divided_twice(ctx):
+    accelerator, model, watch = watched(ctx, accelerator_steps=STEPS, clip_grad_norm=MAX_NORM)
+    with watch:
+        accumulate_loop(accelerator, model, dataset(), divide=True)
+
+
+# accumulation by hand under an Accelerator given the steps too: the loss is divided twice
+@case("watch_by_hand_divided_twice", variants=grid(precision=PRECISIONS), wrappers=["ddp"])
+def test_watch_by_hand_divided_twice(ctx):
+    accelerator, model, watch = watched(ctx, accelerator_steps=STEPS, clip_grad_norm=MAX_NORM, num_steps=STEPS)
+    with watch:
+        by_hand(accelerator, model, dataset())
+
+
+@case("watch_by_hand_mistake", variants=grid(mistake=["forward_outside_no_sync", "clip_in_window",
+                                                      "one_optimizer_every_batch", "unwrapped_forward"],
+                                             precision=PRECISIONS), wrappers=["ddp"])
+def test_watch_by_hand_mistake(ctx):
+    accelerator, model, watch = watched(ctx, accelerator_steps=1, clip_grad_norm=MAX_NORM, num_steps=STEPS)
+    with watch:
+        by_hand(accelerator, model, dataset(), mistake=ctx.variant["mistake"])
+
+
+@case("watch_refused", variants=grid(loop=["windows_first", "unprepared_data", "own_accelerator",
+                                           "clip_unspecified"]), wrappers=["ddp"])
+def test_watch_refused(ctx):
+    loop = ctx.variant["loop"]
+    spec = {} if loop == "clip_unspecified" else {"clip_grad_norm": MAX_NORM}
+    accelerator, model, watch = watched(ctx, accelerator_steps=STEPS, **spec)
+    with watch:
+        if loop == "clip_unspecified":
+            accumulate_loop(accelerator, model, dataset())
+        else:
+            {"windows_first": windows_first, "unprepared_data": unprepared_data,
+             "own_accelerator": own_accelerator}[loop](accelerator, model, dataset())
