@@ -7,23 +7,49 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 from conftest import ROOT
+from test_docs import GUIDE, counts_line, documented_run, fenced_blocks
 
 EXAMPLE = ROOT / "examples" / "my_project"
 CASES = "tests/planted/watch_cases.py"
 
 
-def test_the_examples_unedited_loops_pass_at_one_two_and_four_ranks_in_fp32_and_bf16(tmp_path):
-    # from the example's own folder, as a user runs it (its pyproject puts my_project on the path)
+def run_example(project: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """``pytest ARGS`` from the example's own folder, as a user runs it (its pyproject puts
+    my_project on the path), against this checkout's harness; the result and the cells by key."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER")}
-    result = subprocess.run([sys.executable, "-m", "pytest", "watched/", "-n", "2", "--world-sizes", "1,2,4",
-                             "-p", "no:cacheprovider", "--report-dir", str(tmp_path)],
-                            cwd=EXAMPLE, env=env, capture_output=True, text=True, timeout=900)
+    result = subprocess.run([sys.executable, "-m", "pytest", *args, "-p", "no:cacheprovider"],
+                            cwd=project, env=env, capture_output=True, text=True, timeout=900)
+    matrix = json.loads((project / "reports" / "matrix.json").read_text())
+    return result, {(c["case"], c["variant"], c["world_size"]): c for c in matrix["cells"]}
+
+
+def copy_example(tmp_path: Path) -> Path:
+    project = tmp_path / "my_project"
+    shutil.copytree(EXAMPLE, project, ignore=shutil.ignore_patterns("__pycache__", "reports"))
+    return project
+
+
+def test_the_guide_shows_the_examples_loops_and_cases_as_they_are():
+    blocks = fenced_blocks(GUIDE.read_text(encoding="utf-8"))
+    loop = (EXAMPLE / "my_project" / "loop.py").read_text()
+    cases = (EXAMPLE / "watched" / "test_train_loop.py").read_text()
+    shown_loop = next(b for b in blocks if b.startswith("def train(accelerator"))
+    shown_cases = next(b for b in blocks if b.startswith('@case("my_training_loop"'))
+    assert loop.endswith(shown_loop + "\n") and cases.endswith(shown_cases + "\n")
+
+
+def test_the_examples_unedited_loops_pass_at_one_two_and_four_ranks_in_fp32_and_bf16(tmp_path):
+    project = copy_example(tmp_path)
+    result, got = run_example(project, "watched/", "-n", "2", "--world-sizes", "1,2,4")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    cells = json.loads((tmp_path / "matrix.json").read_text())["cells"]
+    cells = list(got.values())
     by_status: dict[str, set] = {}
     for cell in cells:
         by_status.setdefault(cell["status"], set()).add((cell["case"], cell["variant"], cell["world_size"]))
@@ -39,6 +65,34 @@ def test_the_examples_unedited_loops_pass_at_one_two_and_four_ranks_in_fp32_and_
         if cell["status"] == "pass" and cell["world_size"] > 1:
             # every backward and every micro-step checked, the collectives of each backward counted
             assert cell["grad_checks"] > cell["vacuous_checks"] and cell["comm_checks"] > 0, cell["summary"]
+    # what docs/writing-a-case.md shows of this run
+    guide = GUIDE.read_text(encoding="utf-8")
+    shown = documented_run(guide, "cd examples/my_project && pytest -n auto watched/")
+    assert {key: cell["status"] for key, cell in got.items()} == \
+        {(case, variant, ws): status for (case, variant), by_ws in shown.rows.items() for ws, status in by_ws.items()}
+    assert shown.counts == counts_line([cell["status"] for cell in cells])
+    quoted = re.search(r"Its `my_loop_by_hand\[steps=2-fp32\]` cell at world size 2 reads\s+`([^`]+)`", guide)
+    assert quoted and got[("my_loop_by_hand", "steps=2-fp32", 2)]["summary"] == quoted.group(1)
+
+
+def test_the_guides_manual_loop_mistake_fails_as_the_guide_shows(tmp_path):
+    # the forward run before no_sync is entered, as the guide's diff plants it in the example's loop
+    project = copy_example(tmp_path)
+    guide = GUIDE.read_text(encoding="utf-8")
+    diff = next(b for b in fenced_blocks(guide) if "+            loss = loss_fn(model, batch) / accumulation_steps" in b)
+    before = "".join(line[1:] + "\n" for line in diff.splitlines() if line.startswith("-"))
+    after = "".join(line[1:] + "\n" for line in diff.splitlines() if line.startswith("+"))
+    loop = project / "my_project" / "loop.py"
+    assert loop.read_text().count(before) == 1, "the guide's diff no longer applies to loop.py"
+    loop.write_text(loop.read_text().replace(before, after))
+    shown = documented_run(guide, 'pytest watched/ --world-sizes 2 -k "by_hand and fp32"')
+    result, got = run_example(project, "watched/", "--world-sizes", "2", "-k", "by_hand and fp32")
+    assert result.returncode == 1
+    assert {(case, variant): {ws: cell["status"]} for (case, variant, ws), cell in got.items()} == shown.rows
+    assert shown.counts in result.stdout.splitlines()
+    for line in shown.text.splitlines():
+        if line.startswith(("Diagnoses: ", "collectives of the backward on rank 0", "gradient of 'model.body.0.weight'")):
+            assert line in result.stdout.splitlines(), line
 
 
 def test_each_usual_mistake_fails_with_its_diagnosis_and_what_cannot_be_inferred_is_refused(run_pytest):

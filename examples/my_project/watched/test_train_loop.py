@@ -1,12 +1,12 @@
 """The project's training loops checked as they are (docs/writing-a-case.md#a-loop-as-it-is-ctxwatch):
 the loop gets the case's Accelerator and model; ctx.watch gives the harness the specification."""
 
-from harness import PRECISIONS, RankContext, case, grid
-
 from my_project.data import NoisyBlobs
 from my_project.loop import train, train_by_hand
 from my_project.model import TinyClassifier
 from my_project.train import loss_fn, make_optimizers
+
+from harness import PRECISIONS, RankContext, case, grid
 
 
 @case("my_training_loop", variants=grid(steps=[1, 2, 3], precision=PRECISIONS), wrappers=["ddp", "fsdp2", "fsdp1"])
