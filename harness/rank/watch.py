@@ -91,6 +91,7 @@ class Watch:
         accumulation = ctx._accumulation()
         self.contract = dict(num_steps=num_steps, sync_with_dataloader=accumulation.sync_with_dataloader,
                              sync_each_batch=accumulation.sync_each_batch)
+        self.schedule: list[list[MicroStep]] = []  # the contract's micro-steps, by epoch of the training loader
         self.loaders: dict[int, _Loader] = {}  # by id of the prepared loader
         self.last_drawn: _Loader | None = None
         self.drawn_since_backward: list[_Loader] = []
@@ -348,11 +349,13 @@ class Watch:
         if batch >= state.expected:  # the epoch's end reports it; nothing of this batch can be judged
             self.stopped = "its dataloader yielded more batches than the contract's"
             raise _Extra()
-        schedule = accumulation_schedule(state.expected, epochs=epoch + 1, **self.contract)
+        if len(self.schedule) <= epoch:  # made once per epoch, for every epoch so far
+            schedule = accumulation_schedule(state.expected, epochs=epoch + 1, **self.contract)
+            self.schedule = [[p for p in schedule if p.epoch == e] for e in range(epoch + 1)]
+            self.ctx._last_point = max(self.ctx._last_point, schedule[-1].index)
+            self.ctx._window_lengths.update(window_lengths(schedule))
         ctx = self.ctx
-        ctx._last_point = max(ctx._last_point, schedule[-1].index)
-        ctx._window_lengths.update(window_lengths(schedule))
-        point = next(p for p in schedule if p.epoch == epoch and p.batch == batch)
+        point = self.schedule[epoch][batch]
         ctx.at_step = point.index
         return point
 
