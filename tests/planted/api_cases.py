@@ -1,38 +1,10 @@
 """Cases written as a user writes them, with the public API only (harness.__all__); run only by
 tests/test_case_api.py (not a test module)."""
 
-import torch
-from torch import nn
-from torch.utils.data import TensorDataset
+
+from user_project import Noisy, dataset, loss_fn, make_optimizers
 
 from harness import RankContext, case, grid
-
-
-class Noisy(nn.Module):
-    """A user's model: LayerNorm and dropout, built from keyword arguments."""
-
-    def __init__(self, features: int = 4, hidden: int = 8) -> None:
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(features, hidden), nn.LayerNorm(hidden), nn.Tanh(), nn.Dropout(0.2))
-        self.head = nn.Linear(hidden, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(x))
-
-
-def make_optimizers(model: nn.Module) -> list[torch.optim.Optimizer]:
-    return [torch.optim.AdamW(model.body.parameters(), lr=1e-2), torch.optim.SGD(model.head.parameters(), lr=0.05)]
-
-
-def loss_fn(model: nn.Module, batch) -> torch.Tensor:
-    x, y = batch
-    return nn.functional.mse_loss(model(x), y)
-
-
-def dataset(samples: int) -> TensorDataset:
-    generator = torch.Generator().manual_seed(7)
-    x = torch.randn(samples, 4, generator=generator) + torch.linspace(-2, 2, samples).unsqueeze(1)
-    return TensorDataset(x, torch.randn(samples, 1, generator=generator) + x[:, :1])
 
 
 def train(ctx: RankContext, *, replay: bool, drop_last: bool = False, split: bool = False, samples: int = 23) -> None:

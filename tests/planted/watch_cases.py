@@ -6,7 +6,8 @@ import contextlib
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
+from user_project import Noisy, dataset, loss_fn, make_optimizers
 
 from harness import PRECISIONS, RankContext, case, grid
 
@@ -14,31 +15,9 @@ STEPS = 2
 MAX_NORM = 0.05  # below the gradients' norms: every clip clips
 
 
-class Noisy(nn.Module):
-    """A user's model with strong dropout: a forward replayed under other masks is far off."""
-
-    def __init__(self, features: int = 4, hidden: int = 8) -> None:
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(features, hidden), nn.LayerNorm(hidden), nn.Tanh(), nn.Dropout(0.5))
-        self.head = nn.Linear(hidden, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(x))
-
-
-def make_optimizers(model: nn.Module) -> list[torch.optim.Optimizer]:
-    return [torch.optim.AdamW(model.body.parameters(), lr=1e-2), torch.optim.SGD(model.head.parameters(), lr=0.05)]
-
-
-def loss_fn(model: nn.Module, batch) -> torch.Tensor:
-    x, y = batch
-    return nn.functional.mse_loss(model(x), y)
-
-
-def dataset(samples: int = 23) -> TensorDataset:
-    generator = torch.Generator().manual_seed(7)
-    x = torch.randn(samples, 4, generator=generator) + torch.linspace(-2, 2, samples).unsqueeze(1)
-    return TensorDataset(x, torch.randn(samples, 1, generator=generator) + x[:, :1])
+def strong_dropout() -> nn.Module:
+    """The user's model with dropout of 0.5: a forward replayed under other masks is far off."""
+    return Noisy(dropout=0.5)
 
 
 # --- the loops ---------------------------------------------------------------------------------------
@@ -130,7 +109,7 @@ def own_accelerator(accelerator, model, data):
 
 def watched(ctx: RankContext, *, accelerator_steps: int, **spec):
     accelerator = ctx.accelerator(gradient_accumulation_steps=accelerator_steps)
-    model = ctx.model(Noisy)
+    model = ctx.model(strong_dropout)
     return accelerator, model, ctx.watch(accelerator, model, loss=loss_fn, optimizers=make_optimizers, **spec)
 
 
