@@ -191,7 +191,9 @@ class Watch:
         elif isinstance(before, DataLoader):
             self._watch_loader(before, after)
         elif isinstance(before, torch.optim.Optimizer):
-            self.optimizers[self._owner(before)].append(after)
+            held = self.optimizers[self._owner(before)]
+            if not any(after is known for known in held):  # prepare calls prepare_optimizer: both tell
+                held.append(after)
 
     def _owner(self, optimizer: torch.optim.Optimizer) -> str:
         """The model whose parameters ``optimizer`` holds (each optimizer holds one model's)."""

@@ -105,6 +105,10 @@ def own_accelerator(accelerator, model, data):
     accumulate_loop(accelerator, model, data)
 
 
+def unwrap_optimizer(optimizer):
+    return getattr(optimizer, "optimizer", optimizer)
+
+
 # --- the cases ---------------------------------------------------------------------------------------
 
 def watched(ctx: RankContext, *, accelerator_steps: int, **spec):
@@ -118,6 +122,10 @@ def test_watch_accumulate(ctx):
     accelerator, model, watch = watched(ctx, accelerator_steps=ctx.variant["steps"], clip_grad_norm=MAX_NORM)
     with watch:
         accumulate_loop(accelerator, model, dataset())
+    # each prepared optimizer once, in the order of the oracle's (prepare calls prepare_optimizer: both tell)
+    held = watch.optimizers["model"]
+    if len(held) != 2 or [type(unwrap_optimizer(o)) for o in held] != [torch.optim.AdamW, torch.optim.SGD]:
+        raise AssertionError(f"the watch holds the loop's optimizers as {held}")
 
 
 @case("watch_by_hand", variants=grid(steps=[2, 3], precision=PRECISIONS), wrappers=["ddp", "fsdp2"])
