@@ -165,7 +165,7 @@ class Watch:
     def _preparing(self, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
         def prepare(*args: Any, **kwargs: Any) -> Any:
-            given = list(args) + list(kwargs.values())
+            given = list(args)  # the objects; keywords are options (device_placement=...)
             result = original(*args, **kwargs)
             results = list(result) if isinstance(result, (tuple, list)) and len(given) != 1 else [result]
             if len(results) == len(given):
