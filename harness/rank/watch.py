@@ -220,10 +220,12 @@ class Watch:
         cls = type(prepared)
         if cls in self._iterations:
             return
+        self._iterations.add(cls)
         own = "__iter__" in vars(cls)
         before = vars(cls).get("__iter__")
         iterate = cls.__iter__
-        self._iterations.add(cls)
+        if getattr(iterate, WATCH_ATTRIBUTE, False):  # inherited from a class the watch follows already
+            return
 
         @functools.wraps(iterate)
         def __iter__(loader: Any) -> Iterator[Any]:
@@ -231,6 +233,7 @@ class Watch:
             watch = vars(loader).get(WATCH_ATTRIBUTE)
             return watch.iterate(loader, batches) if isinstance(watch, Watch) else batches
 
+        setattr(__iter__, WATCH_ATTRIBUTE, True)
         cls.__iter__ = __iter__  # type: ignore[method-assign]
         self._restore.append(lambda: setattr(cls, "__iter__", before) if own else delattr(cls, "__iter__"))
 
@@ -323,6 +326,11 @@ class Watch:
         """The micro-step of the backward about to run: the batch the loop drew last, where the
         contract puts it. What cannot be paired is refused before the backward runs."""
         state = self.last_drawn
+        if state is not None and not state.pending and state is self.training and self.unsettled is not None:
+            raise LoopRefused(f"ctx.watch: a second accelerator.backward on batch {state.seen} of epoch "
+                              f"{state.epochs - 1} of the {state.name()}; the specification gives one loss a batch: "
+                              "for a loop with several losses a batch (a GAN's), write the case with the oracle beside "
+                              "it (docs/writing-a-case.md)")
         if state is None or not state.pending:
             raise LoopRefused("ctx.watch: accelerator.backward with no batch drawn since the last backward from a "
                               "dataloader the loop prepared; the watch pairs each backward with the batch the loop "

@@ -97,6 +97,19 @@ def unprepared_data(accelerator, model, data):
             optimizer.zero_grad()
 
 
+def two_losses_a_batch(accelerator, model, data):
+    """Two backwards on each batch (a GAN's generator and discriminator, say)."""
+    loader = DataLoader(data, batch_size=3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, loader, optimizer = accelerator.prepare(model, loader, optimizer)
+    for batch in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(loss_fn(model, batch))
+            accelerator.backward(loss_fn(model, batch) * 0.5)
+            optimizer.step()
+            optimizer.zero_grad()
+
+
 def own_accelerator(accelerator, model, data):
     """Makes its own Accelerator."""
     from accelerate import Accelerator
@@ -162,7 +175,7 @@ def test_watch_by_hand_mistake(ctx):
 
 
 @case("watch_refused", variants=grid(loop=["windows_first", "unprepared_data", "own_accelerator",
-                                           "clip_unspecified"]), wrappers=["ddp"])
+                                           "clip_unspecified", "two_losses_a_batch"]), wrappers=["ddp"])
 def test_watch_refused(ctx):
     loop = ctx.variant["loop"]
     spec = {} if loop == "clip_unspecified" else {"clip_grad_norm": MAX_NORM}
@@ -171,5 +184,5 @@ def test_watch_refused(ctx):
         if loop == "clip_unspecified":
             accumulate_loop(accelerator, model, dataset())
         else:
-            {"windows_first": windows_first, "unprepared_data": unprepared_data,
-             "own_accelerator": own_accelerator}[loop](accelerator, model, dataset())
+            {"windows_first": windows_first, "unprepared_data": unprepared_data, "own_accelerator": own_accelerator,
+             "two_losses_a_batch": two_losses_a_batch}[loop](accelerator, model, dataset())
