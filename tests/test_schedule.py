@@ -91,3 +91,15 @@ def test_window_lengths_give_each_micro_step_its_windows_count_short_last_window
     assert [lengths[i] for i in range(1, 11)] == [3, 3, 3, 2, 2, 3, 3, 3, 2, 2]
     across = window_lengths(accumulation_schedule(5, epochs=2, num_steps=3, sync_with_dataloader=False))
     assert [across[i] for i in range(1, 11)] == [3, 3, 3, 3, 3, 3, 3, 3, 3, 1]
+
+
+def test_a_dataloaders_count_other_than_the_contracts_is_a_schedule_failure_and_the_same_count_is_none():
+    from harness.rank.recorder import Recorder
+
+    recorder = Recorder(rank=1)
+    assert recorder.batch_count(what="the prepared dataloader", epoch=0, seen=4, expected=4)
+    assert recorder.failures == [] and recorder.timeline.marks == {(0, "schedule"): ""}
+    assert not recorder.batch_count(what="the prepared dataloader", epoch=1, seen=3, expected=4)
+    (failure,) = recorder.failures
+    assert (failure.kind, failure.step, failure.max_abs_diff) == ("schedule", 0, 1.0)
+    assert failure.message == "the prepared dataloader on rank 1 yielded 3 batches in epoch 1, the contract says 4"

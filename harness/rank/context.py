@@ -10,7 +10,6 @@ from typing import Any, Callable, ContextManager, Hashable, Iterable, Iterator, 
 import torch
 from torch import nn
 
-from harness import wording as text
 from harness.decorator import SkipCell
 from harness.rank.accounting import Accounting
 from harness.rank.models import derive_seed, seeded
@@ -23,7 +22,6 @@ from harness.rank.schedule import (
     window_lengths,
 )
 from harness.rank.watch import LoopRefused, Watch
-from harness.records import Failure, FailureKind
 from harness.wrappers import prepare as wrappers
 from harness.wrappers import probe
 from harness.wrappers.mesh import shape as mesh_shape
@@ -396,20 +394,12 @@ class RankContext(RankData):
     def batches(self, loader: Iterable[Any], expected: int, *, what: str, epoch: int = 0) -> Iterator[Any]:
         """Iterate ``loader`` to its end, yielding at most ``expected`` batches; a different count is a
         failure of kind ``schedule`` (the loader is still exhausted, as a user's loop would)."""
-        recorder = self.recorder
         seen = 0
         for batch in loader:
             seen += 1
             if seen <= expected:
                 yield batch
-        recorder.timeline.mark(0, "schedule")
-        if seen != expected:
-            recorder.add(Failure(
-                rank=recorder.rank, step=0, model="dataloader", param="len", kind=FailureKind.SCHEDULE,
-                max_abs_diff=float(abs(seen - expected)), checked="schedule",
-                message=text.batch_count_text(rank=recorder.rank, what=what, epoch=epoch, seen=seen,
-                                              expected=expected),
-            ))
+        self.recorder.batch_count(what=what, epoch=epoch, seen=seen, expected=expected)
 
 
 def _accumulation_of(kwargs: Mapping[str, Any]) -> Accumulation:

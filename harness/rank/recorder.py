@@ -46,6 +46,19 @@ class Recorder:
     def observe(self, max_abs: float) -> None:
         self.max_abs_diff = max(self.max_abs_diff, max_abs)
 
+    def batch_count(self, *, what: str, epoch: int, seen: int, expected: int) -> bool:
+        """The batches ``what`` yielded in ``epoch`` against the contract's count: a failure of kind
+        ``schedule`` where they differ. Whether they agree."""
+        self.timeline.mark(0, "schedule")
+        if seen == expected:
+            return True
+        self.add(Failure(
+            rank=self.rank, step=0, model="dataloader", param="len", kind=FailureKind.SCHEDULE,
+            max_abs_diff=float(abs(seen - expected)), checked="schedule",
+            message=text.batch_count_text(rank=self.rank, what=what, epoch=epoch, seen=seen, expected=expected),
+        ))
+        return False
+
 
 def where(step: MicroStep | int) -> tuple[int, str]:
     """A failure's step number and the words for where it is."""

@@ -28,10 +28,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from harness import wording as text
 from harness.rank.replica import unwrap
 from harness.rank.schedule import MicroStep, accumulation_schedule, window_lengths
-from harness.records import Failure, FailureKind
 
 if TYPE_CHECKING:
     from harness.rank.context import RankContext
@@ -288,15 +286,8 @@ class Watch:
         state.pending = 0
         if not state.trained or self.stopped:
             return
-        if state.seen != state.expected:
-            recorder = self.ctx.recorder
-            recorder.timeline.mark(0, "schedule")
-            recorder.add(Failure(
-                rank=recorder.rank, step=0, model="dataloader", param="len", kind=FailureKind.SCHEDULE,
-                max_abs_diff=float(abs(state.seen - state.expected)), checked="schedule",
-                message=text.batch_count_text(rank=recorder.rank, what=f"the {state.name()}", epoch=state.epochs - 1,
-                                              seen=state.seen, expected=state.expected),
-            ))
+        if not self.ctx.recorder.batch_count(what=f"the {state.name()}", epoch=state.epochs - 1, seen=state.seen,
+                                             expected=state.expected):
             self.stopped = "its dataloader yielded another number of batches than the contract's"
 
     def _refuse_ahead(self, state: _Loader) -> None:
