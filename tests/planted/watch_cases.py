@@ -71,43 +71,40 @@ def by_hand(accelerator, model, data, *, steps=STEPS, mistake="", epochs=2):
                     optimizer.zero_grad()
 
 
+def sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.05)
+
+
+def micro_batch(accelerator, model, optimizer, batch, *, losses=1):
+    """accelerate's idiom for one micro-batch, with ``losses`` backwards on it."""
+    with accelerator.accumulate(model):
+        for _ in range(losses):
+            accelerator.backward(loss_fn(model, batch))
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 def windows_first(accelerator, model, data):
     """Takes each window's batches before its first backward (to count their tokens, say)."""
-    loader = DataLoader(data, batch_size=3)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    model, loader, optimizer = accelerator.prepare(model, loader, optimizer)
+    model, loader, optimizer = accelerator.prepare(model, DataLoader(data, batch_size=3), sgd(model))
     batches = iter(loader)
     for window in zip(batches, batches):
         for batch in window:
-            with accelerator.accumulate(model):
-                accelerator.backward(loss_fn(model, batch))
-                optimizer.step()
-                optimizer.zero_grad()
+            micro_batch(accelerator, model, optimizer, batch)
 
 
 def unprepared_data(accelerator, model, data):
     """Iterates a DataLoader it never gave ``prepare``."""
-    loader = DataLoader(data, batch_size=3)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    for batch in loader:
-        with accelerator.accumulate(model):
-            accelerator.backward(loss_fn(model, batch))
-            optimizer.step()
-            optimizer.zero_grad()
+    model, optimizer = accelerator.prepare(model, sgd(model))
+    for batch in DataLoader(data, batch_size=3):
+        micro_batch(accelerator, model, optimizer, batch)
 
 
 def two_losses_a_batch(accelerator, model, data):
     """Two backwards on each batch (a GAN's generator and discriminator, say)."""
-    loader = DataLoader(data, batch_size=3)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    model, loader, optimizer = accelerator.prepare(model, loader, optimizer)
+    model, loader, optimizer = accelerator.prepare(model, DataLoader(data, batch_size=3), sgd(model))
     for batch in loader:
-        with accelerator.accumulate(model):
-            accelerator.backward(loss_fn(model, batch))
-            accelerator.backward(loss_fn(model, batch) * 0.5)
-            optimizer.step()
-            optimizer.zero_grad()
+        micro_batch(accelerator, model, optimizer, batch, losses=2)
 
 
 def own_accelerator(accelerator, model, data):
