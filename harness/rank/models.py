@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import zlib
-from typing import Iterator
+from typing import ContextManager, Iterator, Optional, Tuple
 
 import torch
 from torch import nn
@@ -16,15 +16,40 @@ def derive_seed(seed: int, *parts: object) -> int:
     return zlib.crc32(text.encode("utf-8")) & 0x7FFFFFFF
 
 
+def forked_rng(device: torch.device | None = None) -> ContextManager[None]:
+    """A block after which torch's global RNG (the CPU's, and ``device``'s when it is a GPU) is as
+    it was before it."""
+    devices = []
+    if device is not None and device.type == "cuda":
+        devices = [device.index if device.index is not None else torch.cuda.current_device()]
+    return torch.random.fork_rng(devices=devices)
+
+
 @contextlib.contextmanager
 def seeded(seed: int, device: torch.device | None = None) -> Iterator[None]:
     """Run the block with torch's global RNG (the CPU's, and ``device``'s when it is a GPU) seeded
     with ``seed``; the state before it is restored after, so the block takes nothing from it."""
-    devices = []
-    if device is not None and device.type == "cuda":
-        devices = [device.index if device.index is not None else torch.cuda.current_device()]
-    with torch.random.fork_rng(devices=devices):
+    with forked_rng(device):
         seed_rng(seed, device)
+        yield
+
+
+RngState = Tuple[torch.Tensor, Optional[torch.Tensor]]
+
+
+def rng_state(device: torch.device) -> RngState:
+    """torch's global RNG state now: the CPU's, and ``device``'s when it is a GPU."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+@contextlib.contextmanager
+def under_rng_state(state: RngState, device: torch.device) -> Iterator[None]:
+    """Run the block under ``state`` (from ``rng_state``); the state before it is restored after."""
+    cpu, gpu = state
+    with forked_rng(device):
+        torch.set_rng_state(cpu)
+        if gpu is not None:
+            torch.cuda.set_rng_state(gpu, device)
         yield
 
 

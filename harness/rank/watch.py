@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from harness.rank.models import rng_state, under_rng_state
 from harness.rank.replica import unwrap
 from harness.rank.schedule import MicroStep, accumulation_schedule, window_lengths
 
@@ -273,7 +274,7 @@ class Watch:
             self._refuse_ahead(state)
         state.pending += 1
         state.batch = tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, batch)
-        state.rng = _rng_state(self.ctx.device)
+        state.rng = rng_state(self.ctx.device)
         self.last_drawn = state
         if state not in self.drawn_since_backward:
             self.drawn_since_backward.append(state)
@@ -301,21 +302,18 @@ class Watch:
     def _backward(self, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
         def backward(*args: Any, **kwargs: Any) -> Any:
-            if self.stopped:
-                return original(*args, **kwargs)
-            try:
-                state, point = self._micro_step()
-            except _Extra:
-                return original(*args, **kwargs)
+            paired = None if self.stopped else self._micro_step()
             result = original(*args, **kwargs)
-            self._after_backward(state, point)
+            if paired is not None:
+                self._after_backward(*paired)
             return result
 
         return backward
 
-    def _micro_step(self) -> tuple[_Loader, MicroStep]:
+    def _micro_step(self) -> tuple[_Loader, MicroStep] | None:
         """The micro-step of the backward about to run: the batch the loop drew last, where the
-        contract puts it. What cannot be paired is refused before the backward runs."""
+        contract puts it (None past the contract's count: nothing more is judged). What cannot be
+        paired is refused before the backward runs."""
         state = self.last_drawn
         if state is not None and not state.pending and state is self.training and self.unsettled is not None:
             raise LoopRefused(f"ctx.watch: a second accelerator.backward on batch {state.seen} of epoch "
@@ -341,21 +339,23 @@ class Watch:
                               f"{state.name()}; the watch follows one training dataloader")
         self.training = state
         state.trained = True
-        return state, self._point(state)
+        point = self._point(state)
+        return None if point is None else (state, point)
 
-    def _point(self, state: _Loader) -> MicroStep:
+    def _point(self, state: _Loader) -> MicroStep | None:
         """The contract's micro-step for the ``seen``-th batch of the ``epochs``-th iteration (the
-        schedule of that many epochs, so that windows run on across epochs where the contract says)."""
+        schedule of that many epochs, so that windows run on across epochs where the contract says);
+        None for a batch past the contract's count (the epoch's end reports it)."""
         epoch, batch = state.epochs - 1, state.seen - 1
-        if batch >= state.expected:  # the epoch's end reports it; nothing of this batch can be judged
+        if batch >= state.expected:
             self.stopped = "its dataloader yielded more batches than the contract's"
-            raise _Extra()
+            return None
+        ctx = self.ctx
         if len(self.schedule) <= epoch:  # made once per epoch, for every epoch so far
             schedule = accumulation_schedule(state.expected, epochs=epoch + 1, **self.contract)
             self.schedule = [[p for p in schedule if p.epoch == e] for e in range(epoch + 1)]
-            self.ctx._last_point = max(self.ctx._last_point, schedule[-1].index)
-            self.ctx._window_lengths.update(window_lengths(schedule))
-        ctx = self.ctx
+            ctx._last_point = max(ctx._last_point, schedule[-1].index)
+            ctx._window_lengths.update(window_lengths(schedule))
         point = self.schedule[epoch][batch]
         ctx.at_step = point.index
         return point
@@ -381,7 +381,7 @@ class Watch:
 
     def replay(self, key: int) -> Any:
         """The RNG state the loop's forward of micro-step ``key`` ran under, for the oracle's forward."""
-        return _replayed(self.rng_states.pop(key), self.ctx.device)
+        return under_rng_state(self.rng_states.pop(key), self.ctx.device)
 
     def _accumulate(self, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
@@ -455,35 +455,9 @@ class Watch:
         return {name: self.prepared.get(name, model) for name, model in self.originals.items()}
 
 
-class _Extra(Exception):
-    """A backward on a batch beyond the contract's count: the epoch's end reports it."""
-
-
 def _dataloader_options(accelerator: Any) -> tuple[bool, bool]:
     """The Accelerator's ``split_batches`` and ``dispatch_batches`` (its ``dataloader_config`` from
     accelerate 0.28, its own attributes before)."""
     config = getattr(accelerator, "dataloader_config", None)
     source = config if config is not None else accelerator
     return bool(getattr(source, "split_batches", False)), bool(getattr(source, "dispatch_batches", False))
-
-
-def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-@contextlib.contextmanager
-def _replayed(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> Iterator[None]:
-    """Run the block under ``state`` (torch's CPU RNG, and the GPU's of ``device``), then put the
-    RNG back as it was."""
-    cpu, cuda = state
-    before = _rng_state(device)
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state(cuda, device)
-    try:
-        yield
-    finally:
-        torch.set_rng_state(before[0])
-        if before[1] is not None:
-            torch.cuda.set_rng_state(before[1], device)
