@@ -13,6 +13,7 @@ import torch
 from harness.rank.checks import as_optimizers
 from harness.rank.closeness import Expectation, rounding_allowance
 from harness.rank.collectives import Reduction
+from harness.wrappers.sharding import dtensor_class
 
 if TYPE_CHECKING:
     from harness.rank.collectives import Collectives
@@ -151,12 +152,13 @@ class Anchored:
 def _same_shapes(mine: torch.optim.Optimizer, state: dict[str, Any]) -> bool:
     """Whether every tensor of the state another optimizer saved is a plain tensor of the shape of the
     parameter it belongs to in ``mine`` (or a scalar, a step count): what ``load_state_dict`` can take."""
+    dtensor = dtensor_class()
     params = [p for group in mine.param_groups for p in group["params"]]
     for index, entries in state["state"].items():
         if not isinstance(index, int) or index >= len(params):
             return False
         for value in entries.values():
-            if type(value).__name__ == "DTensor":
+            if dtensor is not None and isinstance(value, dtensor):
                 return False
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != params[index].shape:
                 return False

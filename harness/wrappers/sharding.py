@@ -22,7 +22,8 @@ from harness.rank.replica import unwrap
 from harness.wrappers.observed import Observed, Piece, _identity
 
 
-def _dtensor_class() -> Any:
+def dtensor_class() -> Any:
+    """torch's DTensor class, or None where this torch has none public."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:
@@ -47,7 +48,7 @@ def observe(model: nn.Module, names: list[str], *, sync: bool) -> Observed:
 
         return deepspeed_cpu.observe(peel_compiled(model), names, sync=sync)
     params = dict(unwrap(model).named_parameters())
-    DTensor = _dtensor_class()
+    DTensor = dtensor_class()
     if DTensor is None or not any(isinstance(p, DTensor) for p in params.values()):
         return Observed(params={n: p.detach() for n, p in params.items()},
                         grads={n: None if p.grad is None else p.grad.detach() for n, p in params.items()})
@@ -215,7 +216,7 @@ def tensor_parallel_share(models: Mapping[str, nn.Module], needed: int) -> int:
     """Of ``needed`` gradient elements (counted on the whole parameters), those of this rank's
     tensor-parallel slices: under a mesh with a ``tp`` dimension a rank reduces only its slice of a
     parameter sharded over ``tp`` (read from each parameter's DTensor placements); elsewhere ``needed``."""
-    DTensor = _dtensor_class()
+    DTensor = dtensor_class()
     whole = local = 0
     for model in models.values():
         for p in unwrap(model).parameters():

@@ -183,3 +183,18 @@ def test_watch_refused(ctx):
         else:
             {"windows_first": windows_first, "unprepared_data": unprepared_data, "own_accelerator": own_accelerator,
              "two_losses_a_batch": two_losses_a_batch}[loop](accelerator, model, dataset())
+
+
+def specified_optimizers(model: nn.Module) -> list[torch.optim.Optimizer]:
+    """What the specification says the loop's optimizers are; the loop's AdamW has another lr."""
+    return [torch.optim.AdamW(model.body.parameters(), lr=2e-2), torch.optim.SGD(model.head.parameters(), lr=0.05)]
+
+
+# under FSDP2 a parameter mismatch leaves the oracle with the loop's DTensor optimizer state, which it
+# cannot load: it judges on with its own (the cell fails; it does not raise)
+@case("watch_fsdp2_other_optimizer", variants=grid(precision=["fp32"]), wrappers=["fsdp2"])
+def test_watch_fsdp2_other_optimizer(ctx):
+    accelerator = ctx.accelerator(gradient_accumulation_steps=STEPS)
+    model = ctx.model(strong_dropout)
+    with ctx.watch(accelerator, model, loss=loss_fn, optimizers=specified_optimizers, clip_grad_norm=MAX_NORM):
+        accumulate_loop(accelerator, model, dataset())
