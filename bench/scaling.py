@@ -1,7 +1,7 @@
 """How a warm cell's cost scales: with the world size, with the number of cells a run has, with the model size.
 
 Run: python bench/scaling.py [--only world,cells,size] [--world-sizes 1,2,4,8] [--repeats 10]
-         [--cells 1000] [--params 1e3,1e4,1e5,1e6,1e7] [--size-world-size 2] [--json PATH]
+         [--cells 1000] [--params 1e3,1e4,1e5,1e6,1e7 (and 1e8)] [--size-world-size 2] [--json PATH]
 
 1. world: fused_loss[fp32] and accumulate[steps=2-fp32] on a pool of each world size: pool start,
    warm cell ms (median of --repeats after one unmeasured run) beside the floor (the cell's own
@@ -14,10 +14,11 @@ Run: python bench/scaling.py [--only world,cells,size] [--world-sizes 1,2,4,8] [
    controller's RSS at each bin's end. Does the per-cell cost stay flat from 10 to 1,000 cells, and
    does memory grow?
 3. size: bench/scaling_case.py's model_size case (fused_loss on a model of about N parameters) at
-   --size-world-size: warm cell ms beside the floor. How does the harness's own work (the oracle's
-   replicas and checks) compare with moving the gradients as the model grows? (At 1e7 parameters each
-   40-80 MB temporary is above glibc's default mmap threshold: the ranks raise it, or every one would
-   be fresh zeroed pages: harness/rank/runner.py keep_large_allocations.)
+   --size-world-size, on a bench's own ranks (bench/model_size.py): the checked cell beside the sum of
+   what it cannot avoid, the same steps unchecked (the case's own forward, backward, DDP's collectives
+   and optimizer step), the oracle replica's step alone and the oracle's collectives issued bare; and
+   the memory the checked cell holds beyond the unchecked one, in copies of the model. How close does
+   a checked step come to the cost of the step itself as the model grows?
 
 Every measured cell must pass: one that does not is printed to stderr and the bench exits 1.
 Exit 2 on bad arguments. Machines are shared and noisy: read ratios and trends, not exact numbers.
@@ -40,6 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import model_size  # noqa: E402
 import scaling_case  # noqa: E402
 from rig import floors  # noqa: E402
 
@@ -224,30 +226,38 @@ def by_cells(total: int, world_size: int = 2) -> tuple[str, list[dict[str, Any]]
 
 def by_size(sizes: list[int], world_size: int, repeats: int) -> tuple[str, list[dict[str, Any]]]:
     case = load_case_file(ROOT / "bench" / "scaling_case.py")[0]
-    setting = settings(world_size, timeout_s=600)
-    variants = [grid(params=[n])[0] for n in sizes]
+    setting = settings(world_size, timeout_s=900)
+    warm = cell_spec(case, grid(params=[min(scaling_case.PARAMS)])[0], world_size, setting, label="bench warm-up")
     out = []
-    pools = PoolSet(backend="gloo")
-    try:
-        pools.get(world_size)
-        for n, variant in zip(sizes, variants):
-            runs = repeats if scaling_case.param_count(n) <= BIG_MODEL else min(repeats, BIG_REPEATS)
-            cell, ms = warm_ms(pools, case, variant, world_size, setting, runs)
-            out.append({"params": n, "exact_params": scaling_case.param_count(n), "width": scaling_case.width(n),
-                        "runs": runs, "checks": cell.checks, "warm_ms": ms})
-            progress(f"model size {n}: measured")
-    finally:
-        pools.close()
-    specs = [cell_spec(case, variant, world_size, setting, label="bench floor") for variant in variants]
-    for r, (count, floor_ms) in zip(out, floors(world_size, specs)):
-        r.update(floor_ms=floor_ms, collectives=count)
-    rows = [(f"{r['params']:g}", r["exact_params"], f"{r['exact_params'] * 4 / 2**20:.2f}", r["runs"], r["checks"],
-             f"{r['warm_ms']:.0f}", f"{r['floor_ms']:.1f}", r["collectives"], ratio(r["warm_ms"], r["floor_ms"]))
+    for n in sizes:
+        exact = scaling_case.param_count(n)
+        runs = repeats if exact <= BIG_MODEL else min(repeats, BIG_REPEATS)
+        spec = cell_spec(case, grid(params=[n])[0], world_size, setting, label="bench model size")
+        measured = model_size.measure(world_size, spec, warm, runs)
+        parts = measured["unchecked"]["ms"] + measured["replica"]["busy_ms"] + measured["collectives_ms"]
+        out.append({"params": n, "exact_params": exact, "width": scaling_case.width(n), "runs": runs,
+                    "checked_ms": measured["checked"]["ms"], "unchecked_ms": measured["unchecked"]["ms"],
+                    "replica_ms": measured["replica"]["busy_ms"], "oracle_collectives": measured["oracle_collectives"],
+                    "collectives_ms": measured["collectives_ms"], "sum_ms": parts,
+                    "memory_mb": measured["memory_mb"], "copies": model_size.copies(measured["memory_mb"], exact)})
+        progress(f"model size {n}: measured")
+    rows = [(f"{r['params']:g}", r["exact_params"], f"{r['exact_params'] * 4 / 2**20:.1f}", r["runs"],
+             f"{r['checked_ms']:.0f}", f"{r['unchecked_ms']:.0f}", f"{r['replica_ms']:.0f}",
+             f"{r['collectives_ms']:.0f} ({r['oracle_collectives']})", f"{r['sum_ms']:.0f}",
+             ratio(r["checked_ms"], r["sum_ms"]), ratio(r["checked_ms"], r["unchecked_ms"]),
+             " ".join(f"{m['unchecked']:.0f}/{m['checked']:.0f}" for m in r["memory_mb"]), f"{r['copies']:.1f}")
             for r in out]
-    text = table(("params", "exact params", "fp32 MB", "runs", "checks", "warm ms (median)", "floor ms",
-                  "collectives", "cell/floor"), rows)
+    text = table(("params", "exact params", "fp32 MB", "runs", "checked ms", "unchecked ms", "replica ms",
+                  "oracle collectives ms (n)", "sum ms", "checked/sum", "checked/unchecked",
+                  "peak MB by rank, unchecked/checked", "model copies"), rows)
     note = (f"model_size[params=N] (bench/scaling_case.py: Linear(k, k), tanh, Linear(k, 1)) at world size "
-            f"{world_size}; above {BIG_MODEL:,} parameters at most {BIG_REPEATS} warm runs")
+            f"{world_size}, on a bench's own ranks (bench/model_size.py), medians of warm runs, rank 0; above "
+            f"{BIG_MODEL:,} parameters at most {BIG_REPEATS} runs.\n"
+            "unchecked: the case's own steps (forward, backward, DDP's collectives, optimizer step), the oracle "
+            "doing nothing; replica: the oracle's replicas' backwards and steps alone; oracle collectives: the "
+            "checked cell's collectives beyond the unchecked one's, issued bare; sum: the three.\n"
+            "model copies: the checked cell's peak resident memory over the unchecked one's (the largest over "
+            "the ranks), in fp32 copies of the model: what the harness holds beyond the case's own model")
     return f"{text}\n{note}", out
 
 

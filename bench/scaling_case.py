@@ -13,7 +13,7 @@ from harness import case, grid
 from harness.rank.models import Regressor, regression_loss
 
 STEPS = 3
-PARAMS = [1_000, 10_000, 100_000, 1_000_000, 10_000_000]
+PARAMS = [1_000, 10_000, 100_000, 1_000_000, 10_000_000, 100_000_000]
 ROWS = 6
 
 
