@@ -42,6 +42,7 @@ class Anchored:
     before_step: dict[str, dict[str, torch.Tensor]] | None
     _synced: dict[str, dict[str, Expectation]]
     _no_allowance: Callable[[str], dict[str, torch.Tensor]]
+    local_of: Callable[[str], dict[str, torch.Tensor]]
 
     # collectives and what the contract expects now (read by harness/rank/checks.py)
 
@@ -53,6 +54,11 @@ class Anchored:
         wait = self.more_checks is not None and self.more_checks(step)
         self.collectives.later({p: actual_params[p] for p in self.params[name]}, deliver,  # type: ignore[arg-type]
                                wait=wait)
+
+    def rank0_params(self, actual_params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Rank 0's copy of the parameters as they are now: ``actual_params`` themselves where every
+        rank's digests match rank 0's (a small collective), else rank 0's (a broadcast)."""
+        return self.collectives.rank0_values(actual_params)  # type: ignore[return-value]
 
     def finish(self) -> None:
         """The case has ended: judge the checks still waiting for rank 0's copies (a collective when
@@ -71,7 +77,7 @@ class Anchored:
 
     def local_grads(self, name: str) -> dict[str, Expectation]:
         """This rank's own gradients since the window began: what a backward that did not sync leaves."""
-        return {pname: Expectation(t.clone(), rounding_allowance(t)) for pname, t in self.local[name].items()}
+        return {pname: Expectation(t.clone(), rounding_allowance(t)) for pname, t in self.local_of(name).items()}
 
     def synced_grads(self, name: str) -> dict[str, Expectation]:
         """The all-rank average of the local gradients: what a sync now would leave (a collective,
@@ -83,12 +89,20 @@ class Anchored:
         """The synced hypotheses of ``names``, those not made yet in one all-reduce."""
         wanted = [name for name in dict.fromkeys(names) if name not in self._synced]
         if wanted:
-            reduced = self.collectives.reduce_all([Reduction(self.local[name]) for name in wanted])
+            reduced = self.collectives.reduce_all([Reduction(self.local_of(name)) for name in wanted])
             self._synced.update(zip(wanted, reduced))  # type: ignore[arg-type]
 
     def previous_grad(self, name: str, pname: str) -> Expectation | None:
         """The last window's final gradient, which a missed zero_grad would leave behind."""
-        return self.previous[name][pname] if self.previous is not None else None
+        if self.previous is None or name not in self.previous:
+            return None
+        return self.previous[name][pname]
+
+    def forget_previous(self, name: str) -> None:
+        """The rank cleared ``name``'s gradients after the step: nothing of the last window can linger in
+        them, so its gradient need not be kept for a diagnosis."""
+        if self.previous is not None:
+            self.previous.pop(name, None)
 
     # carrying on from the rank's real state (when: harness/rank/checks.py)
 
@@ -114,6 +128,7 @@ class Anchored:
                 # (bf16) or BF16_Optimizer's fp32 sum
                 self.sharded.adopt(name, pname, grad)
                 continue
+            replica_param.grad = None  # the oracle's own goes before the copy is made
             replica_param.grad = None if grad is None else grad.detach().clone()
             if self.terms is not None:
                 # the adopted gradient enters the wrapper's sum once, where the reduction adds every
@@ -127,7 +142,7 @@ class Anchored:
         """After a mismatch: a rank that cleared its gradients starts its next window here."""
         for pname, grad in grads.items():
             if pname in self.local[name] and (grad is None or not bool(grad.any())):
-                self.local[name][pname].zero_()
+                self.local[name][pname] = None
                 self._synced.pop(name, None)
 
     def adopt_optimizer_state(self, name: str, optimizers: Any) -> None:

@@ -22,11 +22,13 @@ from harness import wording as text
 from harness.rank.accounting import CHECK, Accounting, judge
 from harness.rank.accounting import unavailable as accounting_unavailable
 from harness.rank.closeness import (
+    CHUNK,
     Difference,
     Expectation,
     all_close,
+    all_close_updates,
+    any_distinguishable,
     difference,
-    distinguishable,
     norm_rounding,
     rounding_allowance,
 )
@@ -53,11 +55,11 @@ def _grad_or_zeros(observed: Observed, pname: str) -> torch.Tensor:
     return grad if grad is not None else torch.zeros_like(observed.params[pname])
 
 
-def _joined(expectations: Mapping[str, Expectation]) -> Expectation:
-    """One flat expectation of a model's parameters, for a model-wide question."""
-    values = [e.value.reshape(-1) for e in expectations.values()]
-    allowed = [e.allowed.reshape(-1) for e in expectations.values()]
-    return Expectation(torch.cat(values), torch.cat(allowed))
+def _update(actual: torch.Tensor, after: torch.Tensor, before: torch.Tensor) -> tuple[torch.Tensor, Expectation]:
+    """A parameter's update on the rank and the oracle's, in float64, as a parameter check measures them
+    apart (``closeness.all_close_updates`` judges them all at once)."""
+    return (actual.double() - before.double(),
+            Expectation(after.double() - before.double(), rounding_allowance(after, before)))
 
 
 def _param_kind(actual: torch.Tensor, rank0: torch.Tensor, *, moved: bool, due: bool) -> FailureKind:
@@ -130,12 +132,14 @@ class Checks:
             if not shown[name]:
                 self._hidden(index, at, name, observed)
                 continue
-            local = oracle.local_grads(name)
             synced = oracle.synced_grads(name)
             self.recorder.checks += 1
             self.recorder.grad_checks += 1
-            if not distinguishable(_joined(local), _joined(synced)):
+            local_now = oracle.local_of(name)
+            if not any_distinguishable((local_now[p], synced[p]) for p in synced):
                 self.recorder.vacuous_checks += 1
+            del local_now
+            local: dict[str, Expectation] | None = None  # the local hypotheses, made for a diagnosis
             failed = False
             grads = observed.full_grads()  # a collective when sharded: every rank, before any diagnosis
             expectations = oracle.expected_grads(name)
@@ -153,6 +157,7 @@ class Checks:
                     reweighing = Reweighing.fit(expectations, grads, parts, low=AUTOCAST_DTYPES.get(oracle.precision))
                 previous = oracle.previous_grad(name, pname)
                 reweighted = reweighing.expectations.get(pname) if reweighing else None
+                local = local if local is not None else oracle.local_grads(name)
                 kind, factor = diagnose(
                     actual,
                     Hypotheses(expected=expected, local=observed.piece_of(pname, local[pname]),
@@ -169,6 +174,7 @@ class Checks:
                 self.recorder.add(make_failure(rank=self.rank, step=index, where=at, model=name, param=pname,
                                                checked="grad", kind=kind, factor=factor, diff=diff, weights=weights,
                                                unit=unit, shards=shards))
+            del pairs, expectations, local, synced  # the oracle's gradients go as the rank's are adopted
             oracle.adopt_grads(name, grads)
             if failed:
                 oracle.restart_window(name, grads)
@@ -257,25 +263,29 @@ class Checks:
             self.recorder.timeline.mark(index, "param")
             observed = self._observe(name, model, sync=oracle.last_sync)
             self.recorder.checks += 1
-            updates = {}
+            triples = {}
             for pname, replica_param in oracle.params[name].items():
                 after = observed.piece(pname, replica_param.detach())
                 before = observed.piece(pname, oracle.before_step[name][pname]) if oracle.before_step is not None \
                     else after
-                allowed = rounding_allowance(after, before)
-                updates[pname] = (observed.params[pname].double() - before.double(),
-                                  Expectation(after.double() - before.double(), allowed))
-            close, max_abs = all_close(list(updates.values()))
+                triples[pname] = (observed.params[pname], after, before)
+            close, max_abs = all_close_updates(list(triples.values()))
             self.recorder.observe(max_abs)
             # the parameters that moved wrongly, their kind judged against rank 0's copy
-            wrong = {} if close else {p: self._wrong_update(u, e, stepped) for p, (u, e) in updates.items()}
+            wrong = {} if close else {p: self._wrong_update(*_update(*t), stepped) for p, t in triples.items()}
             wrong = {p: w for p, w in wrong.items() if w is not None}
+            del triples
+            judge = functools.partial(self._judge_updates, index, at, name, wrong)
             if observed.sharded:  # each rank holds another part: there is no copy to compare with rank 0's
-                self._judge_updates(index, at, name, wrong, {p: observed.params[p] for p in oracle.params[name]}, None)
+                judge({p: observed.params[p] for p in oracle.params[name]}, None)
+            elif sum(p.numel() for p in oracle.params[name].values()) >= CHUNK:
+                # a large model: whether its parameters are rank 0's bit for bit, from digests (rank 0's
+                # copy itself only where they are not), rather than riding a copy of it along
+                actual = {p: observed.params[p] for p in oracle.params[name]}
+                judge(actual, oracle.rank0_params(actual))
             else:
                 actual = {p: observed.params[p].detach().clone() for p in oracle.params[name]}
-                oracle.rank0_copy(step, name, actual, functools.partial(self._judge_updates, index, at, name, wrong,
-                                                                        actual))
+                oracle.rank0_copy(step, name, actual, functools.partial(judge, actual))
             oracle.adopt_params(name, observed.full_params())
             # a sharded model's full gradients are a collective: every rank reads them, or none
             grads = observed.full_grads() if wrong or observed.sharded else {}
@@ -284,6 +294,9 @@ class Checks:
                 oracle.adopt_grads(name, grads)  # a rank that stepped wrongly: its gradients too
                 if optimizers is not None and name in optimizers:
                     oracle.adopt_optimizer_state(name, optimizers[name])
+            elif not observed.sharded and not observed.hidden and oracle.stepped and all(
+                    g is None or not bool(g.any()) for g in observed.grads.values()):
+                oracle.forget_previous(name)  # the rank cleared its gradients: nothing of them can linger
         oracle.end_step()
 
     @staticmethod

@@ -17,7 +17,8 @@ collective rides along with it:
   the case's last is sent at once: a collective of the harness's after the case returned could meet
   a rank's stray collective (one rank hung in a collective no other joins must stay a hang).
   ``finish`` sends what still waits when a case stops early.
-- ``same_everywhere``: whether every rank holds the same bytes, from one all-reduce of digests.
+- ``same_everywhere``: whether every rank holds the same bytes, from one all-reduce of digests
+  (``digest``); ``rank0_values``, rank 0's copy only where they are not.
 - ``ring_average``: FSDP's reduce-scatter on gloo reproduced bit for bit (its summation order,
   ``ring_segments``, ``flat_segments``), for the bf16 cells, whose reduction in bf16 no bound would
   judge sharply.
@@ -25,15 +26,15 @@ collective rides along with it:
 
 from __future__ import annotations
 
-import hashlib
 import math
+import zlib
 from dataclasses import dataclass
 from typing import Callable, Hashable, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
-from harness.rank.closeness import Expectation, floor, reduction_allowance
+from harness.rank.closeness import REDUCTION_FACTOR, Expectation, allowance_dtype, eps, floor
 
 
 def flat(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
@@ -68,6 +69,78 @@ class Reduction:
 class _Waiting:
     mine: torch.Tensor  # this rank's values (flat)
     deliver: Callable[[torch.Tensor], None]  # called with rank 0's
+
+
+# One all-reduce of the oracle carries at most about this many elements: a large model's reduction
+# is cut into several, so that the buffer stays a fraction of the model (one collective more a 16 MB).
+BUFFER_ELEMENTS = 1 << 22
+
+
+class _Piece:
+    """One tensor's part in ``reduce_all``: what this rank sends for it (its values, or its share of the
+    allowance) and where the reduced result goes (``out``, flat, in the result's dtype)."""
+
+    def __init__(self, values: torch.Tensor, out: torch.Tensor, *, world_size: int, low: torch.dtype | None = None,
+                 share: tuple[float, torch.Tensor | None, torch.Tensor | None] | None = None,
+                 add: float = 0.0) -> None:
+        self.values = values.reshape(-1)
+        self.out = out.reshape(-1)
+        self.numel = self.values.numel()
+        self.world_size = world_size
+        self.low = low
+        self.share = share
+        self.add = add
+
+    def fill(self, into: torch.Tensor, start: int) -> None:
+        """This rank's contribution to elements ``start`` on, into ``into``. Its share of the allowance:
+        coefficient x |magnitude| (the values' own by default) + carried / world size."""
+        stop = start + into.numel()
+        if self.share is None:
+            into.copy_(self.values[start:stop])
+            return
+        coefficient, magnitude, carried = self.share
+        source = self.values if magnitude is None else magnitude.detach().reshape(-1)
+        if coefficient:
+            if source.dtype == into.dtype:
+                torch.abs(source[start:stop], out=into)
+            else:
+                into.copy_(source[start:stop].abs())
+            into.mul_(coefficient)
+        else:
+            into.zero_()
+        if carried is not None:
+            carried = carried.detach()
+            into.add_(carried.reshape(-1)[start:stop] if carried.numel() == self.numel else carried,
+                      alpha=1.0 / self.world_size)
+
+    def take(self, reduced: torch.Tensor, start: int) -> None:
+        """The sum over the ranks of elements ``start`` on: the values' average (rounded to the dtype the
+        wrapper sums in, first, where it is lower), or the allowance."""
+        out = self.out[start:start + reduced.numel()]
+        if self.share is not None:
+            out.copy_(reduced).add_(self.add)
+        elif self.low is not None:
+            out.copy_(reduced.to(self.low)).div_(self.world_size)
+        else:
+            out.copy_(reduced).div_(self.world_size)
+
+
+def _batches(pieces: Sequence[_Piece], extra: int) -> list[list[tuple[_Piece, int, int]]]:
+    """The pieces cut into all-reduces of about BUFFER_ELEMENTS each (a piece may span two): each a
+    list of (piece, first element, elements). At least one, for the ``extra`` riding along."""
+    batches: list[list[tuple[_Piece, int, int]]] = [[]]
+    room = BUFFER_ELEMENTS
+    for piece in pieces:
+        start = 0
+        while start < piece.numel:
+            if room == 0:
+                batches.append([])
+                room = BUFFER_ELEMENTS
+            n = min(room, piece.numel - start)
+            batches[-1].append((piece, start, n))
+            start += n
+            room -= n
+    return batches
 
 
 def ring_segments(sizes: Sequence[torch.Size], world_size: int) -> list[torch.Tensor]:
@@ -161,9 +234,9 @@ def _reproduced(total: torch.Tensor, mine: torch.Tensor, tensors: Mapping[Hashab
                 dtype: torch.dtype) -> dict[Hashable, Expectation]:
     """A reduction the oracle reproduced (``total``, flat, in ``dtype``), cut back into ``tensors``'
     shapes in ``mine``'s dtype, each element allowed nothing but ``dtype``'s floor."""
-    allowed = torch.full(mine.shape, floor(dtype), dtype=torch.float64)
-    averages, allowances = pieces(total.to(mine.dtype), tensors), pieces(allowed, tensors)
-    return {k: Expectation(averages[k], allowances[k]) for k in tensors}
+    averages = pieces(total.to(mine.dtype), tensors)
+    held = allowance_dtype(mine.dtype)
+    return {k: Expectation(averages[k], torch.full((), floor(dtype), dtype=held)) for k in tensors}
 
 
 class Collectives:
@@ -180,40 +253,51 @@ class Collectives:
 
     def reduce_all(self, reductions: list[Reduction]) -> list[dict[Hashable, Expectation]]:
         """The explicit all-rank average of each reduction's tensors, each element with its allowance:
-        the reduction's bound from every rank's magnitudes, plus the carried allowances (averaged).
-        One all-reduce for each dtype among them, carrying the copies waiting in that dtype."""
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        values = [flat(r.tensors.values()) for r in reductions]
-        for index, v in enumerate(values):
-            by_dtype.setdefault(v.dtype, []).append(index)
-        results: list[dict[Hashable, Expectation]] = [{} for _ in reductions]
-        for dtype, indices in by_dtype.items():
-            parts: list[torch.Tensor] = []
-            for index in indices:
-                reduction, v = reductions[index], values[index]
-                size = v.abs() if reduction.magnitudes is None else flat(reduction.magnitudes.values()).to(dtype)
-                parts += [v, size] + ([flat(reduction.carried.values()).to(dtype)] if reduction.carried is not None else [])
+        the reduction's bound from every rank's magnitudes plus the carried allowances (averaged), which
+        is linear in what each rank holds, so each rank sends its share of it, ``_share``, beside its
+        values. One all-reduce for each dtype among them (more, of at most ``BUFFER_ELEMENTS`` each,
+        for a large model), carrying the copies waiting in that dtype."""
+        pieces_of: dict[torch.dtype, list[_Piece]] = {}
+        results: list[dict[Hashable, Expectation]] = []
+        for reduction in reductions:
+            values = {k: t.detach() for k, t in reduction.tensors.items()}
+            dtype = next(iter(values.values())).dtype if values else torch.float32
+            low = reduction.summed_in
+            held = allowance_dtype(dtype)
+            # FSDP2's bf16 reduce-scatter of two terms rounds once, in either order: nothing to allow
+            coefficient = 0.0 if low is not None and self.world_size <= 2 else REDUCTION_FACTOR * eps(low or dtype)
+            average = {k: torch.empty_like(t) for k, t in values.items()}
+            allowed = {k: torch.empty(t.shape, dtype=held) for k, t in values.items()}
+            for key, t in values.items():
+                pieces_of.setdefault(dtype, []).append(_Piece(t, average[key], low=low, world_size=self.world_size))
+                magnitude = reduction.magnitudes[key] if reduction.magnitudes is not None else None
+                carried = reduction.carried[key] if reduction.carried is not None else None
+                pieces_of.setdefault(held, []).append(_Piece(
+                    t, allowed[key], share=(coefficient, magnitude, carried), world_size=self.world_size,
+                    add=floor(low or dtype)))
+            results.append({k: Expectation(average[k], allowed[k]) for k in values})
+        for dtype in list(pieces_of):
             riding = [w for w in self._waiting if w.mine.dtype == dtype]
-            parts += [self._contribution(w) for w in riding]
-            buffer = torch.cat(parts)
-            self._all_reduce(buffer)
-            offset = 0
-            for index in indices:
-                reduction, n = reductions[index], values[index].numel()
-                total = buffer[offset : offset + n]
-                if reduction.summed_in is not None:
-                    total = total.to(reduction.summed_in).to(dtype)
-                average = total / self.world_size
-                allowed = reduction_allowance(buffer[offset + n : offset + 2 * n], dtype=reduction.summed_in or dtype)
-                if reduction.summed_in is not None and self.world_size <= 2:
-                    allowed = torch.full_like(allowed, floor(reduction.summed_in))  # halving a subnormal rounds
-                offset += 2 * n
-                if reduction.carried is not None:
-                    allowed = allowed + buffer[offset : offset + n].double() / self.world_size
+            extra = sum(w.mine.numel() for w in riding)
+            batches = _batches(pieces_of.get(dtype, []), extra)
+            for index, batch in enumerate(batches):
+                last = index == len(batches) - 1
+                buffer = torch.empty(sum(n for _, _, n in batch) + (extra if last else 0), dtype=dtype)
+                offset = 0
+                for piece, start, n in batch:
+                    piece.fill(buffer[offset:offset + n], start)
                     offset += n
-                averages, allowances = pieces(average, reduction.tensors), pieces(allowed, reduction.tensors)
-                results[index] = {k: Expectation(averages[k], allowances[k]) for k in reduction.tensors}
-            self._deliver(riding, buffer[offset:])
+                if last:
+                    for w in riding:
+                        buffer[offset:offset + w.mine.numel()] = self._contribution(w)
+                        offset += w.mine.numel()
+                self._all_reduce(buffer)
+                offset = 0
+                for piece, start, n in batch:
+                    piece.take(buffer[offset:offset + n], start)
+                    offset += n
+                if last:
+                    self._deliver(riding, buffer[offset:])
         return results
 
     def ring_average(self, tensors: Mapping[Hashable, torch.Tensor], segments: Mapping[Hashable, torch.Tensor],
@@ -312,14 +396,37 @@ class Collectives:
         list): one all-reduce of each rank's digest, in its own row."""
         if self.world_size < 2:
             return []
-        digest = hashlib.blake2b(digest_size=32)
-        device = None
-        for t in tensors:
-            device = t.device
-            digest.update(str(t.dtype).encode())
-            digest.update(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy())
-        words = torch.frombuffer(bytearray(digest.digest()), dtype=torch.int64)
-        rows = torch.zeros(self.world_size, words.numel(), dtype=torch.int64, device=device)
-        rows[self.rank] = words.to(rows.device)
-        self._all_reduce(rows)
+        tensors = list(tensors)
+        words = digest(tensors)
+        device = tensors[0].device if tensors else None
+        rows = torch.zeros(self.world_size, len(words), dtype=torch.float32, device=device)
+        rows[self.rank] = torch.tensor(words, dtype=torch.float32, device=rows.device)
+        self._all_reduce(rows)  # each row is one rank's, the others add zeros: exact
         return [r for r in range(1, self.world_size) if not torch.equal(rows[r], rows[0])]
+
+    def rank0_values(self, tensors: Mapping[Hashable, torch.Tensor]) -> dict[Hashable, torch.Tensor]:
+        """Rank 0's copy of ``tensors`` as they are now, by key: this rank's own where every rank's
+        digests say they are rank 0's bit for bit (one small all-reduce), else rank 0's (a broadcast,
+        on every rank)."""
+        differ = self.same_everywhere(tensors.values())
+        if not differ:
+            return dict(tensors)
+        received = flat(t.detach() for t in tensors.values()).clone()
+        dist.broadcast(received, src=0)
+        return pieces(received, {k: t.detach() for k, t in tensors.items()})
+
+
+def digest(tensors: Iterable[torch.Tensor]) -> list[int]:
+    """A digest of the tensors' dtypes and bytes, as 16-bit words (each exact in fp32): their CRC-32
+    and the wrapping sum of their 64-bit words. 96 bits, position-sensitive, a few GB/s."""
+    crc, total = 0, 0
+    for t in tensors:
+        crc = zlib.crc32(str(t.dtype).encode(), crc)
+        data = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        for start in range(0, data.numel(), 1 << 26):
+            part = data[start:start + (1 << 26)].cpu()
+            crc = zlib.crc32(part.numpy(), crc)
+            whole = part.numel() // 8 * 8
+            total += int(part[:whole].view(torch.int64).sum()) + int(part[whole:].sum())
+    value = (crc << 64) | (total % (1 << 64))
+    return [(value >> (16 * i)) & 0xFFFF for i in range(6)]

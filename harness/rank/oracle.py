@@ -13,7 +13,7 @@ from harness.decorator import ALL_PRECISIONS
 from harness.rank.accounting import Accounting
 from harness.rank.anchoring import Anchored
 from harness.rank.checks import Checks, ClipNorm, as_optimizers
-from harness.rank.closeness import Expectation, norm_rounding, rounding_allowance
+from harness.rank.closeness import Expectation, no_allowance, norm_rounding, rounding_allowance
 from harness.rank.collectives import Collectives, Reduction, flat
 from harness.rank.recorder import Recorder
 from harness.rank.replica import AUTOCAST_DTYPES, SHARDED_MIXED, autocast_of, forward_as, unsharded_grads, unwrap
@@ -110,7 +110,11 @@ class Oracle(Anchored):
         self._require_equal_on_every_rank()
         self.models = forward_as(self.replicas, precision, wrapper=wrapper, reduce=reduce)
         self.params = {name: dict(r.named_parameters()) for name, r in self.replicas.items()}
-        self.local = {name: {p: torch.zeros_like(t) for p, t in ps.items()} for name, ps in self.params.items()}
+        # this rank's own gradient since the window began, by parameter; None is zero. Until a sync or
+        # a check's adoption parts them it is the replica's p.grad itself, the same tensor (``local is
+        # p.grad``): nothing changes either in place without parting them first (``_part_local``)
+        self.local: dict[str, dict[str, torch.Tensor | None]] = {
+            name: {p: None for p in ps} for name, ps in self.params.items()}
         # FSDP2, FSDP1 and DeepSpeed in bf16 (harness/rank/replica.py): each rank's unsharded gradients
         # since the last sync accumulate apart, as the wrapper accumulates them, and are reduced as it
         # reduces them; the result is added to the gradient held (harness/rank/sharded_reduce.py)
@@ -196,7 +200,20 @@ class Oracle(Anchored):
             )
 
     def _no_allowance(self, name: str) -> dict[str, torch.Tensor]:
-        return {p: torch.zeros_like(t, dtype=torch.float64) for p, t in self.params[name].items()}
+        return {p: no_allowance(t.dtype) for p, t in self.params[name].items()}
+
+    def local_of(self, name: str) -> dict[str, torch.Tensor]:
+        """This rank's own gradients of ``name`` since the window began, a zero one made whole."""
+        return {p: torch.zeros_like(self.params[name][p]) if t is None else t for p, t in self.local[name].items()}
+
+    def _part_local(self, name: str | None = None) -> None:
+        """Give every local gradient that is its replica's p.grad a tensor of its own, before p.grad
+        changes in place (a clip, the gradient scaler)."""
+        for model in [name] if name is not None else list(self.params):
+            for pname, p in self.params[model].items():
+                local = self.local[model][pname]
+                if local is not None and local is p.grad:
+                    self.local[model][pname] = local.clone()
 
     # the contract, step by step
 
@@ -264,19 +281,24 @@ class Oracle(Anchored):
                 # the rank's own since the window began, as the wrapper would hold it unsynced
                 for part in parts[index]:
                     self.sharded.add(name, pname, part)
-                    self.local[name][pname] = self.sharded.round(self.local[name][pname] + part)
+                    local = self.local[name][pname]
+                    self.local[name][pname] = self.sharded.round(part if local is None else local + part)
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             else:
-                p.grad = g.detach().clone() if p.grad is None else p.grad + g.detach()
-                self.local[name][pname] += g.detach()
+                local, g = self.local[name][pname], g.detach()
+                grad = g if p.grad is None else p.grad + g
+                # the local gradient is p.grad's own tensor while they hold the same (None: both zero)
+                self.local[name][pname] = grad if local is p.grad else g if local is None else local + g
+                p.grad = grad
             if self.terms is not None:
                 self.terms[name][pname] += g.detach().abs()
             if self.sharded is None:
                 # (in bf16 under FSDP and DeepSpeed the same kernels run on the same bf16 values: the same bits)
                 self.allowed[name][pname] = self.allowed[name][pname] + rounding_allowance(p.grad)
             if g_other is not None:
-                self.allowed[name][pname] += (g.detach().double() - g_other.detach().double()).abs()
+                held = self.allowed[name][pname]
+                self.allowed[name][pname] = held + (g.double() - g_other.detach().double()).abs().to(held.dtype)
             if weighted:
                 self.weighting.add(name, pname, g.detach())
         if weighted:
@@ -332,7 +354,7 @@ class Oracle(Anchored):
             # averaged by an earlier one (FSDP, sync_each_batch), rounds each term's average apart
             magnitudes = self.terms[name] if self.terms is not None else None
             reductions += [Reduction({pname: p.grad for pname, p in ps.items()}, self.allowed[name], magnitudes),
-                           Reduction(self.local[name])]
+                           Reduction(self.local_of(name))]
         reduced = self.collectives.reduce_all(reductions)
         for index, (name, ps) in enumerate(self.params.items()):
             average, self._synced[name] = reduced[2 * index], reduced[2 * index + 1]  # type: ignore[assignment]
@@ -345,7 +367,7 @@ class Oracle(Anchored):
         reduces it (harness/rank/sharded_reduce.py), added to the gradient the last sync left as the
         wrapper adds it to the gradient it holds (FSDP in fp32, DeepSpeed in bf16): the same add, so
         nothing more to allow."""
-        synced = self.collectives.reduce_all([Reduction(self.local[name]) for name in self.params])
+        synced = self.collectives.reduce_all([Reduction(self.local_of(name)) for name in self.params])
         averaged, why = self.sharded.average()  # type: ignore[union-attr]
         if why:
             self.checks.recorder.unchecked["exact reduction order"] = why
@@ -361,10 +383,11 @@ class Oracle(Anchored):
         """Clip each model's replica gradients, as ``clip_grad_norm_`` on synced gradients does;
         the total norm of each model's gradients before clipping."""
         self._unscale()
+        self._part_local()  # the clip scales p.grad in place
         norms = {}
         for name, replica in self.replicas.items():
             ps = self.params[name]
-            before = {pname: p.grad.detach().double().abs() for pname, p in ps.items() if p.grad is not None}
+            before = {pname: p.grad.detach().abs() for pname, p in ps.items() if p.grad is not None}
             norm = float(torch.nn.utils.clip_grad_norm_(replica.parameters(), max_norm, norm_type=norm_type))
             norms[name] = norm
             coefficient = min(1.0, max_norm / (norm + 1e-6))
@@ -391,13 +414,15 @@ class Oracle(Anchored):
         if self.scaler is None or self._unscaled:
             return
         inverse = 1.0 / float(self.scaler.get_scale())
+        self._part_local()  # the scaler unscales p.grad in place
         for opts in self.optimizers.values():
             for optimizer in opts:
                 self.scaler.unscale_(optimizer)
         for name in self.allowed:
             self.allowed[name] = {p: a * inverse for p, a in self.allowed[name].items()}
             for local in self.local[name].values():
-                local.mul_(inverse)
+                if local is not None:
+                    local.mul_(inverse)
         self._synced.clear()
         self._unscaled = True
 
@@ -422,10 +447,11 @@ class Oracle(Anchored):
         for scheduler in self.schedulers:
             for _ in range(self.scheduler_steps):
                 scheduler.step()
+        # the window's last gradient, which a missed zero_grad would leave behind: p.grad's own tensors,
+        # which the replicas let go of here (kept until a check shows the rank cleared its own)
         self.previous = {
             name: {
-                p: Expectation(t.grad.detach().clone() if t.grad is not None else torch.zeros_like(t),
-                               self.allowed[name][p].clone())
+                p: Expectation(t.grad.detach() if t.grad is not None else torch.zeros_like(t), self.allowed[name][p])
                 for p, t in ps.items()
             }
             for name, ps in self.params.items()
@@ -436,7 +462,7 @@ class Oracle(Anchored):
         for name, ps in self.params.items():
             for pname, p in ps.items():
                 p.grad = None
-                self.local[name][pname].zero_()
+                self.local[name][pname] = None
             self.allowed[name] = self._no_allowance(name)
             if self.terms is not None:
                 self.terms[name] = {pname: torch.zeros_like(p) for pname, p in ps.items()}

@@ -28,7 +28,7 @@ from typing import Any, Hashable, Mapping
 import torch
 from torch import nn
 
-from harness.rank.closeness import Expectation
+from harness.rank.closeness import Expectation, no_allowance
 from harness.rank.collectives import Collectives, Reduction, flat_segments, ring_order_holds, ring_segments
 from harness.rank.replica import AUTOCAST_DTYPES, unwrap
 from harness.wrappers import sharding
@@ -128,7 +128,7 @@ class ShardedReduce:
         then cleared (under ZeRO-2/3: what every backward reduced since the last boundary); and why
         the reduction is judged within its bound instead, or "" where it is reproduced exactly."""
         if self.every_backward:
-            none = {(n, p): Expectation(torch.zeros_like(t), torch.zeros_like(t, dtype=torch.float64))
+            none = {(n, p): Expectation(torch.zeros_like(t), no_allowance(t.dtype))
                     for n, ps in self.pending.items() for p, t in ps.items()}
             averaged = {**none, **self.reduced}  # a parameter no backward reduced: nothing to add
             self.reduced = {}

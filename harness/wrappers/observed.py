@@ -43,7 +43,8 @@ class Observed:
         return self.pieces.get(pname, _identity)(full)
 
     def piece_of(self, pname: str, expected: Expectation) -> Expectation:
-        return Expectation(self.piece(pname, expected.value), self.piece(pname, expected.allowed))
+        allowed = expected.allowed  # a 0-dim allowance holds for every part alike
+        return Expectation(self.piece(pname, expected.value), self.piece(pname, allowed) if allowed.dim() else allowed)
 
     def full_params(self) -> dict[str, torch.Tensor]:
         """Every parameter whole (a collective when sharded)."""
