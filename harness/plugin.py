@@ -17,7 +17,7 @@ from harness.catalogue import CaseRef
 from harness.controller.cells import cell_id, run_cell
 from harness.controller.options import DEFAULT_CASE_TIMEOUT_S, DEFAULT_SEED, OptionError, Settings, resolve
 from harness.controller.pool import PoolSet
-from harness.controller.progress import Progress, terminal_writer
+from harness.controller.progress import TICK_S, Progress, terminal_writer
 from harness.decorator import case_info
 from harness.matrix.diff import selection_id
 from harness.matrix.schema import Cell, Matrix, merge_cells, with_unavailable_checks
@@ -88,7 +88,15 @@ class HarnessState:
         self.signals_installed = False
         self.pools_prepared = False
         self._environment: dict[str, Any] | None = None
-        self.progress = Progress(None if _is_worker(config) else terminal_writer(config))
+        # a long cell's line: from a thread under xdist's controller (its workers run the cells); where
+        # the cells run in this process, from the wait for their ranks, with pytest's capture lifted
+        in_process = config.getoption("dist", "no") == "no"  # xdist registers its controller later
+        self.progress = Progress(None if _is_worker(config) else terminal_writer(config),
+                                 tick_s=None if in_process else TICK_S)
+        capture = config.pluginmanager.getplugin("capturemanager")
+        if in_process and capture is not None:
+            self.progress.urgent_context = capture.global_and_fixture_disabled
+        self.while_waiting = self.progress.tick if in_process else None
         self.cell_texts = CellTexts()  # each cell's JSON made once, though the reports are rewritten after every cell
 
     # registered as a plugin object, so that these are hooks of this process's state
@@ -98,7 +106,9 @@ class HarnessState:
         lines = self.progress.write
         if lines is not None:
             lines.file = report.nodeid.split("::", 1)[0]
-            lines.flush()  # a line that waited for pytest's line of dots to end, if it just did
+            self.progress.flush()  # a line that waited for pytest's line of dots to end, if it just did
+        if report.when in ("call", "teardown"):  # (a worker that crashed reports its test as a call)
+            self.progress.cell_ended(_cell_name(report.nodeid))
         if report.when != "call":
             return
         cells = [Cell.from_dict(value) for name, value in report.user_properties if name == CELL_PROPERTY]
@@ -116,7 +126,9 @@ class HarnessState:
     def pytest_runtest_logstart(self, nodeid: str, location: Any) -> None:
         lines = self.progress.write
         if lines is not None and not self.config.pluginmanager.hasplugin("dsession"):  # serial: xdist has no headers
-            lines.next_file(nodeid)
+            self.progress.flush(next_file=nodeid)
+        if nodeid in self.expected_ids:  # under xdist too: the controller hears of each cell a worker starts
+            self.progress.cell_started(_cell_name(nodeid))
 
     def write_reports(self, *, complete: bool) -> None:
         """(Re)write the three reports from the cells so far, each file replaced atomically."""
@@ -309,6 +321,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     state.progress.expect(len(state.expected_ids))
 
 
+def _cell_name(nodeid: str) -> str:
+    """A cell as the progress line names it: its test's name and parameters (``test_case[fp32-ws2]``)."""
+    return nodeid.split("::", 1)[-1]
+
+
 def _cell_world_size(item: pytest.Item) -> int:
     """The world size of a harness cell; 0 for any other test (the plugin is loaded in every pytest
     run of an environment where it is installed: a user's own test whose id ends in ``-ws2]`` is
@@ -374,7 +391,7 @@ class CellRunner:
 
     def run(self) -> None:
         cell = run_cell(self.state.pools, self.case, self.variant, self.world_size, self.state.settings,
-                        node=self.item.nodeid)
+                        node=self.item.nodeid, while_waiting=self.state.while_waiting)
         self.item.user_properties.append((CELL_PROPERTY, cell.to_dict()))
         if cell.status in GOOD_STATUSES:
             return
@@ -395,8 +412,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return
     state.interrupted = state.interrupted or exitstatus == pytest.ExitCode.INTERRUPTED
     state.progress.finish()  # the closing progress line (controller or serial run), before the summary
-    if state.progress.write is not None:
-        state.progress.write.flush(force=True)
+    state.progress.flush(force=True)
     # after an interruption the ranks may be busy in a cell: do not wait for them
     state.pools.close(graceful=not state.interrupted)
     # With no finished cell (a usage error, an interruption before the first cell) there is nothing

@@ -3,10 +3,14 @@ writes it on lines of its own, serial and under xdist, and writes none under -q.
 
 import os
 import re
+import select
+import signal
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
-from conftest import PLANTED, ROOT, wait_for_no_processes
+from conftest import PLANTED, ROOT, killed_if_failing, start_pytest, wait_for_no_processes
 
 from harness.controller.progress import Progress, duration, terminal_writer
 
@@ -214,7 +218,8 @@ def test_a_serial_run_writes_a_failing_cell_and_a_closing_line_without_splitting
     # largest world size first: the failing ws2 cell, then the passing ws1 one
     session = left_out_run
     assert session.returncode == 1
-    lines = LINE.findall(session.stdout)
+    # (a line for a long cell, where the machine is slow enough to make one, is not what this counts)
+    lines = [line for line in LINE.findall(session.stdout) if " · running " not in line]
     assert len(lines) == 2, session.stdout[-3000:]
     # pytest's line of letters for the file is whole: its name once, both letters on it
     headers = [line for line in session.stdout.splitlines() if line.startswith(os.path.relpath(PLANTED, ROOT))]
@@ -239,3 +244,91 @@ def test_a_quiet_run_writes_no_progress_line(run_pytest):
     assert session.returncode == 0, session.stdout[-3000:]
     assert session.matrix["cells"][0]["status"] == "pass"
     assert LINE.findall(session.stdout) == []
+
+
+def long_cells(interval_s=10.0, long_s=10.0):
+    clock, lines = Clock(), []
+    p = Progress(lambda line, urgent=False: lines.append((line, urgent)), clock=clock, interval_s=interval_s,
+                 long_s=long_s, tick_s=None)
+    p.expect(4)
+    return p, clock, lines
+
+
+def test_a_cell_that_runs_long_is_named_with_how_long_every_interval_until_it_ends():
+    p, clock, lines = long_cells()
+    p.cell_started("test_model_size[params=100000000-ws2]")
+    clock.now += 9
+    p.tick()
+    assert lines == []  # not long yet
+    clock.now += 2
+    p.tick()
+    assert lines == [("gradient-sync: 0/4 cells · running test_model_size[params=100000000-ws2] for 11s", True)]
+    clock.now += 5
+    p.tick()
+    assert len(lines) == 1  # once an interval
+    clock.now += 6
+    p.tick()
+    assert lines[-1][0].endswith("running test_model_size[params=100000000-ws2] for 22s")
+    p.cell_ended("test_model_size[params=100000000-ws2]")
+    p.cell_done("pass", "model_size[params=100000000-ws2]")
+    clock.now += 30
+    p.tick()
+    assert len(lines) == 2  # nothing runs: no line
+
+
+def test_of_several_long_cells_the_one_running_longest_is_named_and_the_others_counted():
+    p, clock, lines = long_cells()
+    p.cell_started("a[fp32-ws4]")
+    clock.now += 3
+    p.cell_started("b[fp32-ws2]")
+    clock.now += 12
+    p.tick()
+    assert lines == [("gradient-sync: 0/4 cells · running a[fp32-ws4] for 15s (and 1 more)", True)]
+
+
+def test_the_long_cells_line_comes_at_once_even_inside_pytests_line_of_dots():
+    dots = Reporter(12)
+    lines = terminal_writer(config(0, dots))
+    lines("gradient-sync: 1/4 cells")
+    assert dots.calls == []  # an ordinary line waits for the dots' line to end
+    lines("gradient-sync: 1/4 cells · running a[fp32-ws2] for 12s", urgent=True)
+    assert dots.calls == ["ensure_newline", "gradient-sync: 1/4 cells",
+                          "gradient-sync: 1/4 cells · running a[fp32-ws2] for 12s"]
+
+
+def test_a_controller_thread_ticks_once_a_cell_started_and_stops_at_the_end():
+    written = threading.Event()
+    clock = Clock()
+    p = Progress(lambda line, urgent=False: written.set(), clock=clock, long_s=0.0, interval_s=0.0, tick_s=0.001)
+    p.expect(2)
+    p.cell_started("a[fp32-ws2]")
+    assert written.wait(30)  # the thread found the cell running and wrote
+    p.cell_done("pass", "a")
+    p.finish()
+    p._ticker.join(30)
+    assert not p._ticker.is_alive()
+
+
+@pytest.mark.parametrize("xdist", [[], ["-n", "1"]], ids=["serial", "xdist"])
+def test_a_run_names_its_long_cell_while_it_runs(tmp_path, xdist):
+    """A cell that runs on (it blocks until the run is ended) is named, with how long it has run,
+    while it runs: in a serial run, from the wait for its ranks (out of pytest's capture of the test);
+    under xdist, by the controller, which hears of the cell from the worker that runs it."""
+    process, token = start_pytest([*xdist, PLANTED, "-k", "planted_blocks_half_way and not finishes",
+                                   "--world-sizes", "1", "--case-timeout", "3600"], tmp_path / "r", PYTHONUNBUFFERED="1")
+    seen = []
+    with killed_if_failing(process):
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([process.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            line = process.stdout.readline() if ready else ""
+            if not line:
+                break
+            seen.append(line.rstrip("\n"))
+            if " · running " in line:
+                break
+        assert any(re.fullmatch(r"gradient-sync: 0/1 cells · running test_planted_blocks_half_way\[blocks-ws1\] "
+                                r"for 1\ds", s) for s in seen), seen
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate(timeout=60)
+    assert wait_for_no_processes(token) == []

@@ -13,6 +13,7 @@ import os
 import shlex
 import time
 import traceback
+from typing import Callable
 
 from harness.catalogue import CaseRef, portable_location
 from harness.controller.options import DEFAULT_CASE_TIMEOUT_S, Settings
@@ -74,7 +75,7 @@ def cell_spec(case: CaseRef, variant: Variant, world_size: int, settings: Settin
 
 
 def run_cell(pools: PoolSet, case: CaseRef, variant: Variant, world_size: int, settings: Settings, *,
-             node: str | None = None) -> Cell:
+             node: str | None = None, while_waiting: Callable[[], None] | None = None) -> Cell:
     """Run the cell on the pool of its world size (started if need be) and judge it.
 
     Whatever goes wrong is the cell's verdict, never an exception: a pool that cannot start, a rank
@@ -101,7 +102,7 @@ def run_cell(pools: PoolSet, case: CaseRef, variant: Variant, world_size: int, s
         return judge(outcome=None, duration_s=0.0, start_error=str(exc), **common)
     started = time.perf_counter()  # the cell's own time; starting the pool is not part of it
     try:
-        outcome = pool.run(spec, timeout_s=settings.case_timeout_s)
+        outcome = pool.run(spec, timeout_s=settings.case_timeout_s, while_waiting=while_waiting)
     except Exception:
         pool.kill()
         return judge(outcome=None, duration_s=time.perf_counter() - started,

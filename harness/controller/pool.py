@@ -13,7 +13,7 @@ import threading
 import time
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as _wait_for
-from typing import Any
+from typing import Any, Callable
 
 from harness.controller.blame import mark_victims, protocol_fault, stuck_kinds
 from harness.messages import (
@@ -34,6 +34,8 @@ START_TIMEOUT_S = 180.0
 GRACE_S = 3.0
 # How long a stuck rank's progress thread gets to answer (it does not, while C code holds the GIL).
 PROGRESS_ANSWER_S = 1.0
+# while a cell runs, how often the controller looks up from waiting for its ranks (``while_waiting``)
+WAIT_SLICE_S = 1.0
 _TAIL_CHARS = 4000
 
 
@@ -228,8 +230,9 @@ class RankPool:
                         f"{_tail(self._path('log', rank))}"
                     )
 
-    def run(self, spec: CellSpec, *, timeout_s: float) -> CellOutcome:
+    def run(self, spec: CellSpec, *, timeout_s: float, while_waiting: Callable[[], None] | None = None) -> CellOutcome:
         """Run one cell on every rank; a rank that raises, dies or hangs becomes a RankFault.
+        ``while_waiting`` is called about every WAIT_SLICE_S while the ranks work (the progress line's).
 
         After any fault the pool is dead (killed) and must be started again before the next cell."""
         if not self.alive:
@@ -248,7 +251,9 @@ class RankPool:
             if now >= limit:
                 break
             handles = [self.conns[r] for r in pending] + [self.processes[r].sentinel for r in pending]
-            ready = wait(handles, limit - now)
+            ready = wait(handles, limit - now if while_waiting is None else min(limit - now, WAIT_SLICE_S))
+            if while_waiting is not None:
+                while_waiting()
             for rank in sorted(pending):
                 conn, process = self.conns[rank], self.processes[rank]
                 message: Any = None

@@ -1,15 +1,22 @@
-"""The live progress line of a run: cells done of expected, bad cells so far, and the time left."""
+"""The live progress line of a run: cells done of expected, bad cells so far, the time left, and a
+cell that has run long."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 from harness.records import BAD_STATUSES, Status
 
 # How often a line is written while cells pass (a cell that ends bad is written at once): often
 # enough to show a long run is alive, rarely enough to keep a CI log readable.
 INTERVAL_S = 10.0
+# A cell running this long is named in a line of its own, and again every INTERVAL_S while it runs (a
+# model of 1e8 parameters, or a rank stuck until --case-timeout): a long cell is not a stopped run.
+LONG_CELL_S = 10.0
+TICK_S = 1.0  # how often the controller looks for one
 _BAD_ORDER = (Status.FAIL, Status.ERROR, Status.MISSED)
 
 
@@ -27,15 +34,28 @@ class Progress:
     """Counts finished cells and writes a line through ``write`` (None: counts, writes nothing).
 
     A line is written when a cell ends and ``interval_s`` has passed since the last line (or since
-    the start), at once when a cell ends fail, error or missed (naming it), and once by ``finish``.
-    Where it lands in pytest's output (never inside its line of dots) is ``TerminalLines``' part.
+    the start), at once when a cell ends fail, error or missed (naming it), and once by ``finish``;
+    and, while a cell started with ``cell_started`` has run for ``long_s`` or more, every
+    ``interval_s`` naming it and how long it has run (``tick``: from a thread of its own once a cell
+    started, every ``tick_s``; with ``tick_s`` None, by whoever waits for the cell, as a serial run's
+    controller does). Where it lands in pytest's output (never inside its line of dots, but for a long
+    cell's) is ``TerminalLines``' part.
     """
 
-    def __init__(self, write: Optional[Callable[[str], None]], clock: Callable[[], float] = time.monotonic,
-                 interval_s: float = INTERVAL_S) -> None:
+    def __init__(self, write: Optional[Callable[..., None]], clock: Callable[[], float] = time.monotonic,
+                 interval_s: float = INTERVAL_S, long_s: float = LONG_CELL_S, tick_s: float | None = TICK_S) -> None:
         self.write = write
         self.clock = clock
         self.interval_s = interval_s
+        self.long_s = long_s
+        self.tick_s = tick_s  # None: no thread (``tick`` is called by hand)
+        self.running: dict[str, float] = {}  # the cells running, by name: since when
+        # what a long cell's line is written inside: in a process that runs the cell itself, pytest's
+        # capture of the test's output is lifted for it (the plugin sets it)
+        self.urgent_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
         self.total = 0
         self.done = 0
         self.bad: dict[str, int] = {}
@@ -51,7 +71,50 @@ class Progress:
         self.expected = True
         self.total = total
 
+    def cell_started(self, name: str) -> None:
+        """A cell started (it is named by ``tick`` if it runs long)."""
+        with self._lock:
+            self.running[name] = self.clock()
+        if self.write is not None and self.tick_s is not None and self._ticker is None:
+            self._ticker = threading.Thread(target=self._tick_until_finished, name="harness-progress-tick", daemon=True)
+            self._ticker.start()
+
+    def cell_ended(self, name: str) -> None:
+        """The cell is no longer running (its result, if any, came through ``cell_done``)."""
+        with self._lock:
+            self.running.pop(name, None)
+
+    def tick(self) -> None:
+        """The line for a cell that has run ``long_s`` or more, at most once an interval."""
+        with self._lock:
+            if self.write is None or self.finished or not self.running:
+                return
+            now = self.clock()
+            name, since = min(self.running.items(), key=lambda item: item[1])
+            if now - since < self.long_s or now - self.last_written < self.interval_s:
+                return
+            more = f" (and {len(self.running) - 1} more)" if len(self.running) > 1 else ""
+            self._write(self.line(now) + f" · running {name} for {duration(now - since)}{more}", now, urgent=True)
+
+    def flush(self, *, force: bool = False, next_file: str | None = None) -> None:
+        """The writer's ``flush`` (or ``next_file``), under the lock the ticking thread writes under."""
+        if not isinstance(self.write, TerminalLines):
+            return
+        with self._lock:
+            if next_file is not None:
+                self.write.next_file(next_file)
+            else:
+                self.write.flush(force=force)
+
+    def _tick_until_finished(self) -> None:
+        while not self._stop.wait(self.tick_s):
+            self.tick()
+
     def cell_done(self, status: str, name: str = "") -> None:
+        with self._lock:
+            self._cell_done(status, name)
+
+    def _cell_done(self, status: str, name: str) -> None:
         self.done += 1
         if self.done == 1:
             self.first_done = self.clock()
@@ -68,6 +131,11 @@ class Progress:
 
     def finish(self) -> None:
         """The closing line, once, when any cell finished: how long the cells took, or where they stopped."""
+        self._stop.set()
+        with self._lock:
+            self._finish()
+
+    def _finish(self) -> None:
         if self.write is None or self.finished or not self.done:
             return
         self.finished = True
@@ -86,10 +154,14 @@ class Progress:
             parts.append(f"{duration(left)} left")
         return " · ".join(parts)
 
-    def _write(self, line: str, now: float) -> None:
+    def _write(self, line: str, now: float, *, urgent: bool = False) -> None:
         assert self.write is not None
         self.last_written = now
-        self.write(line)
+        if urgent:
+            with self.urgent_context():
+                self.write(line, urgent=True)
+        else:
+            self.write(line)
 
 
 class TerminalLines:
@@ -112,9 +184,10 @@ class TerminalLines:
         # looked up at each line: the terminal reporter is registered after the harness's configure
         return self.config.pluginmanager.get_plugin("terminalreporter")
 
-    def __call__(self, line: str) -> None:
+    def __call__(self, line: str, *, urgent: bool = False) -> None:
+        """Write ``line``; ``urgent`` (a long cell's): at once, ending pytest's line of dots if one is open."""
         self.pending.append(line)
-        self.flush(force=self.at_once)
+        self.flush(force=self.at_once or urgent)
 
     def flush(self, *, force: bool = False) -> None:
         reporter = self._reporter()

@@ -17,10 +17,10 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 from harness.controller.blame import collective_error, mark_victims, protocol_fault, stuck_kinds
-from harness.controller.pool import GRACE_S, GroupLost
+from harness.controller.pool import GRACE_S, WAIT_SLICE_S, GroupLost
 from harness.launch.channel import Channel, message_key, result_key
 from harness.launch.rank import COLLECTIVE_MARGIN_S, RankRuntime, run_guarded
 from harness.messages import CellSpec, RankResult, Rejoin, RunCell, Shutdown
@@ -142,14 +142,14 @@ class LaunchedGroup:
             self.channel.drop(message_key(self.sent - 1))
         return self.sent
 
-    def run(self, spec: CellSpec, *, timeout_s: float) -> CellOutcome:
+    def run(self, spec: CellSpec, *, timeout_s: float, while_waiting: Callable[[], None] | None = None) -> CellOutcome:
         self.running = True
         try:
-            return self._run(spec, timeout_s=timeout_s)
+            return self._run(spec, timeout_s=timeout_s, while_waiting=while_waiting)
         finally:
             self.running = False
 
-    def _run(self, spec: CellSpec, *, timeout_s: float) -> CellOutcome:
+    def _run(self, spec: CellSpec, *, timeout_s: float, while_waiting: Callable[[], None] | None) -> CellOutcome:
         n = self._send(RunCell(spec))
         self.executor.submit(n, RunCell(spec))
         outcome = CellOutcome()
@@ -158,6 +158,7 @@ class LaunchedGroup:
         deadline, first_fault_at, seen = now + timeout_s, None, 0
         beats: dict[int, tuple[int, float]] = {r: (-1, now) for r in pending if r != 0}
         next_beat_check, sleep = now + 1.0, 0.0005
+        next_tick = now + WAIT_SLICE_S
         while pending:
             now = time.monotonic()
             limit = deadline if first_fault_at is None else min(deadline, first_fault_at + GRACE_S)
@@ -192,6 +193,9 @@ class LaunchedGroup:
             if first_fault_at is None and outcome.faults:
                 first_fault_at = now
             sleep = 0.0005 if got else min(sleep * 2, 0.01)
+            if while_waiting is not None and now >= next_tick:
+                next_tick = now + WAIT_SLICE_S
+                while_waiting()
             time.sleep(sleep)
         if pending:
             # a rank whose collective timed out or failed is a victim: it shows no cause of its own
