@@ -114,21 +114,25 @@ def _in_mode(mode: str, spec: Any, rank: int, device: Any) -> tuple[Any, float]:
 
 
 def _timing_job(rank: int, world_size: int, device: Any, spec: Any, runs: int) -> dict[str, Any]:
-    """Each mode warm: ``runs`` cells after one unmeasured, the median wall of each (every rank starts
-    together; the slowest rank's view is rank 0's, which waits for the others in the collectives)."""
+    """Each mode warm: one unmeasured cell each, then ``runs`` rounds of one cell of each mode in turn
+    (what the machine does meanwhile falls on every mode alike), the median wall of each (every rank
+    starts together; the slowest rank's view is rank 0's, which waits for the others in the
+    collectives)."""
     import torch.distributed as dist
 
-    out: dict[str, Any] = {}
+    walls: dict[str, list[float]] = {mode: [] for mode in MODES}
+    busy: dict[str, list[float]] = {mode: [] for mode in MODES}
     for mode in MODES:
         _in_mode(mode, spec, rank, device)
-        walls, busy = [], []
-        for _ in range(runs):
+    for _ in range(runs):
+        for mode in MODES:
             dist.barrier()
             started = time.perf_counter()
             _, busy_s = _in_mode(mode, spec, rank, device)
-            walls.append(time.perf_counter() - started)
-            busy.append(busy_s)
-        out[mode] = {"ms": statistics.median(walls) * 1000, "busy_ms": statistics.median(busy) * 1000}
+            walls[mode].append(time.perf_counter() - started)
+            busy[mode].append(busy_s)
+    out: dict[str, Any] = {mode: {"ms": statistics.median(walls[mode]) * 1000,
+                                  "busy_ms": statistics.median(busy[mode]) * 1000} for mode in MODES}
     # the oracle's collectives: the checked cell's beyond the unchecked one's, issued again bare
     issued = {}
     for mode in ("checked", "unchecked"):

@@ -62,7 +62,7 @@ CYCLE = WORLD_CELLS + [("cases/test_no_sync.py", "no_sync", "fp32"),
                        ("cases/test_accumulate_optim.py", "accumulate_adamw", "steps=2-fp32"),
                        ("cases/test_unused_parameters.py", "unused_parameters", "steps=2-pattern=same-fp32")]
 BIG_MODEL = 1_000_000  # above this many parameters a size is run at most BIG_REPEATS times
-BIG_REPEATS = 3
+BIG_REPEATS = 5
 PARTS = ("world", "cells", "size")
 
 

@@ -133,3 +133,92 @@ def test_the_clip_coefficient_bound_holds_for_norms_summed_in_any_order_and_shar
         worst = max(worst, gap / allowed)
     assert worst > 0.0  # the orders did differ: the bound was tested
     print(f"{shards} shards: worst difference {worst:.3f} of the allowance")
+
+
+# The comparisons run in fp32, chunk by chunk, and must decide as a float64 comparison of every element
+# does (closeness.all_close, all_close_updates, any_distinguishable): against a float64 reference, on
+# values at their allowance's edge, non-finite ones, zero (0-dim) allowances and tensors of more than a chunk.
+
+def _as_float64(pairs):
+    from harness.rank.closeness import _abs_diff
+
+    diffs = [_abs_diff(a.double(), e.value.double()) for a, e in pairs]
+    close = all(not bool((d > e.allowed.double().expand_as(d)).any()) for d, (_, e) in zip(diffs, pairs))
+    return close, max(float(d.max()) for d in diffs)
+
+
+def _edge(generator, n, allowed):
+    return (torch.rand(n, generator=generator) * 2 - 1) * allowed * float(
+        torch.tensor([0.999, 1.0, 1.0001, 0.5, 3.0])[torch.randint(5, (1,), generator=generator)])
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_fp32_comparisons_decide_as_float64_ones_do(seed):
+    from harness.rank.closeness import all_close, no_allowance
+
+    generator = torch.Generator().manual_seed(seed)
+    pairs = []
+    for n in (1, 5, 100, 70_000, (1 << 20) + 3)[:2 + seed % 4]:
+        value = torch.randn(n, generator=generator) * 10.0 ** (seed % 7 - 3)
+        allowed = rounding_allowance(value) if seed % 3 else no_allowance()
+        actual = value + _edge(generator, n, allowed if allowed.dim() else rounding_allowance(value))
+        if seed % 5 == 0:
+            actual[0] = float("nan")
+            actual[-1] = float("inf")
+        pairs.append((actual.float(), Expectation(value, allowed)))
+    assert all_close(pairs) == _as_float64(pairs)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_fp32_update_comparisons_decide_as_float64_ones_do(seed):
+    from harness.rank.closeness import _abs_diff, all_close_updates
+
+    generator = torch.Generator().manual_seed(seed)
+    triples = []
+    for n in (7, 70_000, (1 << 20) + 5)[:1 + seed % 3]:
+        before = torch.randn(n, generator=generator) * 10.0 ** (seed % 5 - 2)
+        after = before - torch.randn(n, generator=generator) * 10.0 ** -(seed % 6)
+        actual = after + _edge(generator, n, rounding_allowance(after, before))
+        triples.append((actual, after, before))
+    diffs = [_abs_diff(a.double() - b.double(), o.double() - b.double()) for a, o, b in triples]
+    expected = (all(not bool((d > rounding_allowance(o, b).double()).any()) for d, (_, o, b) in zip(diffs, triples)),
+                max(float(d.max()) for d in diffs))
+    assert all_close_updates(triples) == expected
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_telling_hypotheses_apart_in_fp32_decides_as_float64_does(seed):
+    from harness.rank.closeness import any_distinguishable
+
+    generator = torch.Generator().manual_seed(seed)
+    pairs = []
+    for n in (3, 70_000, (1 << 20) + 1)[:1 + seed % 3]:
+        local = torch.randn(n, generator=generator)
+        synced = local * (1 + (torch.rand(n, generator=generator) * 2 - 1) * [1e-7, 1e-6, 1e-5, 0.0][seed % 4])
+        pairs.append((Expectation.rounded(local), Expectation(synced, rounding_allowance(synced) * (1 + seed % 2))))
+    reference = any(bool(((a.value.double() - b.value.double()).abs()
+                          > 10.0 * (a.allowed.double() + b.allowed.double())).any()) for a, b in pairs)
+    assert any_distinguishable(pairs) == reference
+    # a bare tensor first stands for its rounding allowance, made chunk by chunk
+    assert any_distinguishable([(a.value, b) for a, b in pairs]) == reference
+
+
+def test_a_zero_allowance_is_one_number_for_every_element():
+    from harness.rank.closeness import all_close, no_allowance
+
+    zero = Expectation(torch.tensor([1.0, -2.0]), no_allowance())
+    assert zero.allowed.dim() == 0 and zero.allowed.dtype == torch.float32
+    assert all_close([(torch.tensor([1.0, -2.0]), zero)]) == (True, 0.0)
+    assert not all_close([(torch.tensor([1.0, -2.0 * (1 + EPS32)]), zero)])[0]
+    assert not difference(torch.tensor([1.0, -2.0 * (1 + EPS32)]), zero).close
+
+
+def test_an_element_whose_fp32_difference_rounds_onto_its_allowance_is_measured_in_float64():
+    """1 - 2^-24 minus -2^-30 is 1 - 2^-24 + 2^-30 exactly, over an allowance of 1 - 2^-24, but rounds
+    to the allowance in fp32: only the margin the fp32 test keeps sends it to float64, where it fails."""
+    from harness.rank.closeness import all_close
+
+    allowance = torch.tensor([1 - 2.0 ** -24])
+    actual, value = torch.tensor([1 - 2.0 ** -24]), torch.tensor([-2.0 ** -30])
+    assert float((actual - value).abs()) == float(allowance)  # in fp32: on the bound
+    assert all_close([(actual, Expectation(value, allowance))])[0] is False

@@ -106,6 +106,24 @@ def test_digests_name_every_rank_that_differs_from_rank0_on_every_rank():
     assert run_on_ranks(_digests, 3) == [([], [2])] * 3
 
 
+def _rank0_values(rank: int, world_size: int) -> tuple[bool, list[float], bool]:
+    from harness.rank.collectives import Collectives
+
+    collectives = Collectives(rank=rank, world_size=world_size)
+    alike = {"w": torch.arange(6.0).reshape(2, 3)}
+    same = collectives.rank0_values(alike)["w"] is alike["w"]  # no copy travels where every digest agrees
+    apart = {"w": torch.arange(6.0).reshape(2, 3) + (1e-6 if rank == 1 else 0.0)}
+    got = collectives.rank0_values(apart)["w"]
+    return same, got.reshape(-1).tolist(), got is apart["w"]
+
+
+def test_rank0s_copy_travels_only_where_a_digest_differs_and_then_to_every_rank():
+    got = run_on_ranks(_rank0_values, 3)
+    assert all(same for same, _, _ in got)
+    assert all(values == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0] for _, values, _ in got)  # rank 1's own is not rank 0's
+    assert [own for _, _, own in got] == [False, False, False]  # a broadcast, on every rank
+
+
 def _entry(record_id: int, at_ns: int, name: str = "gloo:all_reduce") -> dict:
     return {"record_id": record_id, "time_created_ns": at_ns, "profiling_name": name, "input_sizes": [[4]]}
 

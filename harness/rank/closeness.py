@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -51,7 +51,7 @@ MARGIN = 10.0
 # of zeros.
 CHUNK = 1 << 20  # elements a comparison takes at a time: its temporaries stay small
 _SMALL = 1 << 16  # tensors below this many elements are compared together, in one concatenation
-# An fp32 difference d = fl(|a - v|) is within one rounding of the exact one, so d <= A - A·2^-21
+# An fp32 difference d = fl(|a - v|) is within one rounding of the exact one, so d <= A·(1 - 2^-21)
 # proves |a - v| <= A (the float64 test, as before) with a margin for that rounding and the
 # threshold's own; an element where it does not is measured again in float64. Likewise, d·(1 - 2^-20)
 # above a threshold T computed in fp32 proves the exact gap above the exact T.
@@ -224,17 +224,21 @@ def _at(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return t.expand_as(mask)[mask] if t.dim() else t
 
 
-def _close_chunk(a: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-                 base: torch.Tensor | None = None) -> tuple[bool, float]:
+def chunk_close(a: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | Callable[[], torch.Tensor],
+                base: torch.Tensor | None = None) -> tuple[bool, float]:
     """Whether no element's difference exceeds its allowance, and the greatest difference, of one
-    chunk: as in float64, computed in fp32 where that cannot decide otherwise (``_SURE``)."""
+    chunk: as in float64, computed in fp32 where that cannot decide otherwise (``_SURE``). Equal
+    values need no allowance: ``allowed`` may be a function that makes it, called only if they differ."""
+    if a.dtype == v.dtype and torch.equal(a, v):
+        return True, 0.0
+    allowed = allowed() if callable(allowed) else allowed
     wide = torch.promote_types(torch.promote_types(a.dtype, v.dtype), torch.float32)
     if wide == torch.float64 or allowed.dtype == torch.float64:
         everything = torch.ones(a.shape, dtype=torch.bool)
         abs_diff = _exact(a, v, base, everything)
         return not bool((abs_diff > allowed.double()).any()), float(abs_diff.max())
     d = torch.sub(a.to(wide), v.to(wide)).abs_()
-    sure = d <= allowed - allowed * _SURE
+    sure = d <= allowed * (1 - _SURE)
     if bool(sure.all()):
         close, best, unsure = True, 0.0, None
     else:
@@ -258,7 +262,7 @@ def all_close(pairs: Sequence[tuple[torch.Tensor, Expectation]]) -> tuple[bool, 
     each tensor apart only when one is not close)."""
     close, best = True, 0.0
     for a, v, allowed in _aligned((a, e.value, e.allowed) for a, e in pairs):
-        ok, top = _close_chunk(a, v, allowed)
+        ok, top = chunk_close(a, v, allowed)
         close, best = close and ok, max(best, top)
     return close, best
 
@@ -269,7 +273,8 @@ def all_close_updates(triples: Sequence[tuple[torch.Tensor, torch.Tensor, torch.
     before``, allowed ``rounding_allowance(after, before)``, as ``Checks.params`` judges them."""
     close, best = True, 0.0
     for actual, after, before in _aligned(triples):
-        ok, top = _close_chunk(actual, after, rounding_allowance(after, before), base=before)
+        ok, top = chunk_close(actual, after, lambda after=after, before=before: rounding_allowance(after, before),
+                              base=before)
         close, best = close and ok, max(best, top)
     return close, best
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -125,22 +125,22 @@ class _Piece:
             out.copy_(reduced).div_(self.world_size)
 
 
-def _batches(pieces: Sequence[_Piece], extra: int) -> list[list[tuple[_Piece, int, int]]]:
-    """The pieces cut into all-reduces of about BUFFER_ELEMENTS each (a piece may span two): each a
-    list of (piece, first element, elements). At least one, for the ``extra`` riding along."""
-    batches: list[list[tuple[_Piece, int, int]]] = [[]]
+def batches(pieces: Sequence[Any]) -> list[list[tuple[Any, int, int]]]:
+    """The pieces (anything with a ``numel``) cut into all-reduces of about BUFFER_ELEMENTS each (a piece
+    may span two): each a list of (piece, first element, elements); at least one (for what rides along)."""
+    out: list[list[tuple[Any, int, int]]] = [[]]
     room = BUFFER_ELEMENTS
     for piece in pieces:
         start = 0
         while start < piece.numel:
             if room == 0:
-                batches.append([])
+                out.append([])
                 room = BUFFER_ELEMENTS
             n = min(room, piece.numel - start)
-            batches[-1].append((piece, start, n))
+            out[-1].append((piece, start, n))
             start += n
             room -= n
-    return batches
+    return out
 
 
 def ring_segments(sizes: Sequence[torch.Size], world_size: int) -> list[torch.Tensor]:
@@ -279,9 +279,9 @@ class Collectives:
         for dtype in list(pieces_of):
             riding = [w for w in self._waiting if w.mine.dtype == dtype]
             extra = sum(w.mine.numel() for w in riding)
-            batches = _batches(pieces_of.get(dtype, []), extra)
-            for index, batch in enumerate(batches):
-                last = index == len(batches) - 1
+            cut = batches(pieces_of.get(dtype, []))
+            for index, batch in enumerate(cut):
+                last = index == len(cut) - 1
                 buffer = torch.empty(sum(n for _, _, n in batch) + (extra if last else 0), dtype=dtype)
                 offset = 0
                 for piece, start, n in batch:

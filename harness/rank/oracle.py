@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 from typing import Any, Callable, ContextManager, Hashable, Iterable, Mapping, Sequence, Union
 
 import torch
@@ -13,14 +14,15 @@ from harness.decorator import ALL_PRECISIONS
 from harness.rank.accounting import Accounting
 from harness.rank.anchoring import Anchored
 from harness.rank.checks import Checks, ClipNorm, as_optimizers
-from harness.rank.closeness import Expectation, no_allowance, norm_rounding, rounding_allowance
+from harness.rank.closeness import CHUNK, Expectation, no_allowance, norm_rounding, rounding_allowance
 from harness.rank.collectives import Collectives, Reduction, flat
+from harness.rank.fused_check import fusable
 from harness.rank.recorder import Recorder
 from harness.rank.replica import AUTOCAST_DTYPES, SHARDED_MIXED, autocast_of, forward_as, unsharded_grads, unwrap
 from harness.rank.schedule import MicroStep
 from harness.rank.sharded_reduce import ShardedReduce
 from harness.rank.weighting import TokenWeighting, token_seeds
-from harness.wrappers.names import ADDS_AFTER_REDUCING
+from harness.wrappers.names import ADDS_AFTER_REDUCING, DDP
 
 # ``optimizer=``: called with a replica's parameters, as ``torch.optim.SGD(params, lr=...)`` is.
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
@@ -36,6 +38,7 @@ RngReplay = Callable[[Hashable], ContextManager[None]]
 # smaller. ``full_batch``: each window's gradient is the mean over the micro-batches the window really
 # had, the gradient of one batch holding all of them: a short window's micro-batches weigh more.
 CONTRACTS = ("accelerate", "full_batch")
+FUSED_FROM_VARIABLE = "GRADSYNC_HARNESS_FUSED_FROM"
 
 
 class Oracle(Anchored):
@@ -49,6 +52,10 @@ class Oracle(Anchored):
     legitimately be from it. The checks a case calls are judged in harness/rank/checks.py, which anchors
     the oracle to the rank's real state after each one through the ``adopt_*`` methods here.
     """
+
+    # a model of this many elements or more is checked at a sync as it is averaged (harness/rank/fused_check.py);
+    # the variable FUSED_FROM_VARIABLE overrides it for a run (tests: 0, the pass on the catalogue's small models)
+    FUSED_FROM = CHUNK
 
     def __init__(
         self,
@@ -136,6 +143,9 @@ class Oracle(Anchored):
         # the same all-reduce, and forgotten whenever ``local`` changes
         self._synced: dict[str, dict[str, Expectation]] = {}
         # how far each replica gradient may legitimately be from the rank's (harness/rank/closeness.py)
+        # the allowances held as their 0-dim part plus ``rounding_allowance(p.grad)``, made only when read
+        # (``allowance_of``): after one backward from none, that is all of it, and a model's worth less
+        self.rounded: set[tuple[str, str]] = set()
         self.allowed = {name: self._no_allowance(name) for name in self.params}
         self.previous: dict[str, dict[str, Expectation]] | None = None
         self.last_sync = False
@@ -174,6 +184,8 @@ class Oracle(Anchored):
         # (kept only under such a wrapper: nothing else reads them)
         self.terms = ({name: {p: torch.zeros_like(t) for p, t in ps.items()} for name, ps in self.params.items()}
                       if wrapper in ADDS_AFTER_REDUCING else None)
+        # the models whose sync's average the next gradient check makes (``_average_grads``)
+        self.pending: set[str] = set()
         self.checks = Checks(self, recorder, accounting)
         # each model's norm at the last clip_grad_norm, before clipping (what check_grad_norm judges)
         self.norms: dict[str, ClipNorm] = {}
@@ -200,7 +212,21 @@ class Oracle(Anchored):
             )
 
     def _no_allowance(self, name: str) -> dict[str, torch.Tensor]:
+        for pname in self.params[name]:
+            self.rounded.discard((name, pname))
         return {p: no_allowance(t.dtype) for p, t in self.params[name].items()}
+
+    def allowance_of(self, name: str) -> dict[str, torch.Tensor]:
+        """Each replica gradient's allowance, by parameter, made whole where it was held as its 0-dim
+        part and p.grad's rounding (``rounded``)."""
+        for pname in self.params[name]:
+            self._materialize(name, pname)
+        return self.allowed[name]
+
+    def _materialize(self, name: str, pname: str) -> None:
+        if (name, pname) in self.rounded:
+            self.rounded.discard((name, pname))
+            self.allowed[name][pname] = self.allowed[name][pname] + rounding_allowance(self.params[name][pname].grad)
 
     def local_of(self, name: str) -> dict[str, torch.Tensor]:
         """This rank's own gradients of ``name`` since the window began, a zero one made whole."""
@@ -229,6 +255,7 @@ class Oracle(Anchored):
         ``closure(models)`` computes the loss from the replicas (a dict by model name), the same way
         the case computed it from the prepared models. ``rng``: the key the case's forward ran under
         ``ctx.replay_rng(key)``; the closure runs under the same RNG state (the same dropout masks)."""
+        self.settle()
         if self.sharded is not None:
             for name, m in self.models.items():
                 prepared = unwrap(self.sharded.models[name])  # prepared by now
@@ -286,6 +313,7 @@ class Oracle(Anchored):
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             else:
+                self._materialize(name, pname)  # of p.grad as it is, before this backward adds to it
                 local, g = self.local[name][pname], g.detach()
                 grad = g if p.grad is None else p.grad + g
                 # the local gradient is p.grad's own tensor while they hold the same (None: both zero)
@@ -295,7 +323,10 @@ class Oracle(Anchored):
                 self.terms[name][pname] += g.detach().abs()
             if self.sharded is None:
                 # (in bf16 under FSDP and DeepSpeed the same kernels run on the same bf16 values: the same bits)
-                self.allowed[name][pname] = self.allowed[name][pname] + rounding_allowance(p.grad)
+                if self.allowed[name][pname].dim() == 0 and g_other is None:
+                    self.rounded.add((name, pname))  # the same for every element, plus p.grad's rounding
+                else:
+                    self.allowed[name][pname] = self.allowed[name][pname] + rounding_allowance(p.grad)
             if g_other is not None:
                 held = self.allowed[name][pname]
                 self.allowed[name][pname] = held + (g.double() - g_other.detach().double()).abs().to(held.dtype)
@@ -341,24 +372,46 @@ class Oracle(Anchored):
 
     def _average_grads(self) -> None:
         """Every model's gradients averaged, and the average of its local gradients (the synced
-        hypothesis a check asks for next), in one all-reduce."""
+        hypothesis a check asks for next), in one all-reduce; for a large model under DDP, left for
+        the gradient check that follows to make as it judges (harness/rank/fused_check.py)."""
         if self.sharded is not None:
             self._average_pending()
             return
+        if self._fusable():
+            self.pending = set(self.params)
+            return
+        self._average_now(list(self.params))
+
+    def _fusable(self) -> bool:
+        return (self.world_size > 1 and self.mesh is None and self.wrapper == DDP and self.scaler is None
+                and sum(p.numel() for ps in self.params.values() for p in ps.values())
+                >= int(os.environ.get(FUSED_FROM_VARIABLE, self.FUSED_FROM))
+                and all(fusable(ps) for ps in self.params.values()))
+
+    def settle(self, names: Iterable[str] | None = None) -> None:
+        """Make the averages still pending (of ``names``, default every model's) as a small model's
+        are made (every rank calls it at the same point: it is a collective)."""
+        wanted = [name for name in self.params if name in self.pending and (names is None or name in set(names))]
+        if wanted:
+            self.pending.difference_update(wanted)
+            self._average_now(wanted)
+
+    def _average_now(self, names: list[str]) -> None:
         reductions = []
-        for name, ps in self.params.items():
+        for name in names:
+            ps = self.params[name]
             for p in ps.values():
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             # a wrapper that reduces each micro-batch (ZeRO-2/3), or adds a sync's average to a gradient
             # averaged by an earlier one (FSDP, sync_each_batch), rounds each term's average apart
             magnitudes = self.terms[name] if self.terms is not None else None
-            reductions += [Reduction({pname: p.grad for pname, p in ps.items()}, self.allowed[name], magnitudes),
+            reductions += [Reduction({pname: p.grad for pname, p in ps.items()}, self.allowance_of(name), magnitudes),
                            Reduction(self.local_of(name))]
         reduced = self.collectives.reduce_all(reductions)
-        for index, (name, ps) in enumerate(self.params.items()):
+        for index, name in enumerate(names):
             average, self._synced[name] = reduced[2 * index], reduced[2 * index + 1]  # type: ignore[assignment]
-            for pname, p in ps.items():
+            for pname, p in self.params[name].items():
                 p.grad = average[pname].value
                 self.allowed[name][pname] = average[pname].allowed
 
@@ -373,6 +426,7 @@ class Oracle(Anchored):
             self.checks.recorder.unchecked["exact reduction order"] = why
         for index, (name, ps) in enumerate(self.params.items()):
             self._synced[name] = synced[index]  # type: ignore[assignment]
+            self.allowance_of(name)
             for pname, p in ps.items():
                 base = p.grad if p.grad is not None else torch.zeros_like(p)
                 average = averaged[(name, pname)]
@@ -382,6 +436,7 @@ class Oracle(Anchored):
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> dict[str, float]:
         """Clip each model's replica gradients, as ``clip_grad_norm_`` on synced gradients does;
         the total norm of each model's gradients before clipping."""
+        self.settle()
         self._unscale()
         self._part_local()  # the clip scales p.grad in place
         norms = {}
@@ -394,7 +449,7 @@ class Oracle(Anchored):
             # the norm is off by at most the norm of the allowances, and the coefficient with it; the
             # rank's norm sums the squares in another order (its shards, then across the ranks), which
             # rounds the coefficient apart by up to norm_rounding (harness/rank/closeness.py), where it clips
-            carried = float(torch.linalg.vector_norm(flat(self.allowed[name].values()), norm_type))
+            carried = float(torch.linalg.vector_norm(flat(self.allowance_of(name).values()), norm_type))
             # the gradients' dtype: of any that has one (a check may have adopted a rank that held none)
             dtype = next((p.grad.dtype for p in ps.values() if p.grad is not None), next(iter(ps.values())).dtype)
             self.norms[name] = ClipNorm(norm, carried, sum(g.numel() for g in before.values()), dtype)
@@ -413,13 +468,14 @@ class Oracle(Anchored):
         ``unscale_gradients`` does before a clip; the scale is a power of two, so exactly."""
         if self.scaler is None or self._unscaled:
             return
+        self.settle()
         inverse = 1.0 / float(self.scaler.get_scale())
         self._part_local()  # the scaler unscales p.grad in place
         for opts in self.optimizers.values():
             for optimizer in opts:
                 self.scaler.unscale_(optimizer)
         for name in self.allowed:
-            self.allowed[name] = {p: a * inverse for p, a in self.allowed[name].items()}
+            self.allowed[name] = {p: a * inverse for p, a in self.allowance_of(name).items()}
             for local in self.local[name].values():
                 if local is not None:
                     local.mul_(inverse)
@@ -431,6 +487,7 @@ class Oracle(Anchored):
 
         Under fp16 each optimizer steps through the gradient scaler (skipped when a gradient is
         not finite) and the scale is updated after it, as a prepared optimizer's ``step`` does."""
+        self.settle()
         due = point.optimizer_step if isinstance(point, MicroStep) else bool(point)
         self.stepped = due
         self.before_step = {name: {p: t.detach().clone() for p, t in ps.items()} for name, ps in self.params.items()}
@@ -449,6 +506,8 @@ class Oracle(Anchored):
                 scheduler.step()
         # the window's last gradient, which a missed zero_grad would leave behind: p.grad's own tensors,
         # which the replicas let go of here (kept until a check shows the rank cleared its own)
+        for name in self.params:
+            self.allowance_of(name)
         self.previous = {
             name: {
                 p: Expectation(t.grad.detach() if t.grad is not None else torch.zeros_like(t), self.allowed[name][p])

@@ -35,7 +35,10 @@ class TokenWeighting:
         # one: their contributions are the same and are fitted as one); None: every rank its own
         self.shards = shards
         self.tokens: int | None = None
-        self._new = {name: {p: torch.zeros_like(t) for p, t in ps.items()} for name, ps in params.items()}
+        self._params = params
+        # by model, the contributions since the last check: made at the first weighted backward (a model's
+        # worth of zeros an oracle that weighs nothing need not hold)
+        self._new: dict[str, dict[str, torch.Tensor]] = {}
         self._parts: dict[str, list[dict[str, torch.Tensor]]] = {}  # every rank's, after a sync
         self._weighted: set[str] = set()  # models with a weighted backward since their last check
         self._mixed: set[str] = set()  # ... and a local one after a sync: no parts to fit
@@ -62,6 +65,8 @@ class TokenWeighting:
             self.clear(name)
 
     def add(self, name: str, pname: str, grad: torch.Tensor) -> None:
+        if not self._new:
+            self._new = {n: {p: torch.zeros_like(t) for p, t in ps.items()} for n, ps in self._params.items()}
         self._new[name][pname] += grad
 
     def after_backward(self, *, sync: bool) -> None:
@@ -97,7 +102,7 @@ class TokenWeighting:
 
     def clear(self, name: str) -> None:
         """A check adopted the rank's gradients of ``name``: nothing since."""
-        for t in self._new[name].values():
+        for t in self._new.get(name, {}).values():
             t.zero_()
         self._parts.pop(name, None)
         self._weighted.discard(name)

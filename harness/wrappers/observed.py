@@ -39,6 +39,11 @@ class Observed:
     _full_params: Callable[[], dict[str, torch.Tensor]] | None = None
     _full_grads: Callable[[], dict[str, torch.Tensor | None]] | None = None
 
+    @property
+    def plain(self) -> bool:
+        """Whether every gradient is shown whole, as the rank holds it (DDP, no wrapper)."""
+        return not (self.sharded or self.hidden or self.shards_shown or self.pieces or self._full_grads is not None)
+
     def piece(self, pname: str, full: torch.Tensor) -> torch.Tensor:
         return self.pieces.get(pname, _identity)(full)
 
