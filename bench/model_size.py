@@ -10,11 +10,11 @@ Each cell runs its case body in one of three modes, the oracle the case makes sw
 The oracle's collectives are those the checked cell issues beyond the unchecked one (torch's flight
 recorder on rank 0), issued again bare (rig.replay).
 
-Memory: each mode's cell runs once in fresh ranks whose heap returns what it frees (glibc's mmap
-threshold at 128 KiB, so every large tensor is its own mapping), after one run of the smallest size
-(the imports); the peak resident memory of the cell over the resident memory before it (VmHWM reset
-through /proc/self/clear_refs) is what it holds. The checked cell's less the unchecked cell's, over
-the model's fp32 bytes, is what the harness holds in model copies.
+Memory: each mode's cell runs once in fresh ranks, whose allocator is a pool rank's
+(harness/rank/runner.py, keep_large_allocations), after one run of the smallest size (the imports);
+the peak resident memory of the cell over the resident memory before it (VmHWM reset through
+/proc/self/clear_refs) is what it holds. The checked cell's less the unchecked cell's, over the
+model's fp32 bytes, is what the harness holds in model copies.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from typing import Any, Iterator
 from rig import FLOOR_RING, recorded, replay, run_ranks
 
 MODES = ("unchecked", "replica", "checked")
-_M_MMAP_THRESHOLD = -3
 
 
 class UncheckedOracle:
@@ -151,29 +150,23 @@ def _rss_kb(field: str) -> int:
         return next(int(line.split()[1]) for line in handle if line.startswith(field + ":"))
 
 
-def _memory_job(rank: int, world_size: int, device: Any, spec: Any, warm: Any) -> dict[str, float]:
-    """Each mode's cell once, after ``warm`` (the smallest size's cell, for the imports): its peak
-    resident memory above the resident memory before it, MB. Large allocations are mapped apart, so
-    what a cell frees leaves the resident set and the next one starts clean."""
-    import ctypes
-
-    ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
-    out = {}
-    for mode in MODES:
-        _in_mode(mode, warm, rank, device)
-        with open("/proc/self/clear_refs", "w") as handle:
-            handle.write("5")  # VmHWM := VmRSS
-        before = _rss_kb("VmRSS")
-        _in_mode(mode, spec, rank, device)
-        out[mode] = (_rss_kb("VmHWM") - before) / 1024
-    return out
+def _memory_job(rank: int, world_size: int, device: Any, spec: Any, warm: Any, mode: str) -> float:
+    """The mode's cell once in fresh ranks, after ``warm`` (the smallest size's cell, for the imports),
+    with the allocator as a pool's ranks have it: its peak resident memory above the resident memory
+    before it, MB."""
+    _in_mode(mode, warm, rank, device)
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")  # VmHWM := VmRSS
+    before = _rss_kb("VmRSS")
+    _in_mode(mode, spec, rank, device)
+    return (_rss_kb("VmHWM") - before) / 1024
 
 
 def measure(world_size: int, spec: Any, warm: Any, runs: int) -> dict[str, Any]:
     """The timings (rank 0's) and each rank's memory of one model-size cell."""
     timing = run_ranks(world_size, _timing_job, spec, runs, env={"TORCH_FR_BUFFER_SIZE": FLOOR_RING})[0]
-    memory = run_ranks(world_size, _memory_job, spec, warm)
-    return {**timing, "memory_mb": memory}
+    memory = {mode: run_ranks(world_size, _memory_job, spec, warm, mode) for mode in MODES}
+    return {**timing, "memory_mb": [{mode: memory[mode][r] for mode in MODES} for r in range(world_size)]}
 
 
 def copies(memory: list[dict[str, float]], params: int) -> float:

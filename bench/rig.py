@@ -52,8 +52,18 @@ def run_ranks(world_size: int, job: Callable[..., Any], *args: Any, env: dict[st
         store = os.path.join(folder, "store")
         processes = [ctx.Process(target=_rank_main, args=(r, world_size, store, queue, env or {}, job, args),
                                  daemon=True) for r in range(world_size)]
-        for process in processes:
-            process.start()
+        # a pool rank's settings that take effect only before its first tensor (harness/rank/runner.py,
+        # keep_large_allocations): a spawned rank imports this bench's modules, and torch, before the job
+        from harness.rank.runner import TORCH_HUGE_PAGES
+
+        inherited = os.environ.get(TORCH_HUGE_PAGES)
+        os.environ.setdefault(TORCH_HUGE_PAGES, "1")
+        try:
+            for process in processes:
+                process.start()
+        finally:
+            if inherited is None:
+                os.environ.pop(TORCH_HUGE_PAGES, None)
         results: dict[int, Any] = {}
         try:
             deadline = time.monotonic() + RIG_TIMEOUT_S

@@ -48,6 +48,9 @@ class Anchored:
     allowance_of: Callable[[str], dict[str, torch.Tensor]]
     rounded: set[tuple[str, str]]
     pending: set[str]
+    _fusable: Callable[[], bool]
+    spares: dict[tuple[str, str], torch.Tensor]
+    reusable_local: set[tuple[str, str]]
     settle: Callable[..., None]
 
     # collectives and what the contract expects now (read by harness/rank/checks.py)
@@ -118,6 +121,8 @@ class Anchored:
             replica_param.grad = None if grad is None else average if outcome.same else average.copy_(grad.detach())
         self.allowed[name] = self._no_allowance(name)
         self.weighting.clear(name)
+        # the local gradients are the oracle's own now (p.grad holds the adopted ones): the step may reuse them
+        self.reusable_local.update((name, p) for p in ps if self.local[name][p] is not None)
         return outcome
 
     def previous_grad(self, name: str, pname: str) -> Expectation | None:
@@ -129,8 +134,12 @@ class Anchored:
     def forget_previous(self, name: str) -> None:
         """The rank cleared ``name``'s gradients after the step: nothing of the last window can linger in
         them, so its gradient need not be kept for a diagnosis."""
-        if self.previous is not None:
-            self.previous.pop(name, None)
+        if self.previous is None:
+            return
+        gone = self.previous.pop(name, None)
+        if gone is not None and self._fusable():
+            for pname, expectation in gone.items():  # the pages of the next backward's gradient
+                self.spares[(name, pname)] = expectation.value
 
     # carrying on from the rank's real state (when: harness/rank/checks.py)
 
@@ -171,6 +180,7 @@ class Anchored:
         for pname, grad in grads.items():
             if pname in self.local[name] and (grad is None or not bool(grad.any())):
                 self.local[name][pname] = None
+                self.reusable_local.discard((name, pname))
                 self._synced.pop(name, None)
 
     def adopt_optimizer_state(self, name: str, optimizers: Any) -> None:

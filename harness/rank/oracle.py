@@ -186,6 +186,11 @@ class Oracle(Anchored):
                       if wrapper in ADDS_AFTER_REDUCING else None)
         # the models whose sync's average the next gradient check makes (``_average_grads``)
         self.pending: set[str] = set()
+        # a large model's tensors of gradient size the oracle no longer needs, kept for the next one it
+        # makes (its last window's gradient, let go: the next backward's gradient; its local gradient
+        # after a fused check: the parameters before the step): pages a step does not fault in again
+        self.spares: dict[tuple[str, str], torch.Tensor] = {}
+        self.reusable_local: set[tuple[str, str]] = set()
         self.checks = Checks(self, recorder, accounting)
         # each model's norm at the last clip_grad_norm, before clipping (what check_grad_norm judges)
         self.norms: dict[str, ClipNorm] = {}
@@ -289,9 +294,8 @@ class Oracle(Anchored):
             other = None if other is None else self.scaler.scale(other)
         parts: list[list[torch.Tensor]] = []
         if self.sharded is None:
-            params = [p for _, _, p in flat]
-            grads = torch.autograd.grad(loss, params, allow_unused=True, retain_graph=other is not None)
-            others = torch.autograd.grad(other, params, allow_unused=True) if other is not None else [None] * len(grads)
+            grads = self._gradients(loss, flat, retain_graph=other is not None)
+            others = self._gradients(other, flat) if other is not None else [None] * len(grads)
         else:  # bf16 gradients of the unsharded parameters, upcast exactly, as the wrapper adds them
             keys = [(name, pname) for name, pname, _ in flat]
             parts = [[c.float() for c in cs] for cs in unsharded_grads(loss, self.models, keys,
@@ -313,6 +317,7 @@ class Oracle(Anchored):
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             else:
+                self.reusable_local.discard((name, pname))
                 self._materialize(name, pname)  # of p.grad as it is, before this backward adds to it
                 local, g = self.local[name][pname], g.detach()
                 grad = g if p.grad is None else p.grad + g
@@ -341,6 +346,26 @@ class Oracle(Anchored):
         self.last_sync = sync
         if sync:
             self._average_grads()
+
+    def _gradients(self, loss: torch.Tensor, flat: list[tuple[str, str, nn.Parameter]], *,
+                   retain_graph: bool = False) -> list[torch.Tensor | None]:
+        """Each parameter's gradient of ``loss`` alone (None where it has none), leaving p.grad as it was:
+        torch's own accumulation into the leaves (as the case's backward adds a model's several uses),
+        into a spare tensor of the parameter's where the oracle holds one (``spares``: no fresh pages)."""
+        saved = [p.grad for _, _, p in flat]
+        versions: list[int | None] = []
+        for (name, pname, p), held in zip(flat, saved):
+            spare = self.spares.pop((name, pname), None) if held is None else None
+            p.grad = spare.zero_() if spare is not None and spare.shape == p.shape and spare.dtype == p.dtype else None
+            versions.append(None if p.grad is None else p.grad._version)
+            del spare  # p.grad alone holds it: torch then adds into it in place
+        torch.autograd.backward(loss, inputs=[p for _, _, p in flat], retain_graph=retain_graph)
+        grads = []
+        for (_, _, p), held, version in zip(flat, saved, versions):
+            got = p.grad
+            grads.append(None if got is None or version is not None and got._version == version else got)
+            p.grad = held
+        return grads
 
     def token_window(self, labels: Iterable[torch.Tensor], *, ignore_index: int = -100) -> int:
         """Weigh the backwards of this accumulation window (until the next optimizer step) by tokens,
@@ -463,6 +488,17 @@ class Oracle(Anchored):
                 )
         return norms
 
+    def _before(self, name: str, pname: str, param: torch.Tensor, *, reuse: bool) -> torch.Tensor:
+        """A copy of the parameter before the step: where the step ends the window, into its local
+        gradient's own tensor when nothing else holds that (after a fused check)."""
+        local = self.local[name][pname]
+        if (reuse and (name, pname) in self.reusable_local and local is not None and local.shape == param.shape
+                and local.dtype == param.dtype):
+            self.reusable_local.discard((name, pname))
+            self.local[name][pname] = None
+            return local.copy_(param.detach())
+        return param.detach().clone()
+
     def _unscale(self) -> None:
         """Under fp16: divide the gradients (and their allowances) by the scale, once per window, as
         ``unscale_gradients`` does before a clip; the scale is a power of two, so exactly."""
@@ -490,7 +526,9 @@ class Oracle(Anchored):
         self.settle()
         due = point.optimizer_step if isinstance(point, MicroStep) else bool(point)
         self.stepped = due
-        self.before_step = {name: {p: t.detach().clone() for p, t in ps.items()} for name, ps in self.params.items()}
+        self.spares.clear()  # what the window's check did not take
+        self.before_step = {name: {p: self._before(name, p, t, reuse=due) for p, t in ps.items()}
+                            for name, ps in self.params.items()}
         if not due:
             return
         for opts in self.optimizers.values():

@@ -19,6 +19,9 @@ import os
 os.environ["OMP_NUM_THREADS"] = "1"
 os.environ["MKL_NUM_THREADS"] = "1"
 os.environ.setdefault("ACCELERATE_DISABLE_RICH", "1")
+# large tensors on huge pages (harness/rank/runner.py, keep_large_allocations): torch reads it once, at the
+# first tensor, which this server may make before it forks the ranks
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import torch  # noqa: E402
 import torch._dynamo  # noqa: E402,F401  (imported lazily by a rank's first optimizer: a second)

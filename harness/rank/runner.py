@@ -113,23 +113,33 @@ def limit_threads() -> None:
 
 # glibc's mallopt parameters, and how large an allocation the rank's heap keeps (see below)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-HEAP_KEEPS_BYTES = 1 << 30
+HEAP_KEEPS_BYTES = 32 << 20
+HEAP_TRIMS_BYTES = 1 << 30
+# torch's switch for transparent huge pages under its CPU tensors of 2 MiB and more (c10's alloc_cpu),
+# read once, at a process's first tensor
+TORCH_HUGE_PAGES = "THP_MEM_ALLOC_ENABLE"
 
 
 def keep_large_allocations() -> None:
-    """Let the rank's heap keep large allocations instead of mapping fresh pages for each.
+    """Let the rank's heap keep allocations of up to 32 MiB instead of mapping fresh pages for each,
+    and map the larger ones on huge pages.
 
     glibc serves an allocation above its mmap threshold (at most 32 MiB by default) with pages
     straight from the kernel, zeroed, and unmaps them on free; and it gives the top of the heap back
-    beyond its trim threshold. A check of a model of 1e7 parameters makes a few dozen temporaries of
-    40 to 80 MB (float64 differences, allowances): each paid its page faults again, and such a cell
-    took 23 s. With both thresholds at 1 GiB the pages are reused (a loop of 80 MB float64
-    temporaries here: 500 -> 105 ms an iteration); the rank holds its peak heap until it exits.
-    Elsewhere than glibc this does nothing."""
+    beyond its trim threshold. A check of a model of 1e7 parameters makes tensors of 40 MB, which
+    paid their page faults again at each (a loop of 80 MB temporaries here: 500 -> 105 ms an iteration
+    with them kept in the heap). But a heap that kept the 400 MB tensors of a model of 1e8 parameters
+    (the threshold at 1 GiB, as it was) fragmented: a rank held 12 GB after a few cells of that size
+    and faulted in gigabytes a cell all the same. So the mmap threshold is pinned at 32 MiB (glibc
+    would move it with the blocks freed), the heap's top is given back beyond 1 GiB, and the larger
+    tensors are mapped on huge pages (torch's THP_MEM_ALLOC_ENABLE, set here before any tensor where
+    this runs first): what a rank holds follows what it uses, and a fresh 400 MB costs 200 faults, not
+    100,000 (bench/README.md, "Against model size"). Elsewhere than glibc the thresholds are not set."""
+    os.environ.setdefault(TORCH_HUGE_PAGES, "1")
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(_M_MMAP_THRESHOLD, HEAP_KEEPS_BYTES)
-        libc.mallopt(_M_TRIM_THRESHOLD, HEAP_KEEPS_BYTES)
+        libc.mallopt(_M_TRIM_THRESHOLD, HEAP_TRIMS_BYTES)
     except (OSError, AttributeError):
         pass
 
