@@ -213,9 +213,36 @@ def test_a_raise_is_an_error_naming_rank_and_host_and_the_launch_goes_on(faults_
     assert raised["summary"] == (f"rank 1 on {host} raised ZeroDivisionError: planted on rank 1 "
                                  f"(rank 0 on {host} blocked waiting for it)")
     assert "in plant" in raised["detail"]
+    # rank 1 shut down its connections as it raised: rank 0's collective failed at once, as a victim's
+    # ("blocked waiting for it"), not at the group's collective timeout (which reads "Timed out waiting")
+    assert "Connection closed by peer" in raised["detail"]
     assert raised["duration_s"] <= TIMEOUT_S + 5  # rebuilding the group is not the cell's time
     # every rank left the aborted group and joined a new one: the next cell passes
     assert cells[("planted_rank_fault", "after_raise")]["status"] == "pass"
+
+
+def test_a_rank_that_severs_its_connections_frees_the_peer_waiting_on_it_and_the_group_rejoins(tmp_path):
+    """RankRuntime.sever on rank 1 of a real gloo group whose collectives time out after ten minutes:
+    rank 0's all-reduce, which rank 1 never joins, fails with the closed connection while rank 1 is
+    still alive, the store still answers (its connections are not severed), and both ranks then join
+    the next generation of the group and all-reduce in it."""
+    port = free_port()
+    processes = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "planted" / "severed_rank.py")], cwd=ROOT,
+                                  env={**os.environ, "PYTHONPATH": str(ROOT), "RANK": str(r), "WORLD_SIZE": "2",
+                                       "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                       "MASTER_PORT": str(port)},
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                 for r in range(2)]
+    try:
+        outputs = [p.communicate(timeout=300) for p in processes]
+    finally:
+        for p in processes:
+            p.kill()
+    assert [p.returncode for p in processes] == [0, 0], "\n".join(out + err for out, err in outputs)[-4000:]
+    said = json.loads(outputs[0][0].strip().splitlines()[-1])
+    assert said["severed"] >= 1  # rank 1's connection to rank 0, at least
+    assert said["error"] is not None and "Connection closed by peer" in said["error"]
+    assert said["rejoined_sum"] == [3.0, 3.0]
 
 
 def test_a_hang_is_an_error_and_every_later_cell_is_not_run(faults_run):

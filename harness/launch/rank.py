@@ -4,21 +4,30 @@ watch thread that keeps it answering while its cell is stuck, and the loop of a 
 The first process group comes from the launcher's own rendezvous (``env://``: its store, its address).
 After a rank raised, the others may be blocked in a collective it skipped. They must come back, and
 the group is then unusable (the ranks disagree on how many collectives it has run), so:
-- with gloo, no collective may much outlast a cell: the group's collective timeout is the cell's
-  timeout (``--case-timeout``) and a margin, after which a blocked collective raises (aborting a gloo
-  group from another thread does not reliably wake a rank waiting in DDP's own collectives: tried,
-  and it did not). The margin lets rank 0 judge a stuck cell first, at its deadline, as a local pool
-  does: which rank hung and which were blocked, never a timeout raised on the blocked ones;
+- with gloo, a rank whose cell raised shuts down its group's connections to the other ranks (the
+  TCP sockets it opened since it started, but the store's: ``sever``) before it reports, and every
+  rank does when rank 0 aborts the generation. A peer blocked on it then fails at once with gloo's
+  "Connection closed by peer", as when a process dies, and that failure, a collective's, is that of a
+  victim; one blocked on the victim fails in turn when the victim's cell ends. Aborting a gloo group
+  from another thread does not wake a rank waiting in DDP's own collectives (tried, and it did not),
+  and neither does the raising rank's abort, destroy or shutdown of its group (they leave the
+  sockets open until the process exits: tried). Still, no collective may much outlast a cell: the
+  group's collective timeout is the cell's timeout (``--case-timeout``) and a margin, after which a
+  blocked collective raises wherever sockets are not the cause (no /proc here, a rank that hangs).
+  The margin lets rank 0 judge a stuck cell first, at its deadline, as a local pool does: which rank
+  hung and which were blocked, never a timeout raised on the blocked ones;
 - with nccl, every rank aborts the group, which ends its pending collectives (torch's documented
   use of ``_abort_process_group``, with TORCH_NCCL_ASYNC_ERROR_HANDLING off so that the watchdog
   does not end the process first);
-then every rank joins a new generation of the group through the same store.
+then every rank joins a new generation of the group through the same store (bench/launch_faults.py:
+the next cell after a raise starts within a second or two, where it waited for the timeout).
 """
 
 from __future__ import annotations
 
 import faulthandler
 import os
+import socket
 import sys
 import tempfile
 import threading
@@ -44,6 +53,39 @@ def say(info: LaunchInfo, text: str) -> None:
     print(f"harness launch: rank {info.rank} on {info.host}: {text}", file=sys.stderr, flush=True)
 
 
+def _stream_sockets() -> dict[str, int]:
+    """This process's TCP sockets (an inode, ``socket:[n]``, to a descriptor of it); empty without /proc."""
+    found: dict[str, int] = {}
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:"):
+            found.setdefault(target, int(fd))
+    return found
+
+
+def _ports(fd: int) -> tuple[int, int] | None:
+    """A connected TCP socket's local and peer ports; None for anything else (a listener, a Unix socket)."""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+    try:
+        if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return None
+        return sock.getsockname()[1], sock.getpeername()[1]
+    except OSError:
+        return None
+    finally:
+        sock.close()  # the duplicate: the socket stays open through ``fd``
+
+
 def all_stacks() -> str:
     """Every thread's stack, as faulthandler writes them."""
     with tempfile.TemporaryFile("w+") as handle:
@@ -64,6 +106,7 @@ class RankRuntime:
         self.device: Any = None
         self.closing = False
         self._stores: list[Any] = []  # clients the live process group uses
+        self._sockets_before: set[str] = set()  # the sockets this process had before its first group
 
     def start(self) -> None:
         """Join the launcher's rendezvous and pay the one-time costs (imports, a first collective)."""
@@ -79,6 +122,7 @@ class RankRuntime:
             os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
         self.device = rank_side.rank_device(self.backend)
         rank_side.record_collectives()
+        self._sockets_before = set(_stream_sockets())
         dist.init_process_group(self.backend, init_method="env://", rank=self.info.rank,
                                 world_size=self.info.world_size, timeout=timedelta(seconds=PG_TIMEOUT_S))
         self._limit_collectives()
@@ -99,6 +143,31 @@ class RankRuntime:
         timeout = timedelta(seconds=self.cell_timeout_s + COLLECTIVE_MARGIN_S)
         group._get_backend(torch.device("cpu"))._set_default_timeout(timeout)
 
+    def sever(self) -> int:
+        """With gloo, shut down this rank's connections to the other ranks, so that a collective waiting
+        on it fails at once (see the module's doc): every connected TCP socket opened since the rank
+        started but the store's (the launcher's store carries the channel, and may be served here).
+        How many were shut down."""
+        if self.backend != "gloo":
+            return 0
+        severed = 0
+        for inode, fd in _stream_sockets().items():
+            ports = None if inode in self._sockets_before else _ports(fd)
+            if ports is None or self.info.master_port in ports:
+                continue
+            try:
+                sock = socket.socket(fileno=os.dup(fd))
+            except OSError:
+                continue
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # acts on the socket, not the descriptor: gloo's fails
+                severed += 1
+            except OSError:
+                pass
+            finally:
+                sock.close()
+        return severed
+
     def abort(self, generation: int, *, wait: bool = True) -> bool:
         """Abort generation ``generation`` if it is the live one: its blocked collectives return."""
         if not self.lock.acquire(blocking=wait):
@@ -108,6 +177,7 @@ class RankRuntime:
 
             if generation != self.generation or not dist.is_initialized():
                 return False
+            self.sever()
             dist.distributed_c10d._abort_process_group()
             return True
         finally:
@@ -207,10 +277,13 @@ def follow(runtime: RankRuntime, channel: Channel) -> int:
 def run_guarded(message: RunCell, runtime: RankRuntime) -> Any:
     """rank.run_cell, with anything it lets through (a case's SystemExit) made a raise of the cell:
     under a launcher the process is the rank and must stay."""
-    try:
-        return rank_side.run_cell(message.spec, runtime.info.rank, runtime.device)
-    except BaseException:
-        from harness.messages import RankResult
+    from harness.messages import RankResult
 
-        return RankResult(rank=runtime.info.rank, outcome=RankOutcome.RAISED, cell_id=message.spec.cell_id,
-                          detail=traceback.format_exc())
+    try:
+        result = rank_side.run_cell(message.spec, runtime.info.rank, runtime.device)
+    except BaseException:
+        result = RankResult(rank=runtime.info.rank, outcome=RankOutcome.RAISED, cell_id=message.spec.cell_id,
+                            detail=traceback.format_exc())
+    if result.outcome == RankOutcome.RAISED:
+        runtime.sever()  # the group is rebuilt after a raise: free whoever waits on this rank now
+    return result
