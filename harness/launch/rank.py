@@ -70,20 +70,24 @@ def _stream_sockets() -> dict[str, int]:
     return found
 
 
-def _ports(fd: int) -> tuple[int, int] | None:
-    """A connected TCP socket's local and peer ports; None for anything else (a listener, a Unix socket)."""
+def _shut_down(fd: int, *, sparing: int) -> bool:
+    """Shut down the connected TCP socket behind ``fd``, unless either end's port is ``sparing``; False
+    for anything else (a listener, a Unix socket, a closed descriptor)."""
     try:
         sock = socket.socket(fileno=os.dup(fd))
     except OSError:
-        return None
+        return False
     try:
         if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
-            return None
-        return sock.getsockname()[1], sock.getpeername()[1]
+            return False
+        if sparing in (sock.getsockname()[1], sock.getpeername()[1]):
+            return False
+        sock.shutdown(socket.SHUT_RDWR)  # acts on the socket, not the descriptor: gloo's reads fail
+        return True
     except OSError:
-        return None
+        return False
     finally:
-        sock.close()  # the duplicate: the socket stays open through ``fd``
+        sock.close()  # the duplicate
 
 
 def all_stacks() -> str:
@@ -152,20 +156,8 @@ class RankRuntime:
             return 0
         severed = 0
         for inode, fd in _stream_sockets().items():
-            ports = None if inode in self._sockets_before else _ports(fd)
-            if ports is None or self.info.master_port in ports:
-                continue
-            try:
-                sock = socket.socket(fileno=os.dup(fd))
-            except OSError:
-                continue
-            try:
-                sock.shutdown(socket.SHUT_RDWR)  # acts on the socket, not the descriptor: gloo's fails
-                severed += 1
-            except OSError:
-                pass
-            finally:
-                sock.close()
+            if inode not in self._sockets_before:
+                severed += _shut_down(fd, sparing=self.info.master_port)
         return severed
 
     def abort(self, generation: int, *, wait: bool = True) -> bool:
