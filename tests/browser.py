@@ -586,6 +586,7 @@ class Page:
         """A PNG of the viewport (or of the whole page), written to ``path`` if given, and returned."""
         params: dict[str, Any] = {"format": "png"}
         if full_page:
+            laid_out = self.evaluate(_LAID_OUT)
             metrics = self.send("Page.getLayoutMetrics")
             size = metrics.get("cssContentSize") or metrics["contentSize"]
             params.update(captureBeyondViewport=True, clip={
@@ -594,17 +595,38 @@ class Page:
             data = base64.b64decode(self.send("Page.captureScreenshot", params, timeout, "a screenshot")["data"])
         finally:
             if full_page:
-                # captureBeyondViewport leaves the page laid out without its scrollbar: set the
-                # viewport anew (only clearing the override first brings the scrollbar back).
-                self.send("Emulation.clearDeviceMetricsOverride")
-                self._set_viewport()
+                self._lay_out_again(laid_out, timeout)
         if path is not None:
             Path(path).write_bytes(data)
         return data
 
-    def _set_viewport(self) -> None:
+    def _set_viewport(self, height: int | None = None) -> None:
         self.send("Emulation.setDeviceMetricsOverride", {
-            "width": self.browser.width, "height": self.browser.height, "deviceScaleFactor": 1, "mobile": False})
+            "width": self.browser.width, "height": self.browser.height if height is None else height,
+            "deviceScaleFactor": 1, "mobile": False})
+
+    def _lay_out_again(self, laid_out: list, timeout: float | None) -> None:
+        """Give the page back the layout it had before a full-page capture. captureBeyondViewport
+        leaves it laid out without its scrollbar; clearing the override and setting the viewport anew
+        brings the scrollbar back, but not always: at times the renderer takes the same size as no
+        change and keeps the capture's layout (CI read the width without the scrollbar). So the page
+        is resized through another height, which it cannot take as no change, until it reads as
+        before (each try is given a second: the renderer lays out after the command returns)."""
+        expected = json.dumps(json.dumps(laid_out, separators=(",", ":")))
+        timeout = self.browser.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            self.send("Emulation.clearDeviceMetricsOverride")
+            self._set_viewport(height=self.browser.height + 1)
+            self._set_viewport()
+            try:
+                self.wait_for(f"JSON.stringify({_LAID_OUT}) === {expected}", timeout=min(1.0, timeout))
+                return
+            except BrowserTimeout:
+                if time.monotonic() > deadline:
+                    raise BrowserTimeout(f"timed out after {timeout:g} s waiting for the page to be laid out in "
+                                         f"its viewport again after a full-page capture (before: {laid_out}, "
+                                         f"now: {self.evaluate(_LAID_OUT)})") from None
 
     def close(self) -> None:
         """Close the tab and dispose of its browser context. Safe to call twice."""
@@ -621,6 +643,10 @@ class Page:
                     browser.send(method, params)
                 except BrowserError:
                     pass
+
+
+# what a page's layout in its viewport reads as: the window's size, and the root's without its scrollbar
+_LAID_OUT = "[innerWidth, innerHeight, document.documentElement.clientWidth, document.documentElement.clientHeight]"
 
 
 def _short(expression: str, limit: int = 80) -> str:
