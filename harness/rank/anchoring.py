@@ -49,7 +49,6 @@ class Anchored:
     rounded: set[tuple[str, str]]
     pending: set[str]
     _fusable: Callable[[], bool]
-    spares: dict[tuple[str, str], torch.Tensor]
     reusable_local: set[tuple[str, str]]
     settle: Callable[..., None]
 
@@ -136,10 +135,7 @@ class Anchored:
         them, so its gradient need not be kept for a diagnosis."""
         if self.previous is None:
             return
-        gone = self.previous.pop(name, None)
-        if gone is not None and self._fusable():
-            for pname, expectation in gone.items():  # the pages of the next backward's gradient
-                self.spares[(name, pname)] = expectation.value
+        self.previous.pop(name, None)
 
     # carrying on from the rank's real state (when: harness/rank/checks.py)
 

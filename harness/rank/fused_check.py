@@ -18,21 +18,23 @@ hypothesis leaves that part out: the two can differ in whether a check is vacuou
 and synced differ by 10 to 15 allowances, not the many thousands a cell's data gives).
 
 Memory: the replica's parameters, its gradient before the sync (the local one), the average (which
-becomes the adopted gradient) and one buffer of at most ``BUFFER_ELEMENTS``: three copies of the
-model beyond the case's own; four where a window syncs twice before a step (local and averaged
-gradient then differ).
+becomes the adopted gradient) and one buffer of at most ``BUFFER_ELEMENTS``, judged CHUNK elements at
+a time: three copies of the model beyond the case's own while it runs, four where a window syncs
+twice before a step (local and averaged gradient then differ); the buffer and the chunks' temporaries
+are not held after it (bench/README.md, "Against model size": 2.2 copies at the cell's peak).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import AbstractSet as Set
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
 
 from harness.rank.closeness import (
+    CHUNK,
     REDUCTION_FACTOR,
     ROUNDING_ULPS,
     Expectation,
@@ -191,13 +193,29 @@ def _values(collectives: Collectives, units: list[_Unit], aliased: bool) -> tupl
             equal = torch.equal(rank, average)
             same = same and equal
             if not equal:
-                ok, top = chunk_close(rank, average, lambda a=average: a.abs().mul_(lower).add_(lowest * _LOWER))
+                ok, top = _close(rank, average, lambda v: v.abs().mul_(lower).add_(lowest * _LOWER))
                 close, best = close and ok, max(best, top)
             offset += n
         if extra:
             for unit, region in zip(units, buffer[size:].view(regions, -1).split(counts, dim=1)):
                 unit.sampled = region.clone()
     return close, best, same
+
+
+def _close(actual: torch.Tensor, average: torch.Tensor,
+           allowed: torch.Tensor | Callable[[torch.Tensor], torch.Tensor]) -> tuple[bool, float]:
+    """``chunk_close`` of a buffer's part, CHUNK elements at a time (``allowed``: the allowance, or a
+    function of the average's chunk that makes its own). Its temporaries come from the rank's heap,
+    which keeps what it once held (harness/rank/runner.py, keep_large_allocations): a buffer's worth
+    would stay held through the cell, the backward's peak included; a chunk's are a few MB."""
+    close, best = True, 0.0
+    for start in range(0, actual.numel(), CHUNK):
+        at = slice(start, start + CHUNK)
+        value = average[at]
+        ok, top = chunk_close(actual[at], value, allowed[at] if isinstance(allowed, torch.Tensor)
+                              else lambda value=value: allowed(value))
+        close, best = close and ok, max(best, top)
+    return close, best
 
 
 def _told_at_sample(units: list[_Unit], world_size: int) -> bool:
@@ -247,7 +265,7 @@ def _exact(collectives: Collectives, units: list[_Unit]) -> tuple[bool, float, b
             average = unit.average.reshape(-1)[at]
             average.copy_(view[0][part]).div_(world_size)
             allowed = view[1][part].add_(lowest)
-            ok, top = chunk_close(unit.actual[at], average, allowed)
+            ok, top = _close(unit.actual[at], average, allowed)
             close, best = close and ok, max(best, top)
             if not told:
                 own = unit.values[at] if unit.local is None else unit.local[at]

@@ -186,10 +186,8 @@ class Oracle(Anchored):
                       if wrapper in ADDS_AFTER_REDUCING else None)
         # the models whose sync's average the next gradient check makes (``_average_grads``)
         self.pending: set[str] = set()
-        # a large model's tensors of gradient size the oracle no longer needs, kept for the next one it
-        # makes (its last window's gradient, let go: the next backward's gradient; its local gradient
-        # after a fused check: the parameters before the step): pages a step does not fault in again
-        self.spares: dict[tuple[str, str], torch.Tensor] = {}
+        # the local gradients a fused check left the oracle's own (p.grad holds the adopted ones): the
+        # step copies the parameters before it into them rather than into a model's worth more
         self.reusable_local: set[tuple[str, str]] = set()
         self.checks = Checks(self, recorder, accounting)
         # each model's norm at the last clip_grad_norm, before clipping (what check_grad_norm judges)
@@ -351,19 +349,14 @@ class Oracle(Anchored):
                    retain_graph: bool = False) -> list[torch.Tensor | None]:
         """Each parameter's gradient of ``loss`` alone (None where it has none), leaving p.grad as it was:
         torch's own accumulation into the leaves (as the case's backward adds a model's several uses),
-        into a spare tensor of the parameter's where the oracle holds one (``spares``: no fresh pages)."""
+        from none, so that torch hands over the tensor it summed into rather than adding it to another."""
         saved = [p.grad for _, _, p in flat]
-        versions: list[int | None] = []
-        for (name, pname, p), held in zip(flat, saved):
-            spare = self.spares.pop((name, pname), None) if held is None else None
-            p.grad = spare.zero_() if spare is not None and spare.shape == p.shape and spare.dtype == p.dtype else None
-            versions.append(None if p.grad is None else p.grad._version)
-            del spare  # p.grad alone holds it: torch then adds into it in place
+        for _, _, p in flat:
+            p.grad = None
         torch.autograd.backward(loss, inputs=[p for _, _, p in flat], retain_graph=retain_graph)
         grads = []
-        for (_, _, p), held, version in zip(flat, saved, versions):
-            got = p.grad
-            grads.append(None if got is None or version is not None and got._version == version else got)
+        for (_, _, p), held in zip(flat, saved):
+            grads.append(p.grad)
             p.grad = held
         return grads
 
@@ -526,7 +519,6 @@ class Oracle(Anchored):
         self.settle()
         due = point.optimizer_step if isinstance(point, MicroStep) else bool(point)
         self.stepped = due
-        self.spares.clear()  # what the window's check did not take
         self.before_step = {name: {p: self._before(name, p, t, reuse=due) for p, t in ps.items()}
                             for name, ps in self.params.items()}
         if not due:
