@@ -11,7 +11,7 @@ import pytest
 import torch
 from distributed import run_on_ranks
 
-from harness.rank.oracle import FUSED_FROM_VARIABLE
+from harness.rank.averaging import FUSED_FROM_VARIABLE
 
 SHAPES = {"w": (64, 33), "b": (64,)}
 

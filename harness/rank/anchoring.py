@@ -6,7 +6,6 @@ step by step; kept apart because the two change for different reasons."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import torch
@@ -14,7 +13,6 @@ import torch
 from harness.rank.checks import as_optimizers
 from harness.rank.closeness import Expectation, rounding_allowance
 from harness.rank.collectives import Reduction
-from harness.rank.fused_check import FusedOutcome, check_synced
 from harness.wrappers.sharding import dtensor_class
 
 if TYPE_CHECKING:
@@ -46,9 +44,6 @@ class Anchored:
     _no_allowance: Callable[[str], dict[str, torch.Tensor]]
     local_of: Callable[[str], dict[str, torch.Tensor]]
     allowance_of: Callable[[str], dict[str, torch.Tensor]]
-    rounded: set[tuple[str, str]]
-    pending: set[str]
-    _fusable: Callable[[], bool]
     reusable_local: set[tuple[str, str]]
     settle: Callable[..., None]
 
@@ -100,29 +95,6 @@ class Anchored:
         if wanted:
             reduced = self.collectives.reduce_all([Reduction(self.local_of(name)) for name in wanted])
             self._synced.update(zip(wanted, reduced))  # type: ignore[arg-type]
-
-    def fused_grads(self, name: str, actual: Mapping[str, torch.Tensor]) -> FusedOutcome:
-        """A large model's sync made as its gradient check judges the rank's ``actual`` gradients
-        (harness/rank/fused_check.py). Where every rank's passed, the oracle carries on from the rank's
-        gradients, adopted into the average's tensors; where any rank's failed, the average is made
-        as a small model's is, for the check to run as it always does (every rank does either)."""
-        ps = self.params[name]
-        outcome = check_synced(self.collectives, params=ps, grads={p: t.grad for p, t in ps.items()},
-                               carried=self.allowed[name], rounded={p for p in ps if (name, p) in self.rounded},
-                               local=self.local[name], actual=actual)
-        self.pending.discard(name)
-        if not outcome.passed:
-            self.pending.add(name)
-            self.settle([name])
-            return dataclasses.replace(outcome, average={})
-        for pname, replica_param in ps.items():
-            grad, average = actual[pname], outcome.average[pname]
-            replica_param.grad = None if grad is None else average if outcome.same else average.copy_(grad.detach())
-        self.allowed[name] = self._no_allowance(name)
-        self.weighting.clear(name)
-        # the local gradients are the oracle's own now (p.grad holds the adopted ones): the step may reuse them
-        self.reusable_local.update((name, p) for p in ps if self.local[name][p] is not None)
-        return outcome
 
     def previous_grad(self, name: str, pname: str) -> Expectation | None:
         """The last window's final gradient, which a missed zero_grad would leave behind."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 from typing import Any, Callable, ContextManager, Hashable, Iterable, Mapping, Sequence, Union
 
 import torch
@@ -13,16 +12,16 @@ from torch import nn
 from harness.decorator import ALL_PRECISIONS
 from harness.rank.accounting import Accounting
 from harness.rank.anchoring import Anchored
+from harness.rank.averaging import Averaging
 from harness.rank.checks import Checks, ClipNorm, as_optimizers
-from harness.rank.closeness import CHUNK, Expectation, no_allowance, norm_rounding, rounding_allowance
-from harness.rank.collectives import Collectives, Reduction, flat
-from harness.rank.fused_check import fusable
+from harness.rank.closeness import Expectation, norm_rounding, rounding_allowance
+from harness.rank.collectives import Collectives, flat
 from harness.rank.recorder import Recorder
 from harness.rank.replica import AUTOCAST_DTYPES, SHARDED_MIXED, autocast_of, forward_as, unsharded_grads, unwrap
 from harness.rank.schedule import MicroStep
 from harness.rank.sharded_reduce import ShardedReduce
 from harness.rank.weighting import TokenWeighting, token_seeds
-from harness.wrappers.names import ADDS_AFTER_REDUCING, DDP
+from harness.wrappers.names import ADDS_AFTER_REDUCING
 
 # ``optimizer=``: called with a replica's parameters, as ``torch.optim.SGD(params, lr=...)`` is.
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
@@ -38,10 +37,9 @@ RngReplay = Callable[[Hashable], ContextManager[None]]
 # smaller. ``full_batch``: each window's gradient is the mean over the micro-batches the window really
 # had, the gradient of one batch holding all of them: a short window's micro-batches weigh more.
 CONTRACTS = ("accelerate", "full_batch")
-FUSED_FROM_VARIABLE = "GRADSYNC_HARNESS_FUSED_FROM"
 
 
-class Oracle(Anchored):
+class Oracle(Averaging, Anchored):
     """Replicas of the user's models, with no DDP and no accelerate, on this rank.
 
     The case tells the oracle each micro-batch (as a closure over the replicas) and whether the
@@ -52,10 +50,6 @@ class Oracle(Anchored):
     legitimately be from it. The checks a case calls are judged in harness/rank/checks.py, which anchors
     the oracle to the rank's real state after each one through the ``adopt_*`` methods here.
     """
-
-    # a model of this many elements or more is checked at a sync as it is averaged (harness/rank/fused_check.py);
-    # the variable FUSED_FROM_VARIABLE overrides it for a run (tests: 0, the pass on the catalogue's small models)
-    FUSED_FROM = CHUNK
 
     def __init__(
         self,
@@ -214,36 +208,6 @@ class Oracle(Anchored):
                 "the oracle before accelerator.prepare"
             )
 
-    def _no_allowance(self, name: str) -> dict[str, torch.Tensor]:
-        for pname in self.params[name]:
-            self.rounded.discard((name, pname))
-        return {p: no_allowance(t.dtype) for p, t in self.params[name].items()}
-
-    def allowance_of(self, name: str) -> dict[str, torch.Tensor]:
-        """Each replica gradient's allowance, by parameter, made whole where it was held as its 0-dim
-        part and p.grad's rounding (``rounded``)."""
-        for pname in self.params[name]:
-            self._materialize(name, pname)
-        return self.allowed[name]
-
-    def _materialize(self, name: str, pname: str) -> None:
-        if (name, pname) in self.rounded:
-            self.rounded.discard((name, pname))
-            self.allowed[name][pname] = self.allowed[name][pname] + rounding_allowance(self.params[name][pname].grad)
-
-    def local_of(self, name: str) -> dict[str, torch.Tensor]:
-        """This rank's own gradients of ``name`` since the window began, a zero one made whole."""
-        return {p: torch.zeros_like(self.params[name][p]) if t is None else t for p, t in self.local[name].items()}
-
-    def _part_local(self, name: str | None = None) -> None:
-        """Give every local gradient that is its replica's p.grad a tensor of its own, before p.grad
-        changes in place (a clip, the gradient scaler)."""
-        for model in [name] if name is not None else list(self.params):
-            for pname, p in self.params[model].items():
-                local = self.local[model][pname]
-                if local is not None and local is p.grad:
-                    self.local[model][pname] = local.clone()
-
     # the contract, step by step
 
     def backward(self, closure: Callable[[dict[str, nn.Module]], torch.Tensor], *, sync: bool,
@@ -373,83 +337,12 @@ class Oracle(Anchored):
         world_size / N times its sums."""
         return self.weighting.begin(labels, ignore_index)
 
-    def reduce(self, tensors: Mapping[str, torch.Tensor], carried: Mapping[str, torch.Tensor] | None = None,
-               magnitudes: Mapping[str, torch.Tensor] | None = None) -> dict[str, Expectation]:
-        """The explicit all-rank average of ``tensors``, each with its allowance: the reduction's
-        bound from every rank's |contribution| (or ``magnitudes``, when the contribution is a sum whose
-        terms a wrapper rounds apart), plus the allowances the ranks carried into it (averaged). One
-        collective for values, magnitudes and allowances together (harness/rank/collectives.py)."""
-        return self.collectives.reduce_all([Reduction(tensors, carried, magnitudes)])[0]  # type: ignore[return-value]
-
     def _replayed(self, key: Hashable | None) -> ContextManager[None]:
         if key is None:
             return contextlib.nullcontext()
         if self.replay_rng is None:
             raise ValueError("backward(rng=...) needs an oracle made by ctx.oracle(...), which knows the RNG to replay")
         return self.replay_rng(key)
-
-    def _average_grads(self) -> None:
-        """Every model's gradients averaged, and the average of its local gradients (the synced
-        hypothesis a check asks for next), in one all-reduce; for a large model under DDP, left for
-        the gradient check that follows to make as it judges (harness/rank/fused_check.py)."""
-        if self.sharded is not None:
-            self._average_pending()
-            return
-        if self._fusable():
-            self.pending = set(self.params)
-            return
-        self._average_now(list(self.params))
-
-    def _fusable(self) -> bool:
-        return (self.world_size > 1 and self.mesh is None and self.wrapper == DDP and self.scaler is None
-                and sum(p.numel() for ps in self.params.values() for p in ps.values())
-                >= int(os.environ.get(FUSED_FROM_VARIABLE, self.FUSED_FROM))
-                and all(fusable(ps) for ps in self.params.values()))
-
-    def settle(self, names: Iterable[str] | None = None) -> None:
-        """Make the averages still pending (of ``names``, default every model's) as a small model's
-        are made (every rank calls it at the same point: it is a collective)."""
-        wanted = [name for name in self.params if name in self.pending and (names is None or name in set(names))]
-        if wanted:
-            self.pending.difference_update(wanted)
-            self._average_now(wanted)
-
-    def _average_now(self, names: list[str]) -> None:
-        reductions = []
-        for name in names:
-            ps = self.params[name]
-            for p in ps.values():
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            # a wrapper that reduces each micro-batch (ZeRO-2/3), or adds a sync's average to a gradient
-            # averaged by an earlier one (FSDP, sync_each_batch), rounds each term's average apart
-            magnitudes = self.terms[name] if self.terms is not None else None
-            reductions += [Reduction({pname: p.grad for pname, p in ps.items()}, self.allowance_of(name), magnitudes),
-                           Reduction(self.local_of(name))]
-        reduced = self.collectives.reduce_all(reductions)
-        for index, name in enumerate(names):
-            average, self._synced[name] = reduced[2 * index], reduced[2 * index + 1]  # type: ignore[assignment]
-            for pname, p in self.params[name].items():
-                p.grad = average[pname].value
-                self.allowed[name][pname] = average[pname].allowed
-
-    def _average_pending(self) -> None:
-        """FSDP and DeepSpeed in bf16: what accumulated since the last sync, reduced as the wrapper
-        reduces it (harness/rank/sharded_reduce.py), added to the gradient the last sync left as the
-        wrapper adds it to the gradient it holds (FSDP in fp32, DeepSpeed in bf16): the same add, so
-        nothing more to allow."""
-        synced = self.collectives.reduce_all([Reduction(self.local_of(name)) for name in self.params])
-        averaged, why = self.sharded.average()  # type: ignore[union-attr]
-        if why:
-            self.checks.recorder.unchecked["exact reduction order"] = why
-        for index, (name, ps) in enumerate(self.params.items()):
-            self._synced[name] = synced[index]  # type: ignore[assignment]
-            self.allowance_of(name)
-            for pname, p in ps.items():
-                base = p.grad if p.grad is not None else torch.zeros_like(p)
-                average = averaged[(name, pname)]
-                p.grad = self.sharded.held(base, average.value)  # type: ignore[union-attr]
-                self.allowed[name][pname] = self.allowed[name][pname] + average.allowed
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> dict[str, float]:
         """Clip each model's replica gradients, as ``clip_grad_norm_`` on synced gradients does;

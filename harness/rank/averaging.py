@@ -1,0 +1,180 @@
+"""The oracle's sync (a part of ``Oracle``, harness/rank/oracle.py): every rank's gradients averaged by
+an explicit all-reduce, with their allowances, and the gradients and allowances the oracle holds
+between syncs. A small model's sync is averaged when its backward ends; a large model's under DDP is
+left pending for the gradient check that follows, which makes it as it judges the rank's gradients
+(harness/rank/fused_check.py). Kept apart from the contract's steps (oracle.py) and from what the
+checks read (anchoring.py): the reductions change with the wrappers' arithmetic, not with the API."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
+
+import torch
+
+from harness.rank.closeness import CHUNK, Expectation, no_allowance, rounding_allowance
+from harness.rank.collectives import Collectives, Reduction
+from harness.rank.fused_check import FusedOutcome, check_synced, fusable
+from harness.wrappers.names import DDP
+
+if TYPE_CHECKING:
+    from harness.rank.checks import Checks
+    from harness.rank.sharded_reduce import ShardedReduce
+    from harness.rank.weighting import TokenWeighting
+
+FUSED_FROM_VARIABLE = "GRADSYNC_HARNESS_FUSED_FROM"
+
+
+class Averaging:
+    """How ``Oracle`` averages its gradients at a sync, and holds them and their allowances between."""
+
+    # a model of this many elements or more is checked at a sync as it is averaged (harness/rank/fused_check.py);
+    # the variable FUSED_FROM_VARIABLE overrides it for a run (tests: 0, the pass on the catalogue's small models)
+    FUSED_FROM = CHUNK
+
+    # the oracle's state (harness/rank/oracle.py, Oracle.__init__)
+    params: dict[str, dict[str, torch.Tensor]]
+    local: dict[str, dict[str, torch.Tensor | None]]
+    allowed: dict[str, dict[str, torch.Tensor]]
+    rounded: set[tuple[str, str]]
+    terms: dict[str, dict[str, torch.Tensor]] | None
+    sharded: ShardedReduce | None
+    collectives: Collectives
+    weighting: TokenWeighting
+    checks: Checks
+    world_size: int
+    mesh: Any
+    wrapper: str
+    scaler: Any
+    pending: set[str]
+    reusable_local: set[tuple[str, str]]
+    _synced: dict[str, dict[str, Expectation]]
+
+    # the gradients held, and their allowances
+
+    def _no_allowance(self, name: str) -> dict[str, torch.Tensor]:
+        for pname in self.params[name]:
+            self.rounded.discard((name, pname))
+        return {p: no_allowance(t.dtype) for p, t in self.params[name].items()}
+
+    def allowance_of(self, name: str) -> dict[str, torch.Tensor]:
+        """Each replica gradient's allowance, by parameter, made whole where it was held as its 0-dim
+        part and p.grad's rounding (``rounded``)."""
+        for pname in self.params[name]:
+            self._materialize(name, pname)
+        return self.allowed[name]
+
+    def _materialize(self, name: str, pname: str) -> None:
+        if (name, pname) in self.rounded:
+            self.rounded.discard((name, pname))
+            self.allowed[name][pname] = self.allowed[name][pname] + rounding_allowance(self.params[name][pname].grad)
+
+    def local_of(self, name: str) -> dict[str, torch.Tensor]:
+        """This rank's own gradients of ``name`` since the window began, a zero one made whole."""
+        return {p: torch.zeros_like(self.params[name][p]) if t is None else t for p, t in self.local[name].items()}
+
+    def _part_local(self, name: str | None = None) -> None:
+        """Give every local gradient that is its replica's p.grad a tensor of its own, before p.grad
+        changes in place (a clip, the gradient scaler)."""
+        for model in [name] if name is not None else list(self.params):
+            for pname, p in self.params[model].items():
+                local = self.local[model][pname]
+                if local is not None and local is p.grad:
+                    self.local[model][pname] = local.clone()
+
+    # the sync
+
+    def reduce(self, tensors: Mapping[str, torch.Tensor], carried: Mapping[str, torch.Tensor] | None = None,
+               magnitudes: Mapping[str, torch.Tensor] | None = None) -> dict[str, Expectation]:
+        """The explicit all-rank average of ``tensors``, each with its allowance: the reduction's
+        bound from every rank's |contribution| (or ``magnitudes``, when the contribution is a sum whose
+        terms a wrapper rounds apart), plus the allowances the ranks carried into it (averaged). One
+        collective for values, magnitudes and allowances together (harness/rank/collectives.py)."""
+        return self.collectives.reduce_all([Reduction(tensors, carried, magnitudes)])[0]  # type: ignore[return-value]
+
+    def _average_grads(self) -> None:
+        """Every model's gradients averaged, and the average of its local gradients (the synced
+        hypothesis a check asks for next), in one all-reduce; for a large model under DDP, left for
+        the gradient check that follows to make as it judges (harness/rank/fused_check.py)."""
+        if self.sharded is not None:
+            self._average_pending()
+            return
+        if self._fusable():
+            self.pending = set(self.params)
+            return
+        self._average_now(list(self.params))
+
+    def _fusable(self) -> bool:
+        return (self.world_size > 1 and self.mesh is None and self.wrapper == DDP and self.scaler is None
+                and sum(p.numel() for ps in self.params.values() for p in ps.values())
+                >= int(os.environ.get(FUSED_FROM_VARIABLE, self.FUSED_FROM))
+                and all(fusable(ps) for ps in self.params.values()))
+
+    def settle(self, names: Iterable[str] | None = None) -> None:
+        """Make the averages still pending (of ``names``, default every model's) as a small model's
+        are made (every rank calls it at the same point: it is a collective)."""
+        wanted = [name for name in self.params if name in self.pending and (names is None or name in set(names))]
+        if wanted:
+            self.pending.difference_update(wanted)
+            self._average_now(wanted)
+
+    def _average_now(self, names: list[str]) -> None:
+        reductions = []
+        for name in names:
+            ps = self.params[name]
+            for p in ps.values():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            # a wrapper that reduces each micro-batch (ZeRO-2/3), or adds a sync's average to a gradient
+            # averaged by an earlier one (FSDP, sync_each_batch), rounds each term's average apart
+            magnitudes = self.terms[name] if self.terms is not None else None
+            reductions += [Reduction({pname: p.grad for pname, p in ps.items()}, self.allowance_of(name), magnitudes),
+                           Reduction(self.local_of(name))]
+        reduced = self.collectives.reduce_all(reductions)
+        for index, name in enumerate(names):
+            average, self._synced[name] = reduced[2 * index], reduced[2 * index + 1]  # type: ignore[assignment]
+            for pname, p in self.params[name].items():
+                p.grad = average[pname].value
+                self.allowed[name][pname] = average[pname].allowed
+
+    def _average_pending(self) -> None:
+        """FSDP and DeepSpeed in bf16: what accumulated since the last sync, reduced as the wrapper
+        reduces it (harness/rank/sharded_reduce.py), added to the gradient the last sync left as the
+        wrapper adds it to the gradient it holds (FSDP in fp32, DeepSpeed in bf16): the same add, so
+        nothing more to allow."""
+        synced = self.collectives.reduce_all([Reduction(self.local_of(name)) for name in self.params])
+        averaged, why = self.sharded.average()  # type: ignore[union-attr]
+        if why:
+            self.checks.recorder.unchecked["exact reduction order"] = why
+        for index, (name, ps) in enumerate(self.params.items()):
+            self._synced[name] = synced[index]  # type: ignore[assignment]
+            self.allowance_of(name)
+            for pname, p in ps.items():
+                base = p.grad if p.grad is not None else torch.zeros_like(p)
+                average = averaged[(name, pname)]
+                p.grad = self.sharded.held(base, average.value)  # type: ignore[union-attr]
+                self.allowed[name][pname] = self.allowed[name][pname] + average.allowed
+
+    def fused_grads(self, name: str, actual: Mapping[str, torch.Tensor]) -> FusedOutcome:
+        """A large model's sync made as its gradient check judges the rank's ``actual`` gradients
+        (harness/rank/fused_check.py). Where every rank's passed, the oracle carries on from the rank's
+        gradients, adopted into the average's tensors; where any rank's failed, the average is made
+        as a small model's is, for the check to run as it always does (every rank does either)."""
+        ps = self.params[name]
+        outcome = check_synced(self.collectives, params=ps, grads={p: t.grad for p, t in ps.items()},
+                               carried=self.allowed[name], rounded={p for p in ps if (name, p) in self.rounded},
+                               local=self.local[name], actual=actual)
+        self.pending.discard(name)
+        if not outcome.passed:
+            self.pending.add(name)
+            self.settle([name])
+            return dataclasses.replace(outcome, average={})
+        for pname, replica_param in ps.items():
+            grad, average = actual[pname], outcome.average[pname]
+            replica_param.grad = None if grad is None else average if outcome.same else average.copy_(grad.detach())
+        self.allowed[name] = self._no_allowance(name)
+        self.weighting.clear(name)
+        # the local gradients are the oracle's own now (p.grad holds the adopted ones): the step may reuse them
+        self.reusable_local.update((name, p) for p in ps if self.local[name][p] is not None)
+        return outcome
