@@ -267,6 +267,17 @@ def all_close(pairs: Sequence[tuple[torch.Tensor, Expectation]]) -> tuple[bool, 
     return close, best
 
 
+def all_close_made(actual: torch.Tensor, value: torch.Tensor,
+                   make_allowed: Callable[[torch.Tensor], torch.Tensor]) -> tuple[bool, float]:
+    """``all_close`` of one tensor against ``value`` whose allowance ``make_allowed`` makes from each
+    chunk of ``value``, only for a chunk that differs (its temporaries a chunk's, never the whole's)."""
+    close, best = True, 0.0
+    for a, v in _aligned([(actual, value)]):
+        ok, top = chunk_close(a, v, lambda v=v: make_allowed(v))
+        close, best = close and ok, max(best, top)
+    return close, best
+
+
 def all_close_updates(triples: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> tuple[bool, float]:
     """``all_close`` of parameter updates: each triple is (the rank's parameter after the step, the
     oracle's after, before), the rank's update ``actual - before`` against the oracle's ``after -

@@ -28,18 +28,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import AbstractSet as Set
-from typing import Callable, Mapping
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
 
 from harness.rank.closeness import (
-    CHUNK,
     REDUCTION_FACTOR,
     ROUNDING_ULPS,
     Expectation,
+    all_close,
+    all_close_made,
     any_distinguishable,
-    chunk_close,
     eps,
     floor,
     rounding_allowance,
@@ -193,29 +193,13 @@ def _values(collectives: Collectives, units: list[_Unit], aliased: bool) -> tupl
             equal = torch.equal(rank, average)
             same = same and equal
             if not equal:
-                ok, top = _close(rank, average, lambda v: v.abs().mul_(lower).add_(lowest * _LOWER))
+                ok, top = all_close_made(rank, average, lambda v: v.abs().mul_(lower).add_(lowest * _LOWER))
                 close, best = close and ok, max(best, top)
             offset += n
         if extra:
             for unit, region in zip(units, buffer[size:].view(regions, -1).split(counts, dim=1)):
                 unit.sampled = region.clone()
     return close, best, same
-
-
-def _close(actual: torch.Tensor, average: torch.Tensor,
-           allowed: torch.Tensor | Callable[[torch.Tensor], torch.Tensor]) -> tuple[bool, float]:
-    """``chunk_close`` of a buffer's part, CHUNK elements at a time (``allowed``: the allowance, or a
-    function of the average's chunk that makes its own). Its temporaries come from the rank's heap,
-    which keeps what it once held (harness/rank/runner.py, keep_large_allocations): a buffer's worth
-    would stay held through the cell, the backward's peak included; a chunk's are a few MB."""
-    close, best = True, 0.0
-    for start in range(0, actual.numel(), CHUNK):
-        at = slice(start, start + CHUNK)
-        value = average[at]
-        ok, top = chunk_close(actual[at], value, allowed[at] if isinstance(allowed, torch.Tensor)
-                              else lambda value=value: allowed(value))
-        close, best = close and ok, max(best, top)
-    return close, best
 
 
 def _told_at_sample(units: list[_Unit], world_size: int) -> bool:
@@ -265,7 +249,7 @@ def _exact(collectives: Collectives, units: list[_Unit]) -> tuple[bool, float, b
             average = unit.average.reshape(-1)[at]
             average.copy_(view[0][part]).div_(world_size)
             allowed = view[1][part].add_(lowest)
-            ok, top = _close(unit.actual[at], average, allowed)
+            ok, top = all_close([(unit.actual[at], Expectation(average, allowed))])
             close, best = close and ok, max(best, top)
             if not told:
                 own = unit.values[at] if unit.local is None else unit.local[at]
