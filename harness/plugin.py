@@ -412,7 +412,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return
     state.interrupted = state.interrupted or exitstatus == pytest.ExitCode.INTERRUPTED
     state.progress.finish()  # the closing progress line (controller or serial run), before the summary
-    state.progress.flush(force=True)
+    state.progress.flush(end=True)
     # after an interruption the ranks may be busy in a cell: do not wait for them
     state.pools.close(graceful=not state.interrupted)
     # With no finished cell (a usage error, an interruption before the first cell) there is nothing

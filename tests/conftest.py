@@ -230,7 +230,7 @@ QUICK_MODULES = {
     "test_wrappers", "test_mesh",
 }
 SLOW_FIXTURES = {"run_pytest", "left_out_run", "perturbed_run", "browser", "planted", "fault_cells", "token_cells", "agents_run", "pool_run",
-                 "faults_run", "faults_session", "two_ranks", "runner", "installed", "mesh_cells"}
+                 "faults_run", "faults_session", "two_ranks", "runner", "installed", "mesh_cells", "terminal_layouts"}
 NOT_QUICK = {
     "test_a_raise_is_an_error_naming_rank_and_host_and_the_launch_goes_on",
     "test_a_rank_that_dies_is_an_error_and_every_later_cell_is_not_run",
@@ -256,6 +256,8 @@ NOT_QUICK = {
     "test_the_flight_recorder_sees_ddp_reduce_in_a_synced_backward_only",
     "test_an_hsdp_replicate_reduction_that_misses_micro_batches_or_never_runs_fails",
     "test_two_agents_of_two_processes_make_a_two_by_two_mesh",
+    "test_a_serial_run_names_a_long_cell_while_it_runs_and_its_letter_lands_on_a_line_that_names_its_file",
+    "test_under_xdist_the_controller_names_a_long_cell_while_it_runs",
 }
 
 

@@ -5,12 +5,14 @@ import os
 import re
 import select
 import signal
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
 
 import pytest
-from conftest import PLANTED, ROOT, killed_if_failing, start_pytest, wait_for_no_processes
+from conftest import LEFT_OUT_RUN, PLANTED, ROOT, killed_if_failing, start_pytest, wait_for_no_processes
 
 from harness.controller.progress import Progress, duration, terminal_writer
 
@@ -127,29 +129,17 @@ def test_nothing_is_written_with_no_writer_or_before_any_cell():
 
 
 class Reporter:
-    """What terminal_writer uses of pytest's terminal reporter: a line of ``width`` characters is open."""
+    """What terminal_writer uses of pytest's terminal reporter under xdist: a line of ``width``
+    characters open, no file's header (xdist's letters come bare)."""
 
     def __init__(self, width: int) -> None:
         self._tw = SimpleNamespace(width_of_current_line=width)
-        self._show_progress_info = "progress"
+        self.currentfspath = None
         self.calls = []
-
-    def ensure_newline(self):
-        self.calls.append("ensure_newline")
-        # pytest's ends the line only where it wrote a file name first (not under xdist)
-        if self.calls[:1] != ["xdist"]:
-            self._tw.width_of_current_line = 0
 
     def write(self, text):
         self.calls.append(text)
         self._tw.width_of_current_line = 0 if text.endswith("\n") else self._tw.width_of_current_line + len(text)
-
-    def write_line(self, line):
-        self.calls.append(line)
-        self._tw.width_of_current_line = 0
-
-    def _write_progress_information_filling_space(self):
-        self.calls.append("[ 40%]")
 
 
 def config(verbose, reporter):
@@ -163,50 +153,149 @@ def test_quiet_runs_have_no_terminal_line():
     terminal_writer(config(0, None))("-p no:terminal: nowhere to write, no error")
 
 
-def test_a_line_that_comes_while_pytest_writes_its_dots_waits_for_the_end_of_their_line():
-    dots = Reporter(12)  # pytest is in the middle of a line of dots
-    lines = terminal_writer(config(0, dots))
-    lines("gradient-sync: 1/9 cells · 1 fail · fail: c[fp32-ws2]")
-    assert dots.calls == []  # never splits the dots' line (the file's header would be written again)
-    lines.flush()
-    assert dots.calls == []
-    dots.write(".F. [ 13%]\n")  # pytest ends the line at the edge
-    lines.flush()
-    assert dots.calls[1:] == ["ensure_newline", "gradient-sync: 1/9 cells · 1 fail · fail: c[fp32-ws2]"]
-    lines("gradient-sync: 2/9 cells")  # on an empty line: at once
-    assert dots.calls[-1] == "gradient-sync: 2/9 cells"
-
-
-def test_a_serial_run_writes_the_waiting_lines_when_it_moves_to_another_file_and_at_the_end():
-    dots = Reporter(0)
-    lines = terminal_writer(config(0, dots))
-    lines.next_file("cases/test_a.py::test_x[ws2]")
-    dots.write("cases/test_a.py F")
-    lines("gradient-sync: 1/3 cells · 1 fail · fail: x[ws2]")
-    lines.next_file("cases/test_a.py::test_x[ws1]")  # the same file: its dots go on
-    assert dots.calls == ["cases/test_a.py F"]
-    dots.write(".")
-    lines.next_file("cases/test_b.py::test_y[ws1]")  # pytest is about to start test_b's line
-    assert dots.calls[2:] == ["[ 40%]", "ensure_newline", "gradient-sync: 1/3 cells · 1 fail · fail: x[ws2]"]
-    dots.write("cases/test_b.py .")
-    lines("gradient-sync: 3/3 cells · 1 fail · done in 5s")
-    lines.flush(force=True)  # the end of the run
-    assert dots.calls[-2:] == ["ensure_newline", "gradient-sync: 3/3 cells · 1 fail · done in 5s"]
-
-
-def test_under_xdist_the_line_starts_a_line_of_its_own():
-    dots = Reporter(12)
-    dots.calls.append("xdist")  # no file name first: ensure_newline leaves the line open
-    lines = terminal_writer(config(0, dots))
+def test_under_xdist_a_line_waits_for_the_letters_line_to_end_or_ends_it_when_it_cannot_wait():
+    letters = Reporter(12)
+    lines = terminal_writer(config(0, letters))
     lines("gradient-sync: 1/9 cells")
-    lines.flush(force=True)
-    assert dots.calls[1:] == ["ensure_newline", "\n", "gradient-sync: 1/9 cells"]
+    lines.flush()
+    assert letters.calls == []  # pytest is in the middle of a line of letters
+    lines("gradient-sync: 1/9 cells · running a[fp32-ws2] for 12s", urgent=True)
+    assert letters.calls == ["\n", "gradient-sync: 1/9 cells\n",
+                             "gradient-sync: 1/9 cells · running a[fp32-ws2] for 12s\n"]
 
 
-def test_verbose_runs_write_the_line_at_once():
-    fresh = Reporter(30)  # under -v a test's line: the next one starts a line anyway
-    terminal_writer(config(1, fresh))("gradient-sync: 1/2 cells")
-    assert fresh.calls == ["ensure_newline", "gradient-sync: 1/2 cells"]
+# Where the lines land in a real pytest's terminal output: a session of two files of our own, its
+# conftest writing through TerminalLines as the harness's plugin does (after each report, before each
+# file's header, at the end), a failing test's line where the plugin writes a failing cell's, and a
+# long cell's line (urgent) from inside a test, with pytest's capture lifted as the plugin lifts it.
+LAYOUT_CONFTEST = '''
+import pytest
+from harness.controller.progress import TerminalLines
+
+LINES = {}
+
+def pytest_configure(config):
+    LINES["lines"], LINES["capture"] = TerminalLines(config), config.pluginmanager.getplugin("capturemanager")
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_logreport(report):
+    LINES["lines"].file = report.nodeid.split("::", 1)[0]
+    LINES["lines"].flush()
+    if report.when == "call" and report.failed:
+        LINES["lines"](f"gradient-sync: fail: {report.nodeid}")
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_logstart(nodeid, location):
+    LINES["lines"].next_file(nodeid)
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session):
+    LINES["lines"]("gradient-sync: done")
+    LINES["lines"].flush(end=True)
+
+@pytest.fixture
+def long_cell():
+    def say(text):
+        with LINES["capture"].global_and_fixture_disabled():
+            LINES["lines"](text, urgent=True)
+    return say
+'''
+LAYOUT_TESTS = {
+    # 130 tests: their letters wrap at 80 columns; long ones at 3 (on the file's first line) and 100
+    # (on a wrapped one); failing ones at 3 and 101 (each line waits for the end of a line of letters)
+    # and 90 (its line is still waiting when the long one at 100 comes)
+    "test_a.py": """
+import pytest
+@pytest.mark.parametrize("i", range(130))
+def test_x(i, long_cell):
+    if i in (3, 100):
+        long_cell(f"gradient-sync: running test_x[{i}] for 11s")
+    assert i not in (3, 90, 101)
+""",
+    "test_b.py": """
+def test_y(long_cell):
+    long_cell("gradient-sync: running test_y for 11s")
+def test_z():
+    pass
+""",
+}
+A_LETTERS = "".join("F" if i in (3, 90, 101) else "." for i in range(130))
+
+
+@pytest.fixture(scope="module")
+def terminal_layouts(tmp_path_factory):
+    """The layout session's stdout between its "collected" line and its summary, as lines: plain and -v."""
+    root = tmp_path_factory.mktemp("layout")
+    (root / "conftest.py").write_text(LAYOUT_CONFTEST)
+    for name, text in LAYOUT_TESTS.items():
+        (root / name).write_text(text)
+    env = {**os.environ, "COLUMNS": "80", "PYTHONPATH": str(ROOT)}
+    env.pop("PYTEST_ADDOPTS", None)
+    env.pop("PYTEST_XDIST_WORKER", None)
+    outputs = {}
+    for mode in ("plain", "verbose"):
+        command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:gradsync_harness",
+                   "-p", "no:xdist", "-p", "no:randomly", "-o", "addopts=", "--color=no", "test_a.py", "test_b.py",
+                   *(["-v"] if mode == "verbose" else [])]
+        done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+        lines = done.stdout.splitlines()
+        first = next(n for n, line in enumerate(lines) if line.startswith("collect")) + 2
+        last = next(n for n, line in enumerate(lines) if line.startswith("=") and n > first)
+        outputs[mode] = lines[first:last]
+    return outputs
+
+
+PROGRESS_LINES = ["gradient-sync: running test_x[3] for 11s", "gradient-sync: fail: test_a.py::test_x[3]",
+                  "gradient-sync: fail: test_a.py::test_x[90]", "gradient-sync: running test_x[100] for 11s",
+                  "gradient-sync: fail: test_a.py::test_x[101]", "gradient-sync: running test_y for 11s",
+                  "gradient-sync: done"]
+PERCENT = re.compile(r" +\[ *\d+%\]$")
+
+
+def test_in_a_plain_run_every_letter_stays_on_a_line_of_its_files_letters_and_each_progress_line_has_one_of_its_own(
+        terminal_layouts):
+    lines = terminal_layouts["plain"]
+    assert lines[-1] == "" and "" not in lines[:-1], lines  # one empty line before the summary, as pytest's own
+    lines = lines[:-1]
+    assert [line for line in lines if line.startswith("gradient-sync: ")] == PROGRESS_LINES, lines
+    letters, file = {}, None
+    for n, line in enumerate(lines):
+        if line.startswith("gradient-sync: "):
+            if " · running " in line or line.startswith("gradient-sync: running"):
+                # pytest's line, ended for the long test's line, is taken up again with its file's name
+                assert lines[n + 1].startswith("test_"), lines
+            continue
+        head, _, rest = line.partition(".py ")
+        if rest or line.endswith(".py "):
+            file = head + ".py"
+        else:
+            rest = line  # a line of letters wrapped at the edge
+        assert file is not None, lines
+        letters[file] = letters.get(file, "") + PERCENT.sub("", rest)
+    assert letters == {"test_a.py": A_LETTERS, "test_b.py": ".."}, lines
+    # a failing test's line waits for the line of letters to end at the edge
+    assert PERCENT.search(lines[lines.index("gradient-sync: fail: test_a.py::test_x[3]") - 1]), lines
+    # the long tests' lines come at once, inside the line of letters: their own file's name on it
+    assert lines[lines.index("gradient-sync: running test_x[3] for 11s") - 1] == "test_a.py ..."
+    assert lines[lines.index("gradient-sync: running test_y for 11s") - 1] == "test_b.py "
+
+
+def test_in_a_verbose_run_each_test_has_one_line_with_its_word_and_a_long_tests_is_taken_up_after_its_line(
+        terminal_layouts):
+    lines = terminal_layouts["verbose"]
+    assert lines[-1] == "" and "" not in lines[:-1], lines
+    lines = lines[:-1]
+    assert [line for line in lines if line.startswith("gradient-sync: ")] == PROGRESS_LINES, lines
+    worded = [line.split()[0] for line in lines if re.search(r" (PASSED|FAILED) +\[ *\d+%\]$", line)]
+    assert worded == [f"test_a.py::test_x[{i}]" for i in range(130)] + ["test_b.py::test_y", "test_b.py::test_z"]
+    for name, test in (("test_x[3]", "test_a.py::test_x[3]"), ("test_x[100]", "test_a.py::test_x[100]"),
+                       ("test_y", "test_b.py::test_y")):
+        n = lines.index(f"gradient-sync: running {name} for 11s")
+        assert lines[n - 1] == f"{test} " and lines[n + 1].startswith(f"{test} "), lines[n - 1:n + 2]
+    # a failing test's line right after that test's
+    n = lines.index("gradient-sync: fail: test_a.py::test_x[90]")
+    assert lines[n - 1].startswith("test_a.py::test_x[90] FAILED"), lines[n - 1:n + 1]
 
 
 # end to end: small runs (world sizes 1-2, one case or two)
@@ -214,22 +303,81 @@ FUSED = ["cases/test_fused_loss.py", "-k", "fp32-ws"]
 LINE = re.compile(r"^gradient-sync: .*$", re.MULTILINE)
 
 
+def letters_of(stdout: str, file: str) -> tuple[list[str], str]:
+    """A serial run's lines that begin with ``file``'s name (pytest's header), and the letters on them."""
+    headers = [line for line in stdout.splitlines() if line.startswith(file + " ")]
+    return headers, "".join(re.sub(r" +\[ *\d+%\]$", "", line[len(file) + 1:]) for line in headers)
+
+
 def test_a_serial_run_writes_a_failing_cell_and_a_closing_line_without_splitting_the_dots(left_out_run):
     # largest world size first: the failing ws2 cell, then the passing ws1 one
     session = left_out_run
     assert session.returncode == 1
-    # (a line for a long cell, where the machine is slow enough to make one, is not what this counts)
+    # (a line for a long cell, where the machine is slow enough to make one, is the next test's)
     lines = [line for line in LINE.findall(session.stdout) if " · running " not in line]
     assert len(lines) == 2, session.stdout[-3000:]
-    # pytest's line of letters for the file is whole: its name once, both letters on it
-    headers = [line for line in session.stdout.splitlines() if line.startswith(os.path.relpath(PLANTED, ROOT))]
-    assert len(headers) == 1 and headers[0].split()[1] == "F.", session.stdout[-3000:]
+    # pytest's letters for the file, both on lines that name it
+    headers, letters = letters_of(session.stdout, os.path.relpath(PLANTED, ROOT))
+    assert letters == "F.", session.stdout[-3000:]
     assert re.fullmatch(r"gradient-sync: 1/2 cells · 1 fail · fail: planted_left_out_of_no_sync\[fp32-ws2\]",
                         lines[0])
     assert re.fullmatch(r"gradient-sync: 2/2 cells · 1 fail · done in \d+s", lines[1])
     # the closing line comes before the summary
     assert session.stdout.index(lines[1]) < session.stdout.index("gradient-sync matrix")
     assert wait_for_no_processes(session.token) == []
+
+
+def read_until_running(process, seen: list[str], timeout_s: float = 300) -> bool:
+    """Read the session's stdout into ``seen``, line by line, until a long cell's line comes (True)
+    or the output ends or ``timeout_s`` passes (False). Straight from the pipe, never more than what
+    is there: what comes after is left in the pipe for ``communicate`` (a buffered reader would hold
+    some of it, where ``communicate`` does not look)."""
+    fd, text = process.stdout.fileno(), b""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if b"\n" not in text:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            chunk = os.read(fd, 1) if ready else b""  # a byte at a time: nothing past the line is taken
+            if not chunk:
+                return False
+            text += chunk
+            continue
+        line, _, text = text.partition(b"\n")
+        seen.append(line.decode())
+        if " · running " in seen[-1]:
+            return True
+    return False
+
+
+def test_a_serial_run_names_a_long_cell_while_it_runs_and_its_letter_lands_on_a_line_that_names_its_file(tmp_path):
+    """The left-out case's ws2 cell, held on purpose (rank 0 waits on a FIFO, rank 1 in the first
+    collective) until its line has come: at any machine's speed the cell runs long, is named while it
+    runs, and then fails; its F lands after the line, on a line that begins with the file's name."""
+    release = tmp_path / "release"
+    os.mkfifo(release)
+    process, token = start_pytest(LEFT_OUT_RUN, tmp_path / "r", PYTHONUNBUFFERED="1", PLANTED_RELEASE=str(release))
+    seen = []
+    with killed_if_failing(process):
+        assert read_until_running(process, seen), seen
+        os.close(os.open(release, os.O_WRONLY | os.O_NONBLOCK))  # rank 0 reads it (ENXIO if no one waits)
+        rest, _ = process.communicate(timeout=600)
+    stdout = "\n".join(seen) + "\n" + rest
+    assert process.returncode == 1, stdout[-3000:]
+    file = os.path.relpath(PLANTED, ROOT)
+    running = [line for line in LINE.findall(stdout) if " · running " in line]
+    assert re.fullmatch(r"gradient-sync: 0/2 cells · running test_planted_left_out_of_no_sync\[fp32-ws2\] for 1\ds",
+                        running[0]), stdout[-3000:]
+    lines = stdout.splitlines()
+    n = lines.index(running[0])
+    assert lines[n - 1] == f"{file} " and lines[n + 1].startswith(f"{file} F"), lines[n - 1:n + 2]
+    headers, letters = letters_of(stdout, file)
+    assert letters == "F.", stdout[-3000:]
+    done = [line for line in LINE.findall(stdout) if " · running " not in line]
+    assert [re.sub(r"\d+s$", "Ns", line) for line in done] == [
+        "gradient-sync: 1/2 cells · 1 fail · fail: planted_left_out_of_no_sync[fp32-ws2]",
+        "gradient-sync: 2/2 cells · 1 fail · done in Ns"], stdout[-3000:]
+    assert "" not in lines[n - 1:lines.index(done[-1])], stdout[-3000:]  # no empty line among them
+    assert wait_for_no_processes(token) == []
 
 
 def test_under_xdist_the_controller_writes_the_line(run_pytest):
@@ -286,16 +434,6 @@ def test_of_several_long_cells_the_one_running_longest_is_named_and_the_others_c
     assert lines == [("gradient-sync: 0/4 cells · running a[fp32-ws4] for 15s (and 1 more)", True)]
 
 
-def test_the_long_cells_line_comes_at_once_even_inside_pytests_line_of_dots():
-    dots = Reporter(12)
-    lines = terminal_writer(config(0, dots))
-    lines("gradient-sync: 1/4 cells")
-    assert dots.calls == []  # an ordinary line waits for the dots' line to end
-    lines("gradient-sync: 1/4 cells · running a[fp32-ws2] for 12s", urgent=True)
-    assert dots.calls == ["ensure_newline", "gradient-sync: 1/4 cells",
-                          "gradient-sync: 1/4 cells · running a[fp32-ws2] for 12s"]
-
-
 def test_a_controller_thread_ticks_once_a_cell_started_and_stops_at_the_end():
     written = threading.Event()
     clock = Clock()
@@ -309,24 +447,16 @@ def test_a_controller_thread_ticks_once_a_cell_started_and_stops_at_the_end():
     assert not p._ticker.is_alive()
 
 
-@pytest.mark.parametrize("xdist", [[], ["-n", "1"]], ids=["serial", "xdist"])
-def test_a_run_names_its_long_cell_while_it_runs(tmp_path, xdist):
+def test_under_xdist_the_controller_names_a_long_cell_while_it_runs(tmp_path):
     """A cell that runs on (it blocks until the run is ended) is named, with how long it has run,
-    while it runs: in a serial run, from the wait for its ranks (out of pytest's capture of the test);
-    under xdist, by the controller, which hears of the cell from the worker that runs it."""
-    process, token = start_pytest([*xdist, PLANTED, "-k", "planted_blocks_half_way and not finishes",
-                                   "--world-sizes", "1", "--case-timeout", "3600"], tmp_path / "r", PYTHONUNBUFFERED="1")
+    while it runs, by the controller, which hears of the cell from the worker that runs it (a serial
+    run's: the test above)."""
+    blocking = [PLANTED, "-k", "planted_blocks_half_way and not finishes", "--world-sizes", "1",
+                "--case-timeout", "3600"]
+    process, token = start_pytest(["-n", "1", *blocking], tmp_path / "r", PYTHONUNBUFFERED="1")
     seen = []
     with killed_if_failing(process):
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([process.stdout], [], [], max(0.0, deadline - time.monotonic()))
-            line = process.stdout.readline() if ready else ""
-            if not line:
-                break
-            seen.append(line.rstrip("\n"))
-            if " · running " in line:
-                break
+        read_until_running(process, seen)
         assert any(re.fullmatch(r"gradient-sync: 0/1 cells · running test_planted_blocks_half_way\[blocks-ws1\] "
                                 r"for 1\ds", s) for s in seen), seen
         os.killpg(process.pid, signal.SIGKILL)

@@ -4,6 +4,7 @@ cell that has run long."""
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from typing import Any, Callable, ContextManager, Optional
@@ -96,15 +97,16 @@ class Progress:
             more = f" (and {len(self.running) - 1} more)" if len(self.running) > 1 else ""
             self._write(self.line(now) + f" · running {name} for {duration(now - since)}{more}", now, urgent=True)
 
-    def flush(self, *, force: bool = False, next_file: str | None = None) -> None:
-        """The writer's ``flush`` (or ``next_file``), under the lock the ticking thread writes under."""
+    def flush(self, *, end: bool = False, next_file: str | None = None) -> None:
+        """The writer's ``flush`` (``end``: the run's summary follows; or ``next_file``), under the lock
+        the ticking thread writes under."""
         if not isinstance(self.write, TerminalLines):
             return
         with self._lock:
             if next_file is not None:
                 self.write.next_file(next_file)
             else:
-                self.write.flush(force=force)
+                self.write.flush(end=end)
 
     def _tick_until_finished(self) -> None:
         while not self._stop.wait(self.tick_s):
@@ -171,7 +173,10 @@ class TerminalLines:
     Under ``-v`` every test has a line of its own, and a progress line is written at once. Else it is
     written when the reporter's line is empty (pytest has just ended a line of dots at the edge: call
     ``flush`` after each report), when a serial run moves on to another file (``next_file``: pytest's
-    header for it starts a line anyway), and at the end of the run (``flush(force=True)``).
+    header for it starts a line anyway), and at the end of the run (``flush(end=True)``). A long
+    cell's line (``urgent``) cannot wait: it ends pytest's open line where it is, and pytest's line is
+    taken up again after it with what pytest had written at its start (the file's name, or under
+    ``-v`` the test's), so that the running test's letter or word lands on a line that names it.
     """
 
     def __init__(self, config: Any) -> None:
@@ -189,22 +194,45 @@ class TerminalLines:
         self.pending.append(line)
         self.flush(force=self.at_once or urgent)
 
-    def flush(self, *, force: bool = False) -> None:
+    def flush(self, *, force: bool = False, end: bool = False, header_next: bool = False) -> None:
+        """Write the waiting lines if pytest's line is empty, or (``force``) ending it. ``end``: the
+        run's summary follows; ``header_next``: pytest starts a file's header next (``next_file``)."""
         reporter = self._reporter()
         if reporter is None:  # -p no:terminal
             self.pending.clear()
             return
         if not self.pending:
             return
-        if _line_width(reporter) and not force:
+        width = _line_width(reporter)
+        if width and not (force or end or header_next):
             return
-        reporter.ensure_newline()
-        # under xdist pytest writes its dots with no file name first, which ensure_newline misses
-        if _line_width(reporter):
-            reporter.write("\n")
-        for line in self.pending:
-            reporter.write_line(line)
+        # pytest's own state of its line (its reporter's ``currentfspath``): the file whose header
+        # opens the line of letters (a path), the test whose word is to come under -v (its location),
+        # -2 under -v once the word is written, None where no line of pytest's is open (under xdist)
+        opened = getattr(reporter, "currentfspath", None)
+        if width:
+            reporter.write("\n")  # not ensure_newline: it forgets the open header, so pytest writes it twice
+        *lines, last = self.pending
         self.pending.clear()
+        for line in lines:
+            reporter.write(line + "\n")
+        if header_next or (opened == -2 and not end):
+            # pytest's next write starts with a newline (a file's header; under -v the next test's
+            # line, or its ensure_newline): it ends this line, with no empty line between
+            reporter.write(last)
+            if header_next:
+                reporter.currentfspath = None  # no "[ 40%]" for the line just ended: next_file wrote it
+            return
+        reporter.write(last + "\n")
+        if end:
+            reporter.currentfspath = None  # pytest's summary starts with ensure_newline: no second empty line
+            return
+        if not width or opened is None:
+            return  # the letters go on on the next line, as after pytest's own wrap at the edge
+        if isinstance(opened, str):  # -v: the running test's location, its word to come
+            reporter.write(opened)
+        else:  # the file's header, its letters to come
+            reporter.write(_relative(opened, getattr(reporter, "startpath", None)) + " ")
 
     def next_file(self, nodeid: str) -> None:
         """A serial run's next test starts (``pytest_runtest_logstart``, before pytest's own): in
@@ -215,8 +243,16 @@ class TerminalLines:
             fill = getattr(reporter, "_write_progress_information_filling_space", None)
             if fill is not None and getattr(reporter, "_show_progress_info", False) and _line_width(reporter):
                 fill()  # the line's "[ 40%]", which pytest would have written before its next header
-            self.flush(force=True)
+            self.flush(header_next=True)
         self.file = file
+
+
+def _relative(path: Any, start: Any) -> str:
+    """A file's name as pytest's header writes it (relative to where pytest was started)."""
+    try:
+        return os.path.relpath(path, start) if start is not None else str(path)
+    except (TypeError, ValueError):
+        return str(path)
 
 
 def _line_width(reporter: Any) -> int:

@@ -86,7 +86,12 @@ def test_planted_rank_fault(ctx):
 @case("planted_left_out_of_no_sync", wrappers=DDP_ONLY, variants=[Variant("fp32", {"precision": "fp32"})])
 def test_planted_left_out_of_no_sync(ctx):
     """A user's bug: two models trained together, only ``gen`` put under ``no_sync``. ``disc``
-    syncs on every backward, where the pattern promises local gradients."""
+    syncs on every backward, where the pattern promises local gradients. With $PLANTED_RELEASE (a
+    FIFO) set, rank 0 of a two-rank cell first waits until something opens it for writing (rank 1
+    waits in the first collective): a long cell for as long as a test wants, at any machine's speed."""
+    release = os.environ.get("PLANTED_RELEASE")
+    if release and ctx.rank == 0 and ctx.world_size == 2:
+        os.close(os.open(release, os.O_RDONLY))  # blocks until a writer opens the FIFO
     accelerator = ctx.accelerator()
     gen, disc = ctx.model("generator", name="gen"), ctx.model("discriminator", name="disc")
     oracle = ctx.oracle({"gen": gen, "disc": disc}, optimizer=sgd)
