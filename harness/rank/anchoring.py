@@ -45,7 +45,6 @@ class Anchored:
     local_of: Callable[[str], dict[str, torch.Tensor]]
     allowance_of: Callable[[str], dict[str, torch.Tensor]]
     reusable_local: set[tuple[str, str]]
-    settle: Callable[..., None]
 
     # collectives and what the contract expects now (read by harness/rank/checks.py)
 
