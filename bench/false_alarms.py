@@ -1,7 +1,7 @@
-"""No false alarm over ten seeds: the clean catalogue (one variant of every non-canary case a seed,
-fp32 and bf16 in turn, moving through each case's variants) at each world size, ten seeds each.
+"""No false alarm over ten seeds: the clean catalogue (one variant of every non-canary case a seed and
+wrapper, fp32 and bf16 in turn, moving through each case's variants) at each world size, ten seeds each.
 
-Run: python bench/false_alarms.py [--world-sizes 2,3,4] [--seeds 10]
+Run: python bench/false_alarms.py [--world-sizes 2,3,4] [--seeds 10] [--wrappers ddp,fsdp2,fsdp1,deepspeed-z2]
 Prints, per world size, the clean cells run, the fails (false alarms) and errors, and the seconds;
 then each fail with its rerun command. Exit 1 on any fail or error. tests/test_selfcheck.py runs
 the same sweep (its sweep_false_alarms) with ten seeds at world sizes 2 and 3 and two at 4; run this
@@ -32,6 +32,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", type=_ints, default=[2, 3, 4])
     parser.add_argument("--seeds", type=int, default=len(SEEDS), help="how many seeds from %d" % SEEDS[0])
+    parser.add_argument("--wrappers", default="ddp",
+                        help="comma list of wrappers whose variants each seed runs (default: ddp, the case's own)")
     args = parser.parse_args()
     cases = catalogue.discover(ROOT / "cases")
     seeds = range(SEEDS[0], SEEDS[0] + args.seeds)
@@ -39,7 +41,7 @@ def main() -> int:
     problems = []
     for world_size in args.world_sizes:
         started = time.perf_counter()
-        cells, failed, errored = sweep_false_alarms(cases, world_size, seeds)
+        cells, failed, errored = sweep_false_alarms(cases, world_size, seeds, wrappers=args.wrappers.split(","))
         rows.append((str(world_size), str(len(seeds)), str(cells), str(len(failed)), str(len(errored)),
                      f"{time.perf_counter() - started:.0f}"))
         problems += [f"world size {world_size}: {line}" for line in failed + list(errored.values())]

@@ -249,37 +249,44 @@ def test_a_case_that_fails_clean_cannot_catch_a_fault(catalogue):
     assert [c.case for c in result.caught_by] == ["no_sync"]
 
 
-def _false_alarm_targets(catalogue, seed_index: int) -> list[Target]:
+def _false_alarm_targets(catalogue, seed_index: int, wrapper: str = "ddp") -> list[Target]:
     """For one seed: one variant of every non-canary case, fp32 on even seeds and bf16 on odd ones,
-    moving through the case's variants of that precision from seed to seed."""
+    moving through the case's variants of that precision from seed to seed; under ``wrapper`` (the
+    wrappers' variants as ``--wrappers`` names them: DDP's are the case's own)."""
     precision = selfcheck.PRECISIONS[seed_index % len(selfcheck.PRECISIONS)]
+    if wrapper == "ddp":
+        by_case = [(case, list(case.info.variants)) for case in catalogue]
+    else:
+        wrapped = [t for t in selfcheck.select_targets(catalogue, all_variants=True) if t.wrapper == wrapper]
+        by_case = [(case, [t.variant for t in wrapped if t.case.name == case.name]) for case in catalogue]
     targets = []
-    for case in catalogue:
+    for case, every in by_case:
         if case.info.canary:
             continue
-        variants = [v for v in case.info.variants if v.params.get("precision", "fp32") == precision]
+        variants = [v for v in every if v.params.get("precision", "fp32") == precision]
         if variants:
             targets.append(Target(case, variants[seed_index // len(selfcheck.PRECISIONS) % len(variants)]))
     return targets
 
 
-def sweep_false_alarms(catalogue, world_size: int, seeds) -> tuple[int, list[str], dict[str, str]]:
-    """Every seed's targets on one pool of ``world_size`` ranks, clean: the cells run, the fails (each
-    a false alarm) and the errors by case. A case that errors is not run again at this world size:
-    each error costs a pool restart. Also run by bench/false_alarms.py, the full sweep."""
+def sweep_false_alarms(catalogue, world_size: int, seeds, wrappers=("ddp",)) -> tuple[int, list[str], dict]:
+    """Every seed's targets (under each of ``wrappers``) on one pool of ``world_size`` ranks, clean: the
+    cells run, the fails (each a false alarm) and the errors by case and wrapper. A case that errors
+    is not run again under that wrapper at this world size: each error costs a pool restart. Also run by bench/false_alarms.py, the
+    full sweep."""
     failed, errored = [], {}
     cells = 0
     with Runner(world_size=world_size) as runner:
         for n, seed in enumerate(seeds):
-            for target in _false_alarm_targets(catalogue, n):
-                if target.case.name in errored:
+            for target in [t for w in wrappers for t in _false_alarm_targets(catalogue, n, w)]:
+                if (target.case.name, target.wrapper) in errored:
                     continue
                 cell = runner.run(target, seed=seed)
                 cells += 1
                 if cell.status == Status.FAIL:
                     failed.append(f"{target.label} seed {seed}: {cell.summary}\n  rerun: {cell.rerun}")
                 elif cell.status == Status.ERROR:
-                    errored[target.case.name] = f"{target.label} seed {seed}: {cell.summary}"
+                    errored[(target.case.name, target.wrapper)] = f"{target.label} seed {seed}: {cell.summary}"
     return cells, failed, errored
 
 
