@@ -275,3 +275,85 @@ def test_gloos_reduce_scatter_of_fsdp1s_flat_gradient_with_its_divide_factors_is
     for why, differ, factors in results:
         assert (why, differ) == ("", 0), factors
     assert {factors for *_, factors in results} == {{2: (2.0, 1.0), 3: (2.0, 1.5), 4: (2.0, 2.0)}[world_size]}
+
+
+def _ddp_all_reduce(rank, world_size):
+    """A real DDP model (the C++ reducer's buckets) on gloo: each rank's local gradients, reproduced as the
+    oracle reproduces DDP's sync (harness/rank/averaging.py: the layout read off the wrapper after the
+    backward, ``ring_average``), against DDP's own synced gradients, over three steps (DDP rebuilds its
+    buckets after the first); and against the plain sum-then-divide, which rounds apart somewhere at
+    three ranks and more (the test is not vacuous)."""
+    import copy
+
+    import torch
+    from torch import nn
+
+    from harness.rank.collectives import Collectives, all_reduce_order_holds, flat_segments
+    from harness.wrappers import prepared, sharding
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(13, 17), nn.Tanh(), nn.Linear(17, 5), nn.Tanh(), nn.Linear(5, 3))
+    local = copy.deepcopy(model)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    prepared.remember(ddp)
+    collectives = Collectives(rank=rank, world_size=world_size)
+    differ, plain_differ, scales_seen = 0, 0, set()
+    for step in range(3):
+        x = torch.randn(8, 13, generator=torch.Generator().manual_seed(100 * step + rank)) * 10
+        ddp.zero_grad()
+        local.zero_grad()
+        ddp(x).pow(2).sum().backward()
+        local(x).pow(2).sum().backward()
+        read = sharding.ddp_reduce_layout(model, world_size)
+        assert not isinstance(read, str), read
+        layout, scales = read
+        scales_seen.add(scales)
+        grads = {n: p.grad for n, p in local.named_parameters()}
+        segments = {n: flat_segments([layout[n][:2]], layout[n][2], world_size)[0] for n in grads}
+        exact = collectives.ring_average(grads, segments, torch.float32, pre=float(world_size), post=1.0,
+                                         pre_scales=scales)
+        every = [torch.empty_like(torch.cat([g.reshape(-1) for g in grads.values()])) for _ in range(world_size)]
+        torch.distributed.all_gather(every, torch.cat([g.reshape(-1) for g in grads.values()]))
+        plain = sum(every[1:], every[0]) / world_size
+        synced = torch.cat([p.grad.reshape(-1) for p in ddp.module.parameters()])
+        differ += int((torch.cat([exact[n].value.reshape(-1) for n in grads]) != synced).sum())
+        plain_differ += int((plain != synced).sum())
+    return all_reduce_order_holds(world_size, torch.float32), differ, plain_differ, scales_seen
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_ddps_sync_on_gloo_is_reproduced_bit_for_bit_from_its_buckets(world_size):
+    """DDP multiplies each rank's gradient by 1/N (1/3 rounds) into its bucket and gloo's ring sums
+    the bucket: the oracle's reproduction is DDP's synced gradient in every element of every step, and
+    the order matters (summed from rank 0 up and divided, some element differs)."""
+    results = run_on_ranks(_ddp_all_reduce, world_size)
+    for why, differ, _, scales in results:
+        assert (why, differ, scales) == ("", 0, {True})
+    assert sum(plain for _, _, plain, _ in results) > 0
+
+
+
+def _all_reduce_sizes(rank, world_size):
+    """Gloo's all-reduce (SUM) of flat buffers of many sizes, odd ones included, against ``_ring_sum``
+    over ``flat_segments``: the order ``all_reduce_order_holds`` probes at one size holds at every size."""
+    import torch
+    import torch.distributed as dist
+
+    from harness.rank.collectives import _ring_sum, flat_segments
+
+    differ = {}
+    for total in (1, 7, 37, 1001, 65537, (1 << 20) + 3):
+        g = torch.Generator().manual_seed(total)
+        every = [torch.randn(total, generator=g) * torch.exp(torch.randn(total, generator=g) * 3)
+                 for _ in range(world_size)]
+        out = every[rank].clone()
+        dist.all_reduce(out)
+        differ[total] = int((out != _ring_sum(every, flat_segments([(0, total)], total, world_size)[0],
+                                               torch.float32)).sum())
+    return differ
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_gloos_all_reduce_sums_each_segment_down_the_ring_at_every_size(world_size):
+    for differ in run_on_ranks(_all_reduce_sizes, world_size):
+        assert set(differ.values()) == {0}, differ

@@ -30,7 +30,6 @@ class Anchored:
     local: dict[str, dict[str, torch.Tensor]]
     allowed: dict[str, dict[str, torch.Tensor]]
     previous: dict[str, dict[str, Expectation]] | None
-    terms: dict[str, dict[str, torch.Tensor]] | None
     optimizers: dict[str, tuple[torch.optim.Optimizer, ...]]
     sharded: ShardedReduce | None
     collectives: Collectives
@@ -134,11 +133,6 @@ class Anchored:
                 continue
             replica_param.grad = None  # the oracle's own goes before the copy is made
             replica_param.grad = None if grad is None else grad.detach().clone()
-            if self.terms is not None:
-                # the adopted gradient enters the wrapper's sum once, where the reduction adds every
-                # rank's terms: a world_size-th of it from each
-                self.terms[name][pname] = (torch.zeros_like(replica_param) if grad is None
-                                           else grad.detach().abs() / self.world_size)
         self.allowed[name] = self._no_allowance(name)
         self.weighting.clear(name)
 

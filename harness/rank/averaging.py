@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 import torch
 
 from harness.rank.closeness import CHUNK, Expectation, no_allowance, rounding_allowance
-from harness.rank.collectives import Collectives, Reduction
+from harness.rank.collectives import Collectives, Reduction, all_reduce_order_holds, flat_segments
 from harness.rank.fused_check import FusedOutcome, check_synced, fusable
+from harness.wrappers import sharding
 from harness.wrappers.names import DDP
 
 if TYPE_CHECKING:
@@ -35,10 +36,10 @@ class Averaging:
 
     # the oracle's state (harness/rank/oracle.py, Oracle.__init__)
     params: dict[str, dict[str, torch.Tensor]]
+    user_models: dict[str, torch.nn.Module]
     local: dict[str, dict[str, torch.Tensor | None]]
     allowed: dict[str, dict[str, torch.Tensor]]
     rounded: set[tuple[str, str]]
-    terms: dict[str, dict[str, torch.Tensor]] | None
     sharded: ShardedReduce | None
     collectives: Collectives
     weighting: TokenWeighting
@@ -85,14 +86,6 @@ class Averaging:
 
     # the sync
 
-    def reduce(self, tensors: Mapping[str, torch.Tensor], carried: Mapping[str, torch.Tensor] | None = None,
-               magnitudes: Mapping[str, torch.Tensor] | None = None) -> dict[str, Expectation]:
-        """The explicit all-rank average of ``tensors``, each with its allowance: the reduction's
-        bound from every rank's |contribution| (or ``magnitudes``, when the contribution is a sum whose
-        terms a wrapper rounds apart), plus the allowances the ranks carried into it (averaged). One
-        collective for values, magnitudes and allowances together (harness/rank/collectives.py)."""
-        return self.collectives.reduce_all([Reduction(tensors, carried, magnitudes)])[0]  # type: ignore[return-value]
-
     def _average_grads(self) -> None:
         """Every model's gradients averaged, and the average of its local gradients (the synced
         hypothesis a check asks for next), in one all-reduce; for a large model under DDP, left for
@@ -120,26 +113,105 @@ class Averaging:
             self._average_now(wanted)
 
     def _average_now(self, names: list[str]) -> None:
+        for name in names:
+            for p in self.params[name].values():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        ordered = self._reduction_orders(names)
         reductions = []
         for name in names:
             ps = self.params[name]
-            for p in ps.values():
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            # a wrapper that reduces each micro-batch (ZeRO-2/3), or adds a sync's average to a gradient
-            # averaged by an earlier one (FSDP, sync_each_batch), rounds each term's average apart
-            magnitudes = self.terms[name] if self.terms is not None else None
-            reductions += [Reduction({pname: p.grad for pname, p in ps.items()}, self.allowance_of(name), magnitudes),
+            # (the sharded wrappers, which reduce each sync's gradients apart and add them to those they
+            # hold, are reduced as they reduce: ``_average_pending``)
+            reductions += [Reduction({pname: p.grad for pname, p in ps.items()}, self.allowance_of(name),
+                                     reproduced=name in ordered),
                            Reduction(self.local_of(name))]
         reduced = self.collectives.reduce_all(reductions)
+        self._reproduce(ordered, {name: reduced[2 * index] for index, name in enumerate(names)})
         for index, name in enumerate(names):
             average, self._synced[name] = reduced[2 * index], reduced[2 * index + 1]  # type: ignore[assignment]
             for pname, p in self.params[name].items():
                 p.grad = average[pname].value
                 self.allowed[name][pname] = average[pname].allowed
 
+    def _reduction_orders(self, names: list[str]) -> dict[str, tuple[bool, dict[str, torch.Tensor]] | None]:
+        """The models among ``names`` whose sync under DDP the oracle reproduces bit for bit, leaving
+        nothing to allow for the reduction: each with whether DDP multiplied the gradients by 1/N (True)
+        or divided them by N, and the ring segment gloo sums each gradient element in (from the buffer
+        DDP put it in: ``sharding.ddp_reduce_layout``, confirmed by ``all_reduce_order_holds``); or None
+        at one or two ranks, where the plain average is DDP's already (one rank: nothing to add; two:
+        each gradient halved exactly, two terms summed, one rounding in either order). Where DDP's order
+        or arithmetic is not known, its reduction is judged within the bound (harness/rank/closeness.py)
+        and the cell says why (``NOT CHECKED: exact reduction order``). The sharded wrappers reduce as
+        harness/rank/sharded_reduce.py reproduces them (``_average_pending``); a mesh is FSDP2's. A
+        collective where it probes the order (once per process): every rank calls it alike."""
+        if self.wrapper != DDP or self.mesh is not None:
+            return {}
+        if self.world_size == 1:
+            return {name: None for name in names}
+        ordered: dict[str, tuple[bool, dict[str, torch.Tensor]] | None] = {}
+        why = ""
+        dtypes = sorted({p.dtype for name in names for p in self.params[name].values()}, key=str)
+        if self.world_size > 2:
+            why = next((w for w in (all_reduce_order_holds(self.world_size, d) for d in dtypes) if w), "")
+        for name in names if not why else []:
+            read = sharding.ddp_reduce_layout(self.user_models[name], self.world_size)
+            if isinstance(read, str):
+                why = why or f"{name!r}: {read}"
+                continue
+            layout, scales = read
+            outside = [p for p, t in self.params[name].items() if p not in layout and t.requires_grad]
+            if layout and outside:
+                why = why or f"{name!r}: {outside[0]!r} is in no bucket of DDP's"
+                continue
+            # a frozen parameter is in no bucket: its gradient is zero on every rank, in any order
+            ordered[name] = None if not layout else (scales, {
+                pname: flat_segments([layout[pname][:2]], layout[pname][2], self.world_size)[0] if pname in layout
+                else torch.zeros(t.numel(), dtype=torch.long) for pname, t in self.params[name].items()})
+        if why:
+            self.checks.recorder.unchecked["exact reduction order"] = why
+        return ordered
+
+    def _fused_reproduced(self, name: str) -> bool:
+        """Whether the fused pass's plain all-reduce makes DDP's average of a large model bit for bit:
+        at one or two ranks, where DDP reduces in its buckets (``sharding.ddp_reduce_layout``: no
+        communication hook). From three ranks on, the pass does not gather every rank's gradients (a
+        model's worth each), and its reduction is judged within the bound; the cell says so."""
+        if self.world_size == 1:
+            return True
+        read = sharding.ddp_reduce_layout(self.user_models[name], self.world_size) if self.world_size == 2 else (
+            "a large model's average is made by the fused pass's all-reduce, in an order not reproduced "
+            "from three ranks on (harness/rank/fused_check.py)")
+        if isinstance(read, str):
+            self.checks.recorder.unchecked["exact reduction order"] = f"{name!r}: {read}"
+            return False
+        return True
+
+    def _reproduce(self, ordered: Mapping[str, tuple[bool, Mapping[str, torch.Tensor]] | None],
+                   averages: Mapping[str, dict[str, Expectation]]) -> None:
+        """The averages of the models ``_reduction_orders`` gave segments for, made again in DDP's order
+        (every rank's gradient multiplied by 1/N in its dtype, or divided by N, and summed down the ring:
+        one all-gather a dtype and way), in place of the plain average in ``averages``; their allowance
+        stays what ``reduce_all`` made with no reduction bound: the carried allowances, averaged, and the
+        floor."""
+        groups: dict[tuple[torch.dtype, bool], tuple[dict, dict]] = {}
+        for name, order in ordered.items():
+            if order is None:
+                continue
+            scales, segments = order
+            for pname, p in self.params[name].items():
+                grads, places = groups.setdefault((p.grad.dtype, scales), ({}, {}))
+                grads[(name, pname)], places[(name, pname)] = p.grad, segments[pname]
+        for (dtype, scales) in sorted(groups, key=str):
+            grads, places = groups[(dtype, scales)]
+            exact = self.collectives.ring_average(grads, places, dtype, pre=float(self.world_size), post=1.0,
+                                                  pre_scales=scales)
+            for (name, pname), expectation in exact.items():
+                average = averages[name][pname]
+                averages[name][pname] = Expectation(expectation.value, average.allowed)
+
     def _average_pending(self) -> None:
-        """FSDP and DeepSpeed in bf16: what accumulated since the last sync, reduced as the wrapper
+        """FSDP and DeepSpeed (fp32 and bf16): what accumulated since the last sync, reduced as the wrapper
         reduces it (harness/rank/sharded_reduce.py), added to the gradient the last sync left as the
         wrapper adds it to the gradient it holds (FSDP in fp32, DeepSpeed in bf16): the same add, so
         nothing more to allow."""
@@ -164,7 +236,7 @@ class Averaging:
         ps = self.params[name]
         outcome = check_synced(self.collectives, params=ps, grads={p: t.grad for p, t in ps.items()},
                                carried=self.allowed[name], rounded={p for p in ps if (name, p) in self.rounded},
-                               local=self.local[name], actual=actual)
+                               local=self.local[name], actual=actual, reproduced=self._fused_reproduced(name))
         self.pending.discard(name)
         if not outcome.passed:
             self.pending.add(name)

@@ -13,21 +13,26 @@ import torch
 #
 # The oracle is anchored to the rank's real state after every check (harness/rank/checks.py), so a check
 # judges only the arithmetic since the last one: one backward, one reduction, one optimizer step.
-# - A reduction. DDP divides each rank's gradient by N and sums (the backend picks the order);
+# - A reduction whose order is reproduced (gloo: DDP's buckets, the sharded wrappers' layouts;
+#   harness/rank/averaging.py, harness/rank/sharded_reduce.py): the same additions in the same order on
+#   the same values, so nothing beyond the floor (``Reduction.reproduced``).
+# - A reduction whose order is not known (nccl, a communication hook): DDP divides each rank's gradient
+#   by N and sums (the backend picks the order);
 #   the oracle sums, then divides. Each side's N-1 additions and one division round at most
 #   (N-1+1)·u·Σ_r|g_r|/N, u = eps/2 the unit roundoff, to first order: together at most
 #   N·eps·Σ_r|g_r|/N = eps·Σ_r|g_r|, with g_r each rank's gradient going into the reduction and eps
 #   that of the dtype the reduction runs in (the gradient's: fp32 under bf16 autocast). The check
 #   allows twice that (REDUCTION_FACTOR): the first-order bound drops terms of order (N·u)², and
-#   the two sides' roundings may fall on opposite sides.
+#   the two sides' roundings may fall on opposite sides. Under a sharded wrapper the terms are each
+#   rank's contributions since the last sync, which the wrapper reduces apart and adds to the gradient
+#   it holds (as the oracle does), never the size of a sum that cancellation can make small.
 # - A local backward, an accumulation, a clip or an optimizer step: the same operations on the same
 #   inputs on both sides; ROUNDING_ULPS ulps of the result allow a kernel that orders them
-#   differently (a vectorised or fused path), nothing more.
+#   differently (a vectorised or fused path), nothing more. Under a sharded wrapper (fp32 or bf16)
+#   the replica takes each backward's gradients as the wrapper takes them (harness/rank/replica.py,
+#   ``ShardedMixedReplica``): the same kernels on the same values, so nothing for the backward.
 # - Exact zeros: below the dtype's smallest normal number rounding is absolute, not relative, so
 #   that much is allowed everywhere (FLOOR).
-# - A sync under a wrapper that reduces terms apart and adds them (FSDP after an earlier sync,
-#   ZeRO-2/3 every micro-batch; harness/wrappers/names.py ADDS_AFTER_REDUCING): the reduction's bound from
-#   the sizes of the terms (|adopted gradient| + each |backward's contribution|), not of their sum.
 # - A clip's coefficient max_norm / (norm + 1e-6): the rank's total norm sums the squares of the
 #   gradients in an order of its own (FSDP's and ZeRO's over each rank's shard, then across the
 #   ranks; DDP's foreach kernel), the oracle's in another. n squares and n-1 additions of

@@ -6,7 +6,7 @@ is otherwise a few milliseconds of arithmetic. So the oracle sends what one chec
 flattened all-reduce, for every model at once, and what does not need an answer before the next
 collective rides along with it:
 
-- ``reduce_all``: several reductions (each a set of tensors, their magnitudes and the allowances
+- ``reduce_all``: several reductions (each a set of tensors and the allowances
   carried into them) in one all-reduce per dtype. Elements are summed one by one, so each reduces
   exactly as it would alone at world size 2; at 3 and more ranks the backend may order an element's
   additions by its place in the buffer, which the reduction's allowance covers (harness/rank/closeness.py).
@@ -19,9 +19,12 @@ collective rides along with it:
   ``finish`` sends what still waits when a case stops early.
 - ``same_everywhere``: whether every rank holds the same bytes, from one all-reduce of digests
   (``digest``); ``rank0_values``, rank 0's copy only where they are not.
-- ``ring_average``: FSDP's reduce-scatter on gloo reproduced bit for bit (its summation order,
-  ``ring_segments``, ``flat_segments``), for the bf16 cells, whose reduction in bf16 no bound would
-  judge sharply.
+- ``ring_average``: a wrapper's reduction on gloo reproduced bit for bit from every rank's values
+  (one all-gather) in gloo's summation order over the wrapper's layout (``ring_segments``,
+  ``flat_segments``): FSDP's and ZeRO's reduce-scatters and all-reduces in bf16 and fp32, DDP's bucket
+  all-reduces, where no bound could see as far (a 1e-6 error on one rank moves a four-rank average
+  by 2.5e-7, below the bound of an unknown order). ``ring_order_holds`` and ``all_reduce_order_holds``
+  confirm the order on the installed gloo.
 """
 
 from __future__ import annotations
@@ -54,15 +57,17 @@ def pieces(values: torch.Tensor, like: Mapping[Hashable, torch.Tensor]) -> dict[
 @dataclass
 class Reduction:
     """One all-rank average asked for: ``tensors`` (by key), with the allowances the ranks carried into
-    it (``carried``) and the sizes of its terms (``magnitudes``; default |tensors|)."""
+    it (``carried``)."""
 
     tensors: Mapping[Hashable, torch.Tensor]
     carried: Mapping[Hashable, torch.Tensor] | None = None
-    magnitudes: Mapping[Hashable, torch.Tensor] | None = None
     # the dtype the wrapper sums in, where lower than the tensors' (FSDP2's bf16 reduce-scatter): the
     # sum is rounded to it and the bound is its own. Two terms round once, in either order, and the
     # division by 2 is exact: at world size 2 the average is reproduced exactly, with no bound.
     summed_in: torch.dtype | None = None
+    # the values' average is reproduced in the wrapper's own order by the caller (``ring_average``), which
+    # takes the place of this one's: nothing is allowed for the reduction, only the carried allowances
+    reproduced: bool = False
 
 
 @dataclass
@@ -84,7 +89,7 @@ class _Piece:
     allowance) and where the reduced result goes (``out``, flat, in the result's dtype)."""
 
     def __init__(self, values: torch.Tensor, out: torch.Tensor, *, world_size: int, low: torch.dtype | None = None,
-                 share: tuple[float, torch.Tensor | None, torch.Tensor | None] | None = None,
+                 share: tuple[float, torch.Tensor | None] | None = None,
                  add: float = 0.0) -> None:
         self.values = values.reshape(-1)
         self.out = out.reshape(-1)
@@ -96,18 +101,17 @@ class _Piece:
 
     def fill(self, into: torch.Tensor, start: int) -> None:
         """This rank's contribution to elements ``start`` on, into ``into``. Its share of the allowance:
-        coefficient x |magnitude| (the values' own by default) + carried / world size."""
+        coefficient x |values| + carried / world size."""
         stop = start + into.numel()
         if self.share is None:
             into.copy_(self.values[start:stop])
             return
-        coefficient, magnitude, carried = self.share
-        source = self.values if magnitude is None else magnitude.detach().reshape(-1)
+        coefficient, carried = self.share
         if coefficient:
-            if source.dtype == into.dtype:
-                torch.abs(source[start:stop], out=into)
+            if self.values.dtype == into.dtype:
+                torch.abs(self.values[start:stop], out=into)
             else:
-                into.copy_(source[start:stop].abs())
+                into.copy_(self.values[start:stop].abs())
             into.mul_(coefficient)
         else:
             into.zero_()
@@ -200,7 +204,7 @@ def _ring_sum(every: Sequence[torch.Tensor], segment: torch.Tensor, dtype: torch
     return total
 
 
-_ORDER_HOLDS: dict[tuple[int, torch.dtype, bool], str] = {}
+_ORDER_HOLDS: dict[tuple[int, torch.dtype, bool | str], str] = {}
 
 
 def ring_order_holds(world_size: int, dtype: torch.dtype, *, average: bool = True) -> str:
@@ -233,6 +237,35 @@ def ring_order_holds(world_size: int, dtype: torch.dtype, *, average: bool = Tru
     return _ORDER_HOLDS[key]
 
 
+def all_reduce_order_holds(world_size: int, dtype: torch.dtype) -> str:
+    """Why gloo's ring order does not hold for an all-reduce (SUM) of a flat buffer in ``dtype`` on the
+    default group, or "" where it does: the backend is gloo and one all-reduce of values drawn to round
+    differently in every order, of an odd size (segments of unequal length), comes out on every rank
+    as ``_ring_sum`` over ``flat_segments`` makes it (the reduce-scatter's segments: gloo's ring
+    all-reduce is its reduce-scatter, then an all-gather). Found on torch 2.13's gloo at world sizes 3
+    and 4 for buffers of 1 to 2^20 + 3 elements (tests/test_collectives.py). Asked once per process,
+    world size and dtype; a collective, so every rank asks."""
+    key = (world_size, dtype, "all_reduce")
+    if key not in _ORDER_HOLDS:
+        backend = dist.get_backend() if world_size > 1 else "gloo"
+        if backend != "gloo":
+            _ORDER_HOLDS[key] = f"the {backend} backend's summation order is not known"
+        elif world_size <= 2:
+            _ORDER_HOLDS[key] = ""  # two terms, one rounding, in either order
+        else:
+            rank, total = dist.get_rank(), 37 * world_size + 5
+            g = torch.Generator().manual_seed(34)
+            every = [(torch.randn(total, generator=g) * torch.exp(torch.randn(total, generator=g) * 3)).to(dtype)
+                     for _ in range(world_size)]
+            out = every[rank].clone()
+            dist.all_reduce(out, op=dist.ReduceOp.SUM)
+            expected = _ring_sum(every, flat_segments([(0, total)], total, world_size)[0], dtype)
+            agree = torch.tensor([int(torch.equal(out, expected))])
+            dist.all_reduce(agree, op=dist.ReduceOp.MIN)
+            _ORDER_HOLDS[key] = "" if agree.item() else "gloo's all-reduce here adds in another order"
+    return _ORDER_HOLDS[key]
+
+
 def _reproduced(total: torch.Tensor, mine: torch.Tensor, tensors: Mapping[Hashable, torch.Tensor],
                 dtype: torch.dtype) -> dict[Hashable, Expectation]:
     """A reduction the oracle reproduced (``total``, flat, in ``dtype``), cut back into ``tensors``'
@@ -256,7 +289,7 @@ class Collectives:
 
     def reduce_all(self, reductions: list[Reduction]) -> list[dict[Hashable, Expectation]]:
         """The explicit all-rank average of each reduction's tensors, each element with its allowance:
-        the reduction's bound from every rank's magnitudes plus the carried allowances (averaged), which
+        the reduction's bound from every rank's |values| plus the carried allowances (averaged), which
         is linear in what each rank holds, so each rank sends its share of it, ``_share``, beside its
         values. One all-reduce for each dtype among them (more, of at most ``BUFFER_ELEMENTS`` each,
         for a large model), carrying the copies waiting in that dtype."""
@@ -268,15 +301,15 @@ class Collectives:
             low = reduction.summed_in
             held = allowance_dtype(dtype)
             # FSDP2's bf16 reduce-scatter of two terms rounds once, in either order: nothing to allow
-            coefficient = 0.0 if low is not None and self.world_size <= 2 else REDUCTION_FACTOR * eps(low or dtype)
+            coefficient = (0.0 if reduction.reproduced or low is not None and self.world_size <= 2
+                           else REDUCTION_FACTOR * eps(low or dtype))
             average = {k: torch.empty_like(t) for k, t in values.items()}
             allowed = {k: torch.empty(t.shape, dtype=held) for k, t in values.items()}
             for key, t in values.items():
                 pieces_of.setdefault(dtype, []).append(_Piece(t, average[key], low=low, world_size=self.world_size))
-                magnitude = reduction.magnitudes[key] if reduction.magnitudes is not None else None
                 carried = reduction.carried[key] if reduction.carried is not None else None
                 pieces_of.setdefault(held, []).append(_Piece(
-                    t, allowed[key], share=(coefficient, magnitude, carried), world_size=self.world_size,
+                    t, allowed[key], share=(coefficient, carried), world_size=self.world_size,
                     add=floor(low or dtype)))
             results.append({k: Expectation(average[k], allowed[k]) for k in values})
         for dtype in list(pieces_of):
@@ -305,7 +338,7 @@ class Collectives:
 
     def ring_average(self, tensors: Mapping[Hashable, torch.Tensor], segments: Mapping[Hashable, torch.Tensor],
                      dtype: torch.dtype, *, pre: float = 1.0, post: float | None = None,
-                     post_scales: bool = False) -> dict[Hashable, Expectation]:
+                     post_scales: bool = False, pre_scales: bool = False) -> dict[Hashable, Expectation]:
         """The average of ``tensors`` over the ranks as a sharded wrapper's reduce-scatter on gloo makes it
         on CPU: each rank's values divided by ``pre`` in ``dtype`` (FSDP1's predivide factor; not at
         1), each element summed in ``dtype`` in its ring segment's order (``segments``, per element,
@@ -313,13 +346,17 @@ class Collectives:
         the ring to rank k+1's, rank k's own last; then divided by ``post`` in ``dtype`` (FSDP1's
         postdivide factor; the world size, as gloo's ReduceOp.AVG does, which FSDP2 issues; not at
         1), or with ``post_scales`` multiplied by fp32 ``1/post`` in fp32 and rounded to ``dtype``
-        (DeepSpeed's ``tensor.mul_(1.0 / world_size)`` on a bf16 bucket). Reproduced, it leaves
-        nothing to allow but the floor. One all-gather of every rank's
-        values. Use it where ``ring_order_holds``."""
+        (DeepSpeed's ``tensor.mul_(1.0 / world_size)`` on a bf16 bucket); with ``pre_scales`` each
+        rank's values are multiplied by ``1/pre`` rounded to ``dtype`` instead of divided (DDP's
+        reducer copies ``grad * (1/world size)`` into its bucket). Reproduced, it leaves nothing to
+        allow but the floor. One all-gather of every rank's values. Use it where
+        ``ring_order_holds`` (a reduce-scatter) or ``all_reduce_order_holds`` (an all-reduce)."""
         post = self.world_size if post is None else post
         mine = flat(t.detach() for t in tensors.values())
         low = mine.to(dtype)
-        if pre > 1:
+        if pre_scales:
+            low = low * torch.tensor(1.0 / pre, dtype=dtype)
+        elif pre > 1:
             low = low / pre
         total = _ring_sum(self._every(low), flat(segments.values()), dtype)
         if post_scales:

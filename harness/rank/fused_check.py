@@ -117,12 +117,14 @@ def fusable(params: Mapping[str, torch.Tensor]) -> bool:
 def check_synced(collectives: Collectives, *, params: Mapping[str, torch.Tensor],
                  grads: Mapping[str, torch.Tensor | None], carried: Mapping[str, torch.Tensor], rounded: Set[str],
                  local: Mapping[str, torch.Tensor | None],
-                 actual: Mapping[str, torch.Tensor | None]) -> FusedOutcome:
+                 actual: Mapping[str, torch.Tensor | None], reproduced: bool = False) -> FusedOutcome:
     """Average ``grads`` over the ranks (the oracle's gradients before the sync; None is zero) with the
     allowances ``carried`` into the sync (for the parameters in ``rounded``, that plus the rounding
     allowance of their gradient, made a buffer at a time), and judge ``actual`` (the rank's gradients,
     None is zero) against the average within its allowance; ``local``: the local gradients (the same
-    tensors as ``grads`` where nothing parted them). Every rank calls it, for the same parameters.
+    tensors as ``grads`` where nothing parted them). ``reproduced``: the all-reduce's average is the
+    wrapper's bit for bit (DDP at one or two ranks: harness/rank/averaging.py), so the allowance has no
+    part for the reduction, only the carried one. Every rank calls it, for the same parameters.
 
     First the values alone: a rank's gradient equal to the average, or within the allowance's lower
     bound from the average itself, is close (the allowance is at least that); the allowance at the
@@ -139,11 +141,12 @@ def check_synced(collectives: Collectives, *, params: Mapping[str, torch.Tensor]
         units.append(_Unit(_flat(value), carried[pname].detach(), pname in rounded, None if aliased else _flat(own),
                            _flat(rank), torch.empty_like(param),
                            torch.linspace(0, max(n - 1, 0), min(n, SAMPLE)).round().long()))
-    close, best, same = _values(collectives, units, aliased)
+    reduction = 0.0 if reproduced else REDUCTION_FACTOR * eps(units[0].values.dtype)
+    close, best, same = _values(collectives, units, aliased, reduction)
     told = _told_at_sample(units, world_size)
     if not _any(collectives, not (close and told)):
         return FusedOutcome(True, best, True, {p: u.average for p, u in zip(params, units)}, same=same)
-    close, best, told = _exact(collectives, units)
+    close, best, told = _exact(collectives, units, reduction)
     return FusedOutcome(not _any(collectives, not close), best, told, {p: u.average for p, u in zip(params, units)})
 
 
@@ -155,15 +158,17 @@ def _any(collectives: Collectives, mine: bool) -> bool:
     return float(flag) > 0
 
 
-def _values(collectives: Collectives, units: list[_Unit], aliased: bool) -> tuple[bool, float, bool]:
+def _values(collectives: Collectives, units: list[_Unit], aliased: bool,
+            reduction: float) -> tuple[bool, float, bool]:
     """The first pass: the average of the values (into each unit's ``average``) and, riding with the
-    first buffer, the allowance (and the synced hypothesis, where local differs) at the samples, in
-    each unit's ``sampled``. Whether every element is surely close, the greatest difference, and
-    whether the rank's gradients are the average bit for bit."""
+    first buffer, the allowance (``reduction``: its coefficient of every rank's |value|) and the
+    synced hypothesis, where local differs, at the samples, in each unit's ``sampled``. Whether every
+    element is surely close, the greatest difference, and whether the rank's gradients are the average
+    bit for bit."""
     world_size = collectives.world_size
     dtype = units[0].values.dtype
     coefficient = REDUCTION_FACTOR * eps(dtype)
-    lower = coefficient * world_size * _LOWER
+    lower = reduction * world_size * _LOWER
     lowest = floor(dtype)
     regions = 1 if aliased else 3
     counts = [u.sample.numel() for u in units]
@@ -179,7 +184,7 @@ def _values(collectives: Collectives, units: list[_Unit], aliased: bool) -> tupl
         if extra:
             sampled = buffer[size:].view(regions, -1).split(counts, dim=1)
             for unit, region in zip(units, sampled):
-                unit.share(region[0], unit.sample, coefficient, world_size)
+                unit.share(region[0], unit.sample, reduction, world_size)
                 if unit.local is not None:
                     region[1].copy_(unit.local[unit.sample])
                     torch.abs(region[1], out=region[2]).mul_(coefficient)
@@ -218,10 +223,11 @@ def _told_at_sample(units: list[_Unit], world_size: int) -> bool:
     return any_distinguishable(pairs)
 
 
-def _exact(collectives: Collectives, units: list[_Unit]) -> tuple[bool, float, bool]:
-    """The whole pass: values and every element's allowance share (and local's, where it differs),
-    the average into each unit's ``average``, each element judged within its allowance. Whether all
-    are close, the greatest difference, and whether local and synced can be told apart."""
+def _exact(collectives: Collectives, units: list[_Unit], reduction: float) -> tuple[bool, float, bool]:
+    """The whole pass: values and every element's allowance share (``reduction`` as in ``_values``;
+    and local's, where it differs), the average into each unit's ``average``, each element judged
+    within its allowance. Whether all are close, the greatest difference, and whether local and
+    synced can be told apart."""
     world_size = collectives.world_size
     dtype = units[0].values.dtype
     coefficient = REDUCTION_FACTOR * eps(dtype)
@@ -236,7 +242,7 @@ def _exact(collectives: Collectives, units: list[_Unit]) -> tuple[bool, float, b
         for unit, start, n in batch:
             part, at = slice(offset, offset + n), slice(start, start + n)
             view[0][part] = unit.values[at]
-            unit.share(view[1][part], at, coefficient, world_size)
+            unit.share(view[1][part], at, reduction, world_size)
             if unit.local is not None:
                 view[2][part] = unit.local[at]
                 torch.abs(unit.local[at], out=view[3][part]).mul_(coefficient)

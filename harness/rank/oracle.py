@@ -17,11 +17,10 @@ from harness.rank.checks import Checks, ClipNorm, as_optimizers
 from harness.rank.closeness import Expectation, norm_rounding, rounding_allowance
 from harness.rank.collectives import Collectives, flat
 from harness.rank.recorder import Recorder
-from harness.rank.replica import AUTOCAST_DTYPES, SHARDED_MIXED, autocast_of, forward_as, unsharded_grads, unwrap
+from harness.rank.replica import SHARDED_MIXED, autocast_of, forward_as, unsharded_grads, unwrap
 from harness.rank.schedule import MicroStep
-from harness.rank.sharded_reduce import ShardedReduce
+from harness.rank.sharded_reduce import SHARDED_PRECISIONS, ShardedReduce
 from harness.rank.weighting import TokenWeighting, token_seeds
-from harness.wrappers.names import ADDS_AFTER_REDUCING
 
 # ``optimizer=``: called with a replica's parameters, as ``torch.optim.SGD(params, lr=...)`` is.
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
@@ -103,6 +102,9 @@ class Oracle(Averaging, Anchored):
         self.more_checks = more_checks
         self.collectives = Collectives(rank=rank, world_size=world_size)
         self.replicas = {name: copy.deepcopy(unwrap(m)) for name, m in models.items()}
+        # the user's modules, which prepare wraps: how their wrapper reduces is read off it at a sync
+        # (harness/rank/averaging.py; DDP's buckets, harness/wrappers/sharding.py)
+        self.user_models = {name: unwrap(m) for name, m in models.items()}
         if mesh is not None and mesh.size("tp") > 1:
             from harness.wrappers.mesh import split_like_tensor_parallel
 
@@ -116,7 +118,7 @@ class Oracle(Averaging, Anchored):
         # p.grad``): nothing changes either in place without parting them first (``_part_local``)
         self.local: dict[str, dict[str, torch.Tensor | None]] = {
             name: {p: None for p in ps} for name, ps in self.params.items()}
-        # FSDP2, FSDP1 and DeepSpeed in bf16 (harness/rank/replica.py): each rank's unsharded gradients
+        # FSDP2, FSDP1 and DeepSpeed in fp32 and bf16 (harness/rank/replica.py): each rank's unsharded gradients
         # since the last sync accumulate apart, as the wrapper accumulates them, and are reduced as it
         # reduces them; the result is added to the gradient held (harness/rank/sharded_reduce.py)
         # under a mesh (harness/wrappers/mesh.py) every rank's gradient is still the average over all
@@ -126,7 +128,7 @@ class Oracle(Averaging, Anchored):
         self.mesh = mesh
         self.sharded = (ShardedReduce(wrapper, precision, reduce, self.params, models, self.collectives, grad_accum,
                                       mesh=mesh)
-                        if wrapper in SHARDED_MIXED and precision in AUTOCAST_DTYPES else None)
+                        if wrapper in SHARDED_MIXED and precision in SHARDED_PRECISIONS else None)
         if self.sharded is not None and self.sharded.stage is not None:
             # DeepSpeed makes its fp32 masters from the module it cast to bf16: the weights' low bits go
             with torch.no_grad():
@@ -172,12 +174,6 @@ class Oracle(Averaging, Anchored):
         self.weighting = TokenWeighting(self.params, world_size=world_size, shards=None if mesh is None else [
             mesh.data_index(r) for r in range(world_size)])
         self.data_rank = rank if mesh is None else mesh.data_index(rank)
-        # the size of each gradient's terms: |the gradient the last check adopted| (averaged already:
-        # it counts once over the ranks) plus |each backward's since| (zero after a step), which a
-        # wrapper that reduces them apart rounds apart
-        # (kept only under such a wrapper: nothing else reads them)
-        self.terms = ({name: {p: torch.zeros_like(t) for p, t in ps.items()} for name, ps in self.params.items()}
-                      if wrapper in ADDS_AFTER_REDUCING else None)
         # the models whose sync's average the next gradient check makes (``_average_grads``)
         self.pending: set[str] = set()
         # the local gradients a fused check left the oracle's own (p.grad holds the adopted ones): the
@@ -258,7 +254,7 @@ class Oracle(Averaging, Anchored):
         if self.sharded is None:
             grads = self._gradients(loss, flat, retain_graph=other is not None)
             others = self._gradients(other, flat) if other is not None else [None] * len(grads)
-        else:  # bf16 gradients of the unsharded parameters, upcast exactly, as the wrapper adds them
+        else:  # the gradients of the unsharded parameters (bf16 ones upcast exactly), as the wrapper adds them
             keys = [(name, pname) for name, pname, _ in flat]
             parts = [[c.float() for c in cs] for cs in unsharded_grads(loss, self.models, keys,
                                                                        retain_graph=other is not None)]
@@ -272,7 +268,7 @@ class Oracle(Averaging, Anchored):
             if self.sharded is not None:
                 # held apart until the sync; the sharded gradient (p.grad) is what the last sync left;
                 # the rank's own since the window began, as the wrapper would hold it unsynced
-                for part in parts[index]:
+                for part in [g] if self.sharded.adds_contributions_once else parts[index]:
                     self.sharded.add(name, pname, part)
                     local = self.local[name][pname]
                     self.local[name][pname] = self.sharded.round(part if local is None else local + part)
@@ -286,10 +282,8 @@ class Oracle(Averaging, Anchored):
                 # the local gradient is p.grad's own tensor while they hold the same (None: both zero)
                 self.local[name][pname] = grad if local is p.grad else g if local is None else local + g
                 p.grad = grad
-            if self.terms is not None:
-                self.terms[name][pname] += g.detach().abs()
             if self.sharded is None:
-                # (in bf16 under FSDP and DeepSpeed the same kernels run on the same bf16 values: the same bits)
+                # (under FSDP and DeepSpeed the same kernels run on the same values: the same bits)
                 if self.allowed[name][pname].dim() == 0 and g_other is None:
                     self.rounded.add((name, pname))  # the same for every element, plus p.grad's rounding
                 else:
@@ -446,8 +440,6 @@ class Oracle(Averaging, Anchored):
                 p.grad = None
                 self.local[name][pname] = None
             self.allowed[name] = self._no_allowance(name)
-            if self.terms is not None:
-                self.terms[name] = {pname: torch.zeros_like(p) for pname, p in ps.items()}
         self.weighting.end()
 
     # the checks a case calls (judged in harness/rank/checks.py)

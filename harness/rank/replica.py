@@ -209,9 +209,14 @@ def forward_as(replicas: Mapping[str, nn.Module], precision: str, *, wrapper: st
     """The modules the oracle runs its micro-batches through: the replicas themselves in fp32, under
     autocast for ``bf16`` and ``fp16`` (the parameters, and so the gradients, stay fp32 either way);
     under FSDP2, FSDP1 or DeepSpeed in bf16, as the sharded replica above."""
+    device_type = next(next(iter(replicas.values())).parameters()).device.type
+    if precision == "fp32" and wrapper in SHARDED_MIXED:
+        # fp32 under a sharded wrapper: nothing is cast, but the gradients are taken as the wrapper takes
+        # them (of its unsharded parameters, FSDP1's flat ones), for its reduction to be reproduced
+        return {name: ShardedMixedReplica(r, device_type, torch.float32, None, cast_buffers=False, cast_inputs=False)
+                for name, r in replicas.items()}
     if precision not in AUTOCAST_DTYPES:
         return dict(replicas)
-    device_type = next(next(iter(replicas.values())).parameters()).device.type
     dtype = AUTOCAST_DTYPES[precision]
     if wrapper in SHARDED_MIXED:
         how = SHARDED_MIXED[wrapper]

@@ -1,7 +1,10 @@
-"""FSDP's and DeepSpeed's gradient reduction in bf16, reproduced on one rank for the oracle.
+"""FSDP's and DeepSpeed's gradient reduction in bf16 and fp32, reproduced on one rank for the oracle.
 
 FSDP2, FSDP1 and DeepSpeed in bf16 differentiate bf16 copies of the fp32 masters
-(harness/rank/replica.py, ``ShardedMixedReplica``), so each backward's unsharded gradient is bf16.
+(harness/rank/replica.py, ``ShardedMixedReplica``), so each backward's unsharded gradient is bf16; in
+fp32 they differentiate the unsharded fp32 parameters, and every cast below is a no-op (FSDP1's one
+difference: in fp32 autograd sums a backward's forwards' contributions to its flat parameter before
+adding them to its gradient, ``adds_contributions_once``).
 What happens to it until the sync, and at the sync, is the wrapper's own arithmetic, and the oracle
 repeats it (DeepSpeed's: ``ShardedReduce._deepspeed_layout`` and docs/wrappers.md):
 
@@ -18,7 +21,7 @@ repeats it (DeepSpeed's: ``ShardedReduce._deepspeed_layout`` and docs/wrappers.m
 On gloo the reduce-scatter is reproduced bit for bit (harness/rank/collectives.py, ``ring_average``)
 from the wrapper's layout: FSDP2's per-group ``_chunk_cat`` of dim-0 shards, FSDP1's flat parameter
 with its alignment padding. Where the order is not known (another backend, another divide, a layout
-that cannot be read), the reduction is allowed the bf16 sum's bound and the cell says so.
+that cannot be read), the reduction is allowed its dtype's sum bound and the cell says so.
 """
 
 from __future__ import annotations
@@ -35,11 +38,14 @@ from harness.wrappers import sharding
 from harness.wrappers.names import DEEPSPEED, REDUCES_EVERY_MICRO_BATCH
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+# the precisions whose reduction under a sharded wrapper is reproduced here, and the dtype the wrapper
+# differentiates in: bf16 (and fp16) as above; fp32, the same arithmetic with every cast a no-op
+SHARDED_PRECISIONS = {**AUTOCAST_DTYPES, "fp32": torch.float32}
 Key = tuple[str, str]  # (model name, parameter name)
 
 
 class ShardedReduce:
-    """One rank's unsharded gradients since the last sync under ``wrapper``'s bf16 policy, and their
+    """One rank's unsharded gradients since the last sync under ``wrapper``'s dtype policy (fp32, or bf16), and their
     reduction at the sync. ``models``: the user's models by name, which FSDP prepares in place
     (FSDP2) or wraps (FSDP1; its wrapper recorded at prepare), read at a sync for the layout."""
 
@@ -48,7 +54,7 @@ class ShardedReduce:
                  collectives: Collectives, grad_accum: str | None = None, mesh: Any = None) -> None:
         self.wrapper = wrapper
         self.mesh = mesh  # a harness/wrappers/mesh.py Shape, or None
-        self.param_dtype = AUTOCAST_DTYPES[precision]
+        self.param_dtype = SHARDED_PRECISIONS[precision]
         self.reduce_dtype = torch.float32 if reduce == "fp32" else self.param_dtype
         # DeepSpeed's BF16_Optimizer (ZeRO-1 with ``grad_accum=fp32``) adds each micro-batch's bf16
         # gradient to an fp32 sum, reduced in bf16 at the boundary, the world size divided after
@@ -58,6 +64,10 @@ class ShardedReduce:
         # DeepSpeed's ZeRO stage (None under FSDP), and whether it reduces every micro-batch (ZeRO-2/3:
         # the reduced gradients then add up in bf16 until the boundary, in ``reduced``)
         self.stage = DEEPSPEED.get(wrapper)
+        # FSDP1 without mixed precision differentiates the flat parameter itself: autograd sums the
+        # forwards' contributions to it (last forward first, ``ShardedMixedReplica.contributions``)
+        # and adds the sum to its gradient once; in bf16 each is added apart (measured, torch 2.13)
+        self.adds_contributions_once = wrapper == "fsdp1" and self.param_dtype == torch.float32
         self.every_backward = wrapper in REDUCES_EVERY_MICRO_BATCH
         self.models = dict(models)
         self.collectives = collectives

@@ -30,6 +30,7 @@ from harness.rank.hf_models import transformers_or_skip
 from harness.rank.schedule import MicroStep, batches_per_rank
 from harness.rank.tokens import IGNORE_INDEX
 from harness.records import Failure, FailureKind
+from harness.wrappers.prepare import remember_wrappers
 from harness.wrappers.probe import takes_parameter
 
 # What the loss of one micro-batch is, by the model's task: "tokens" (a causal LM: every valid token
@@ -277,6 +278,9 @@ def checked_trainer(ctx: Any, model: nn.Module, *, train_dataset: Any, data_coll
     class HarnessWatch(transformers.TrainerCallback):
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             watch.hook_optimizer(trainer.optimizer)
+            # Trainer prepared the model with an Accelerator of its own: its wrapper, for the oracle to
+            # read how it reduces (DDP's buckets: harness/rank/averaging.py)
+            remember_wrappers(getattr(trainer, "model_wrapped", None))
 
         def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
             watch.logged(logs or {})

@@ -17,11 +17,6 @@ AUTO = "auto"
 # skips ``no_sync`` for it (accelerate PR #3656). Every other wrapper issues no gradient reduction
 # between sync points.
 REDUCES_EVERY_MICRO_BATCH = frozenset({"deepspeed-z2", "deepspeed-z3"})
-# Sharded wrappers add each reduced gradient to the gradient they already hold (FSDP's sharded
-# p.grad, ZeRO's partition), where DDP reduces the whole accumulated p.grad: ZeRO-2/3 average every
-# micro-batch apart, FSDP a sync's after an earlier one's (sync_each_batch): another rounding order
-# (harness/rank/oracle.py, _average_grads).
-ADDS_AFTER_REDUCING = frozenset({"fsdp2", "fsdp1", "deepspeed-z2", "deepspeed-z3"})
 # The precisions the oracle models under each wrapper. FSDP's and DeepSpeed's bf16 is not autocast:
 # accelerate gives FSDP2 ``param_dtype=reduce_dtype=output_dtype=bf16``, FSDP1 ``MixedPrecision(param_dtype=
 # reduce_dtype=buffer_dtype=bf16)`` and DeepSpeed bf16 weights over fp32 masters, which the oracle

@@ -177,6 +177,8 @@ def after_construction(wrapper: str, accelerator: Any, kwargs: Mapping[str, Any]
         from harness.wrappers import deepspeed_cpu
 
         deepspeed_cpu.after_construction(accelerator, stage=DEEPSPEED[wrapper])
+    elif wrapper == DDP:
+        _remember_ddp(accelerator)
 
 
 def _prepare_says_what_it_cannot_do(accelerator: Any, wrapper: str, mesh: Any = None) -> None:
@@ -228,20 +230,45 @@ def _prepare_says_what_it_cannot_do(accelerator: Any, wrapper: str, mesh: Any = 
 
             raise Unsupported(f"a {wrapper} prepare that can wrap this case's models and optimizers",
                               f"accelerate {accelerate.__version__} raised {type(exc).__name__}: {exc}") from None
-        for obj in prepared if isinstance(prepared, tuple) else (prepared,):
-            _remember_fsdp1(obj)
+        remember_wrappers(prepared)
         return prepared
 
     accelerator.prepare = prepare
 
 
-def _remember_fsdp1(obj: Any) -> None:
+def remember_wrappers(prepared: Any) -> None:
+    """Record the FSDP1 and DDP wrappers among what ``prepare`` returned (or, for an Accelerator the
+    harness did not make, such as Trainer's, what it prepared: harness/rank/trainer.py), by the user's
+    module (harness/wrappers/prepared.py), and the compiled module FSDP2 made its root of a compiled
+    model: the oracle reads how they reduce (harness/wrappers/sharding.py)."""
     from torch import nn
 
-    from harness.wrappers import prepared
+    from harness.wrappers import prepared as wrappers
 
-    if isinstance(obj, nn.Module) and prepared_as(peel_compiled(obj)) == "fsdp1":
-        prepared.remember(peel_compiled(obj))
+    # accelerate returns a tuple (FSDP2's prepare: a list) for several objects, the object for one
+    for obj in prepared if isinstance(prepared, (tuple, list)) else (prepared,):
+        if not isinstance(obj, nn.Module):
+            continue
+        if prepared_as(peel_compiled(obj)) in ("fsdp1", DDP):
+            wrappers.remember(peel_compiled(obj))
+        elif prepared_as(obj) == "fsdp2" and peel_compiled(obj) is not obj:
+            wrappers.remember(obj)
+
+
+def _remember_ddp(accelerator: Any) -> None:
+    """Under DDP, ``accelerator.prepare`` records each DDP wrapper it makes (an instance attribute:
+    the class and every other Accelerator are untouched)."""
+    import functools
+
+    original = accelerator.prepare
+
+    @functools.wraps(original)
+    def prepare(*args: Any, **kwargs: Any) -> Any:
+        prepared = original(*args, **kwargs)
+        remember_wrappers(prepared)
+        return prepared
+
+    accelerator.prepare = prepare
 
 
 def fsdp_on_cpu(accelerator: Any, plugin: Any) -> None:

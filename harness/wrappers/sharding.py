@@ -142,10 +142,14 @@ def fsdp2_reduce_groups(model: nn.Module) -> list[list[str]]:
     """The parameters of ``model`` (prepared under FSDP2) by reduce-scatter: one list per FSDP2
     parameter group (each ``fully_shard``ed module), in the group's order, by name in the
     user's module. Read from FSDP2's own state (private: ``_get_fsdp_state``, ``fsdp_params``);
-    empty when that cannot be read."""
+    empty when that cannot be read. A compiled model's root group is on the compiled module, which
+    FSDP2 was given (recorded at prepare: harness/wrappers/prepared.py)."""
+    from harness.wrappers.prepared import wrapper_of
+
     names = {id(p): n for n, p in unwrap(model).named_parameters()}
     groups = []
-    for module in unwrap(model).modules():
+    compiled = wrapper_of(unwrap(model))
+    for module in ([compiled] if compiled is not None else []) + list(unwrap(model).modules()):
         try:
             group = module._get_fsdp_state()._fsdp_param_group  # type: ignore[operator,union-attr]
         except AttributeError:
@@ -210,6 +214,47 @@ def fsdp1_reduce_layout(model: nn.Module) -> tuple[list[tuple[int, dict[str, tup
     except (AttributeError, KeyError, StopIteration, TypeError) as exc:
         return f"FSDP1's flat parameters could not be read on this torch ({type(exc).__name__})"
     return handles, pre, post
+
+
+def ddp_reduce_layout(model: nn.Module, world_size: int) -> tuple[dict[str, tuple[int, int, int]], bool] | str:
+    """How DDP all-reduced the gradients of ``model`` (the user's module, as prepare wrapped it) in the
+    backward just run: each parameter's ``(offset, numel, buffer elements)`` in the flat buffer one
+    all-reduce summed it in, by name in the user's module, and whether every rank multiplied its
+    gradient by ``1/world size`` into it (True) or divided it by the world size (False). The C++
+    reducer multiplies into its buckets (``Reducer::mark_variable_ready_dense`` without a communication
+    hook), read from the reducer (private: ``_get_zeros_like_grad_buckets``; DDP rebuilds them in the
+    forward after its first backward, so read after a backward they are the ones it used); the Python
+    reducer of compiled autograd divides each gradient and all-reduces it alone (``_setup_in_backward``'s
+    ``compiled_accum_grad_hook``). At two ranks no layout is needed (empty): either reducer halves each
+    gradient exactly and sums two terms, one rounding in either order. A string says why where the
+    layout or that arithmetic does not hold."""
+    from harness.wrappers.prepared import wrapper_of
+
+    ddp = wrapper_of(model)
+    if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+        return "DDP's wrapper of the model was not seen at prepare"
+    try:
+        if ddp._comm_hooks:
+            return "a communication hook reduces DDP's gradients"
+        if ddp.mixed_precision is not None or ddp._delay_all_reduce_params:
+            return "DDP reduces some gradients outside its buckets (mixed precision or a delayed all-reduce)"
+        if ddp.process_group.size() != world_size:
+            return "DDP reduces over a group that is not the whole world"
+        if world_size <= 2:
+            return {}, True
+        names = {id(p): n for n, p in model.named_parameters()}
+        if ddp._use_python_reducer:
+            return {names[id(p)]: (0, p.numel(), p.numel()) for p in ddp._module_parameters if p.requires_grad}, False
+        layout: dict[str, tuple[int, int, int]] = {}
+        for bucket in ddp.reducer._get_zeros_like_grad_buckets():
+            params = bucket.parameters()
+            total, offset = sum(p.numel() for p in params), 0
+            for p in params:
+                layout[names[id(p)]] = (offset, p.numel(), total)
+                offset += p.numel()
+    except (AttributeError, KeyError, RuntimeError, TypeError) as exc:
+        return f"DDP's buckets could not be read on this torch ({type(exc).__name__})"
+    return layout, True
 
 
 def tensor_parallel_share(models: Mapping[str, nn.Module], needed: int) -> int:
