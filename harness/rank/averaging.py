@@ -40,6 +40,7 @@ class Averaging:
     local: dict[str, dict[str, torch.Tensor | None]]
     allowed: dict[str, dict[str, torch.Tensor]]
     rounded: set[tuple[str, str]]
+    uncertain: set[str]
     sharded: ShardedReduce | None
     collectives: Collectives
     weighting: TokenWeighting
@@ -55,6 +56,7 @@ class Averaging:
     # the gradients held, and their allowances
 
     def _no_allowance(self, name: str) -> dict[str, torch.Tensor]:
+        self.uncertain.discard(name)
         for pname in self.params[name]:
             self.rounded.discard((name, pname))
         return {p: no_allowance(t.dtype) for p, t in self.params[name].items()}
@@ -149,9 +151,12 @@ class Averaging:
             return {}
         if self.world_size == 1:
             return {name: None for name in names}
+        # a model whose inputs are known only within their allowance (two token seeds): the order
+        # reproduced on inputs that differ may round apart, by up to the bound (``uncertain``)
+        dtypes = sorted({p.dtype for name in names for p in self.params[name].values()}, key=str)
+        names = [name for name in names if name not in self.uncertain]
         ordered: dict[str, tuple[bool, dict[str, torch.Tensor]] | None] = {}
         why = ""
-        dtypes = sorted({p.dtype for name in names for p in self.params[name].values()}, key=str)
         if self.world_size > 2:
             why = next((w for w in (all_reduce_order_holds(self.world_size, d) for d in dtypes) if w), "")
         for name in names if not why else []:
@@ -179,6 +184,8 @@ class Averaging:
         model's worth each), and its reduction is judged within the bound; the cell says so."""
         if self.world_size == 1:
             return True
+        if name in self.uncertain:  # inputs known only within their allowance: the bound
+            return False
         read = sharding.ddp_reduce_layout(self.user_models[name], self.world_size) if self.world_size == 2 else (
             "a large model's average is made by the fused pass's all-reduce, in an order not reproduced "
             "from three ranks on (harness/rank/fused_check.py)")
@@ -214,19 +221,34 @@ class Averaging:
         """FSDP and DeepSpeed (fp32 and bf16): what accumulated since the last sync, reduced as the wrapper
         reduces it (harness/rank/sharded_reduce.py), added to the gradient the last sync left as the
         wrapper adds it to the gradient it holds (FSDP in fp32, DeepSpeed in bf16): the same add, so
-        nothing more to allow."""
-        synced = self.collectives.reduce_all([Reduction(self.local_of(name)) for name in self.params])
+        nothing more to allow. Where the window ran backwards with two token seeds (``uncertain``),
+        each rank carries an allowance of its own into the sync: the average holds their average, the
+        wrapper's sum of inputs that differ within them is judged within its bound (ShardedReduce), and
+        the add to the gradient held within one rounding more."""
+        names = list(self.params)
+        uncertain = bool(self.uncertain)
+        reductions = [Reduction(self.local_of(name)) for name in names]
+        if uncertain:
+            reductions += [Reduction(self.allowance_of(name)) for name in names]
+        reduced = self.collectives.reduce_all(reductions)
+        self.sharded.uncertain = uncertain  # type: ignore[union-attr]
         averaged, why = self.sharded.average()  # type: ignore[union-attr]
         if why:
             self.checks.recorder.unchecked["exact reduction order"] = why
         for index, (name, ps) in enumerate(self.params.items()):
-            self._synced[name] = synced[index]  # type: ignore[assignment]
+            self._synced[name] = reduced[index]  # type: ignore[assignment]
+            carried = reduced[len(names) + index] if uncertain else None
             self.allowance_of(name)
             for pname, p in ps.items():
                 base = p.grad if p.grad is not None else torch.zeros_like(p)
                 average = averaged[(name, pname)]
                 p.grad = self.sharded.held(base, average.value)  # type: ignore[union-attr]
-                self.allowed[name][pname] = self.allowed[name][pname] + average.allowed
+                if carried is None:
+                    self.allowed[name][pname] = self.allowed[name][pname] + average.allowed
+                else:  # and the add to the gradient held, of an average known within its allowance, may
+                    # round apart (by an ulp of the held dtype: fp32 under FSDP, DeepSpeed's own)
+                    self.allowed[name][pname] = (carried[pname].value + average.allowed + rounding_allowance(
+                        p.grad, dtype=self.sharded.held_dtype(p.grad.dtype)))  # type: ignore[union-attr]
 
     def fused_grads(self, name: str, actual: Mapping[str, torch.Tensor]) -> FusedOutcome:
         """A large model's sync made as its gradient check judges the rank's ``actual`` gradients

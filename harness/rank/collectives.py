@@ -207,13 +207,12 @@ def _ring_sum(every: Sequence[torch.Tensor], segment: torch.Tensor, dtype: torch
 _ORDER_HOLDS: dict[tuple[int, torch.dtype, bool | str], str] = {}
 
 
-def ring_order_holds(world_size: int, dtype: torch.dtype, *, average: bool = True) -> str:
-    """Why the ring order does not hold for reduce-scatters in ``dtype`` on the default group, or ""
-    where it does: the backend is gloo and one reduce-scatter (ReduceOp.AVG, or SUM where not
-    ``average``) of values drawn to round differently in every order (odd chunks, so that segments
-    and chunks differ) comes out as ``_ring_sum`` makes it, on every rank. Asked once per process,
-    world size, dtype and op; a collective, so every rank asks."""
-    key = (world_size, dtype, average)
+def _probed(key: tuple[int, torch.dtype, bool | str], trial: Callable[[int], bool], differs: str) -> str:
+    """Why gloo's ring order does not hold for the collective ``trial`` runs, or "" where it does: the
+    backend is gloo and ``trial(rank)`` (one collective of values drawn to round differently in every
+    order, against ``_ring_sum``) agrees on every rank; ``differs`` says why where not. Asked once per
+    process and ``key`` (world size, dtype, collective); a collective, so every rank asks."""
+    world_size = key[0]
     if key not in _ORDER_HOLDS:
         backend = dist.get_backend() if world_size > 1 else "gloo"
         if backend != "gloo":
@@ -221,20 +220,36 @@ def ring_order_holds(world_size: int, dtype: torch.dtype, *, average: bool = Tru
         elif world_size <= 2:
             _ORDER_HOLDS[key] = ""  # two terms, one rounding, in either order
         else:
-            rank, chunk = dist.get_rank(), 37
-            g = torch.Generator().manual_seed(28)
-            every = [(torch.randn(chunk * world_size, generator=g)
-                      * torch.exp(torch.randn(chunk * world_size, generator=g) * 3)).to(dtype)
-                     for _ in range(world_size)]
-            out = torch.empty(chunk, dtype=dtype)
-            dist.reduce_scatter_tensor(out, every[rank].clone(), op=dist.ReduceOp.AVG if average else dist.ReduceOp.SUM)
-            segments = ring_segments([torch.Size([chunk * world_size])], world_size)[0]
-            total = _ring_sum(every, segments, dtype)
-            expected = (total / world_size if average else total)[rank * chunk:(rank + 1) * chunk]
-            agree = torch.tensor([int(torch.equal(out, expected))])
+            agree = torch.tensor([int(trial(dist.get_rank()))])
             dist.all_reduce(agree, op=dist.ReduceOp.MIN)
-            _ORDER_HOLDS[key] = "" if agree.item() else "gloo's reduce-scatter here adds in another order"
+            _ORDER_HOLDS[key] = "" if agree.item() else differs
     return _ORDER_HOLDS[key]
+
+
+def _drawn(n: int, world_size: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    """Every rank's ``n`` values for a probe, of magnitudes spread over many binades (every order rounds
+    them differently), the same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 3)).to(dtype)
+            for _ in range(world_size)]
+
+
+def ring_order_holds(world_size: int, dtype: torch.dtype, *, average: bool = True) -> str:
+    """Why the ring order does not hold for reduce-scatters in ``dtype`` on the default group, or ""
+    where it does: the backend is gloo and one reduce-scatter (ReduceOp.AVG, or SUM where not
+    ``average``) of values drawn to round differently in every order (odd chunks, so that segments
+    and chunks differ) comes out as ``_ring_sum`` makes it, on every rank. Asked once per process,
+    world size, dtype and op; a collective, so every rank asks."""
+    chunk = 37
+
+    def trial(rank: int) -> bool:
+        every = _drawn(chunk * world_size, world_size, dtype, 28)
+        out = torch.empty(chunk, dtype=dtype)
+        dist.reduce_scatter_tensor(out, every[rank].clone(), op=dist.ReduceOp.AVG if average else dist.ReduceOp.SUM)
+        total = _ring_sum(every, ring_segments([torch.Size([chunk * world_size])], world_size)[0], dtype)
+        return torch.equal(out, (total / world_size if average else total)[rank * chunk:(rank + 1) * chunk])
+
+    return _probed((world_size, dtype, average), trial, "gloo's reduce-scatter here adds in another order")
 
 
 def all_reduce_order_holds(world_size: int, dtype: torch.dtype) -> str:
@@ -245,25 +260,15 @@ def all_reduce_order_holds(world_size: int, dtype: torch.dtype) -> str:
     all-reduce is its reduce-scatter, then an all-gather). Found on torch 2.13's gloo at world sizes 3
     and 4 for buffers of 1 to 2^20 + 3 elements (tests/test_collectives.py). Asked once per process,
     world size and dtype; a collective, so every rank asks."""
-    key = (world_size, dtype, "all_reduce")
-    if key not in _ORDER_HOLDS:
-        backend = dist.get_backend() if world_size > 1 else "gloo"
-        if backend != "gloo":
-            _ORDER_HOLDS[key] = f"the {backend} backend's summation order is not known"
-        elif world_size <= 2:
-            _ORDER_HOLDS[key] = ""  # two terms, one rounding, in either order
-        else:
-            rank, total = dist.get_rank(), 37 * world_size + 5
-            g = torch.Generator().manual_seed(34)
-            every = [(torch.randn(total, generator=g) * torch.exp(torch.randn(total, generator=g) * 3)).to(dtype)
-                     for _ in range(world_size)]
-            out = every[rank].clone()
-            dist.all_reduce(out, op=dist.ReduceOp.SUM)
-            expected = _ring_sum(every, flat_segments([(0, total)], total, world_size)[0], dtype)
-            agree = torch.tensor([int(torch.equal(out, expected))])
-            dist.all_reduce(agree, op=dist.ReduceOp.MIN)
-            _ORDER_HOLDS[key] = "" if agree.item() else "gloo's all-reduce here adds in another order"
-    return _ORDER_HOLDS[key]
+    total = 37 * world_size + 5
+
+    def trial(rank: int) -> bool:
+        every = _drawn(total, world_size, dtype, 34)
+        out = every[rank].clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return torch.equal(out, _ring_sum(every, flat_segments([(0, total)], total, world_size)[0], dtype))
+
+    return _probed((world_size, dtype, "all_reduce"), trial, "gloo's all-reduce here adds in another order")
 
 
 def _reproduced(total: torch.Tensor, mine: torch.Tensor, tensors: Mapping[Hashable, torch.Tensor],

@@ -142,6 +142,11 @@ class Oracle(Averaging, Anchored):
         # the allowances held as their 0-dim part plus ``rounding_allowance(p.grad)``, made only when read
         # (``allowance_of``): after one backward from none, that is all of it, and a model's worth less
         self.rounded: set[tuple[str, str]] = set()
+        # the models whose gradients since their allowances were last reset came of a backward run with
+        # two seeds (a token window's weight, which the documented loops round apart): every rank's
+        # inputs to a reduction are then known only within their allowance, so the reduction is judged
+        # within its bound, not reproduced (harness/rank/averaging.py); cleared with the allowances
+        self.uncertain: set[str] = set()
         self.allowed = {name: self._no_allowance(name) for name in self.params}
         self.previous: dict[str, dict[str, Expectation]] | None = None
         self.last_sync = False
@@ -251,6 +256,8 @@ class Oracle(Averaging, Anchored):
             loss = self.scaler.scale(loss)
             other = None if other is None else self.scaler.scale(other)
         parts: list[list[torch.Tensor]] = []
+        if other is not None:  # the same on every rank (the window's global count): so is the set
+            self.uncertain.update(self.params)
         if self.sharded is None:
             grads = self._gradients(loss, flat, retain_graph=other is not None)
             others = self._gradients(other, flat) if other is not None else [None] * len(grads)
@@ -296,6 +303,7 @@ class Oracle(Averaging, Anchored):
         if weighted:
             self.weighting.after_backward(sync=sync)
         if self.sharded is not None:
+            self.sharded.uncertain = bool(self.uncertain)
             why = self.sharded.after_backward({name: m.order for name, m in self.models.items()})
             if why:
                 self.checks.recorder.unchecked["exact reduction order"] = why

@@ -52,7 +52,8 @@ class ShardedMixedReplica(nn.Module):
     set and the module runs under autocast with outputs made fp32 first. DeepSpeed's bf16 casts the
     parameters alone (no input or output cast, no autocast; buffers as the prepared module keeps
     them, ``buffer_dtypes``). The parameters stay the fp32 masters; the oracle takes the gradients
-    of the bf16 ones (``unshard``)."""
+    of the bf16 ones (``unshard``). In fp32 (``dtype`` fp32, nothing cast) the leaves are the fp32
+    parameters themselves, taken as the wrapper takes its unsharded ones."""
 
     def __init__(self, inner: nn.Module, device_type: str, dtype: torch.dtype, output_dtype: torch.dtype | None,
                  *, cast_buffers: bool = False, cast_inputs: bool = True) -> None:
@@ -208,7 +209,8 @@ def forward_as(replicas: Mapping[str, nn.Module], precision: str, *, wrapper: st
                reduce: str | None = None) -> dict[str, nn.Module]:
     """The modules the oracle runs its micro-batches through: the replicas themselves in fp32, under
     autocast for ``bf16`` and ``fp16`` (the parameters, and so the gradients, stay fp32 either way);
-    under FSDP2, FSDP1 or DeepSpeed in bf16, as the sharded replica above."""
+    under FSDP2, FSDP1 or DeepSpeed, in bf16 and in fp32 (every cast then a no-op), as the sharded
+    replica above, whose gradients are taken as the wrapper takes them."""
     device_type = next(next(iter(replicas.values())).parameters()).device.type
     if precision == "fp32" and wrapper in SHARDED_MIXED:
         # fp32 under a sharded wrapper: nothing is cast, but the gradients are taken as the wrapper takes

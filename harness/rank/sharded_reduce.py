@@ -31,7 +31,7 @@ from typing import Any, Hashable, Mapping
 import torch
 from torch import nn
 
-from harness.rank.closeness import Expectation, no_allowance
+from harness.rank.closeness import Expectation, no_allowance, rounding_allowance
 from harness.rank.collectives import Collectives, Reduction, flat_segments, ring_order_holds, ring_segments
 from harness.rank.replica import AUTOCAST_DTYPES, unwrap
 from harness.wrappers import sharding
@@ -69,6 +69,9 @@ class ShardedReduce:
         # and adds the sum to its gradient once; in bf16 each is added apart (measured, torch 2.13)
         self.adds_contributions_once = wrapper == "fsdp1" and self.param_dtype == torch.float32
         self.every_backward = wrapper in REDUCES_EVERY_MICRO_BATCH
+        # set by the oracle: whether a backward since the last sync ran with two token seeds, so that
+        # every rank's inputs are known only within their allowance: reduced within the bound, then
+        self.uncertain = False
         self.models = dict(models)
         self.collectives = collectives
         self.world_size = collectives.world_size
@@ -110,6 +113,10 @@ class ShardedReduce:
                 t.zero_()
         self.taking_part.clear()
 
+    def held_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype ``held`` rounds a gradient of ``dtype`` to: DeepSpeed's accumulation dtype, else its own."""
+        return self.accumulate_dtype if self.stage is not None else dtype
+
     def held(self, base: torch.Tensor, average: torch.Tensor) -> torch.Tensor:
         """A sync's average added to the gradient the wrapper holds, as it adds them: FSDP in fp32 (its
         sharded gradient), DeepSpeed in bf16 (its gradient partition, until the boundary)."""
@@ -130,7 +137,11 @@ class ShardedReduce:
             if held is None:
                 self.reduced[key] = new
             else:
-                self.reduced[key] = Expectation(self.round(held.value + new.value), held.allowed + new.allowed)
+                value = self.round(held.value + new.value)
+                # uncertain inputs (two token seeds): the add of sums known within an allowance may round apart
+                allowed = held.allowed + new.allowed + (rounding_allowance(value, dtype=self.accumulate_dtype)
+                                                        if self.uncertain else 0.0)
+                self.reduced[key] = Expectation(value, allowed)
         return why
 
     def average(self) -> tuple[dict[Key, Expectation], str]:
@@ -149,7 +160,9 @@ class ShardedReduce:
     def _reduce(self) -> tuple[dict[Key, Expectation], str]:
         pending: dict[Hashable, torch.Tensor] = {(n, p): t for n, ps in self.pending.items() for p, t in ps.items()}
         averaged = None
-        if self.mesh is not None:
+        if self.uncertain:
+            why = ""  # the bound: the inputs, not the order, are what is not known (no NOT CHECKED)
+        elif self.mesh is not None:
             staged, why = self._mesh_stages()
             if staged is not None:
                 stages, segments = staged
@@ -163,7 +176,7 @@ class ShardedReduce:
         if averaged is None:
             [averaged] = self.collectives.reduce_all([Reduction(pending, summed_in=self.reduce_dtype)])
             why = (f"the {DTYPE_NAMES.get(self.reduce_dtype, self.reduce_dtype)} reduction is judged "
-                   f"within its rounding bound: {why}")
+                   f"within its rounding bound: {why}") if why else ""
         self.clear()
         return averaged, why  # type: ignore[return-value]
 
