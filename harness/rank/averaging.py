@@ -231,8 +231,7 @@ class Averaging:
         if uncertain:
             reductions += [Reduction(self.allowance_of(name)) for name in names]
         reduced = self.collectives.reduce_all(reductions)
-        self.sharded.uncertain = uncertain  # type: ignore[union-attr]
-        averaged, why = self.sharded.average()  # type: ignore[union-attr]
+        averaged, why = self.sharded.average(uncertain=uncertain)  # type: ignore[union-attr]
         if why:
             self.checks.recorder.unchecked["exact reduction order"] = why
         for index, (name, ps) in enumerate(self.params.items()):

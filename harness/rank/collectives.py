@@ -65,8 +65,9 @@ class Reduction:
     # sum is rounded to it and the bound is its own. Two terms round once, in either order, and the
     # division by 2 is exact: at world size 2 the average is reproduced exactly, with no bound.
     summed_in: torch.dtype | None = None
-    # the values' average is reproduced in the wrapper's own order by the caller (``ring_average``), which
-    # takes the place of this one's: nothing is allowed for the reduction, only the carried allowances
+    # the values' average is the wrapper's bit for bit: nothing is allowed for the reduction, only the
+    # carried allowances. Either this plain average is already the wrapper's (one rank; two, DDP) or the
+    # caller makes it again in the wrapper's own order (``ring_average``) and keeps this one's allowance
     reproduced: bool = False
 
 

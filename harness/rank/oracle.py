@@ -303,8 +303,8 @@ class Oracle(Averaging, Anchored):
         if weighted:
             self.weighting.after_backward(sync=sync)
         if self.sharded is not None:
-            self.sharded.uncertain = bool(self.uncertain)
-            why = self.sharded.after_backward({name: m.order for name, m in self.models.items()})
+            why = self.sharded.after_backward({name: m.order for name, m in self.models.items()},
+                                              uncertain=bool(self.uncertain))
             if why:
                 self.checks.recorder.unchecked["exact reduction order"] = why
         self.last_sync = sync

@@ -69,9 +69,6 @@ class ShardedReduce:
         # and adds the sum to its gradient once; in bf16 each is added apart (measured, torch 2.13)
         self.adds_contributions_once = wrapper == "fsdp1" and self.param_dtype == torch.float32
         self.every_backward = wrapper in REDUCES_EVERY_MICRO_BATCH
-        # set by the oracle: whether a backward since the last sync ran with two token seeds, so that
-        # every rank's inputs are known only within their allowance: reduced within the bound, then
-        self.uncertain = False
         self.models = dict(models)
         self.collectives = collectives
         self.world_size = collectives.world_size
@@ -123,15 +120,17 @@ class ShardedReduce:
         total = base + average
         return self.round(total) if self.stage is not None else total
 
-    def after_backward(self, order: Mapping[str, list[str]]) -> str:
+    def after_backward(self, order: Mapping[str, list[str]], *, uncertain: bool = False) -> str:
         """After each backward: under ZeRO-2/3 its gradients reduced now, as DeepSpeed reduces every
         micro-batch, and added in bf16 to those reduced since the boundary (``reduced``); ``order``:
-        by model, the parameters in the order the backward gave them their gradients. Why the
-        reduction is judged within its bound instead, or "" (a collective under ZeRO-2/3)."""
+        by model, the parameters in the order the backward gave them their gradients; ``uncertain``:
+        every rank's inputs are known only within their allowance (a backward with two token seeds),
+        so the reduction keeps its bound and each add one rounding. Why the reduction is judged
+        within its bound for an unknown order, or "" (a collective under ZeRO-2/3)."""
         self.order = dict(order)
         if not self.every_backward:
             return ""
-        averaged, why = self._reduce()
+        averaged, why = self._reduce(uncertain)
         for key, new in averaged.items():
             held = self.reduced.get(key)
             if held is None:
@@ -140,14 +139,15 @@ class ShardedReduce:
                 value = self.round(held.value + new.value)
                 # uncertain inputs (two token seeds): the add of sums known within an allowance may round apart
                 allowed = held.allowed + new.allowed + (rounding_allowance(value, dtype=self.accumulate_dtype)
-                                                        if self.uncertain else 0.0)
+                                                        if uncertain else 0.0)
                 self.reduced[key] = Expectation(value, allowed)
         return why
 
-    def average(self) -> tuple[dict[Key, Expectation], str]:
+    def average(self, *, uncertain: bool = False) -> tuple[dict[Key, Expectation], str]:
         """Every pending gradient reduced as the wrapper reduces it at a sync, by (model, parameter),
         then cleared (under ZeRO-2/3: what every backward reduced since the last boundary); and why
-        the reduction is judged within its bound instead, or "" where it is reproduced exactly."""
+        the reduction is judged within its bound for an unknown order, or "" where it is reproduced
+        exactly or its inputs are ``uncertain`` (as in ``after_backward``: the bound, said nowhere)."""
         if self.every_backward:
             none = {(n, p): Expectation(torch.zeros_like(t), no_allowance(t.dtype))
                     for n, ps in self.pending.items() for p, t in ps.items()}
@@ -155,12 +155,12 @@ class ShardedReduce:
             self.reduced = {}
             self.clear()
             return averaged, ""
-        return self._reduce()
+        return self._reduce(uncertain)
 
-    def _reduce(self) -> tuple[dict[Key, Expectation], str]:
+    def _reduce(self, uncertain: bool) -> tuple[dict[Key, Expectation], str]:
         pending: dict[Hashable, torch.Tensor] = {(n, p): t for n, ps in self.pending.items() for p, t in ps.items()}
         averaged = None
-        if self.uncertain:
+        if uncertain:
             why = ""  # the bound: the inputs, not the order, are what is not known (no NOT CHECKED)
         elif self.mesh is not None:
             staged, why = self._mesh_stages()
