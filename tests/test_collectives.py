@@ -165,7 +165,8 @@ def _fsdp2_reduce_scatter(rank, world_size, dtype_name):
     import torch
     import torch.distributed as dist
 
-    from harness.rank.collectives import Collectives, Reduction, ring_order_holds, ring_segments
+    from harness.rank.collectives import Collectives, Reduction
+    from harness.rank.ring_order import ring_order_holds, ring_segments
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
     shapes = [(5, 3), (2, 2), (5,), (world_size * 3, 1)]  # chunks of odd size at 2, 3 and 4 ranks
@@ -232,7 +233,8 @@ def _fsdp1_reduce_scatter(rank, world_size):
     import torch.distributed as dist
     from torch.distributed.algorithms._comm_hooks.default_hooks import DefaultState
 
-    from harness.rank.collectives import Collectives, flat_segments, ring_order_holds
+    from harness.rank.collectives import Collectives
+    from harness.rank.ring_order import flat_segments, ring_order_holds
 
     dtype = torch.bfloat16
     pre = float(DefaultState._get_gradient_predivide_factor(world_size))
@@ -288,7 +290,8 @@ def _ddp_all_reduce(rank, world_size):
     import torch
     from torch import nn
 
-    from harness.rank.collectives import Collectives, all_reduce_order_holds, flat_segments
+    from harness.rank.collectives import Collectives
+    from harness.rank.ring_order import all_reduce_order_holds, flat_segments
     from harness.wrappers import prepared, sharding
 
     torch.manual_seed(0)
@@ -334,12 +337,12 @@ def test_ddps_sync_on_gloo_is_reproduced_bit_for_bit_from_its_buckets(world_size
 
 
 def _all_reduce_sizes(rank, world_size):
-    """Gloo's all-reduce (SUM) of flat buffers of many sizes, odd ones included, against ``_ring_sum``
+    """Gloo's all-reduce (SUM) of flat buffers of many sizes, odd ones included, against ``ring_sum``
     over ``flat_segments``: the order ``all_reduce_order_holds`` probes at one size holds at every size."""
     import torch
     import torch.distributed as dist
 
-    from harness.rank.collectives import _ring_sum, flat_segments
+    from harness.rank.ring_order import flat_segments, ring_sum
 
     differ = {}
     for total in (1, 7, 37, 1001, 65537, (1 << 20) + 3):
@@ -348,7 +351,7 @@ def _all_reduce_sizes(rank, world_size):
                  for _ in range(world_size)]
         out = every[rank].clone()
         dist.all_reduce(out)
-        differ[total] = int((out != _ring_sum(every, flat_segments([(0, total)], total, world_size)[0],
+        differ[total] = int((out != ring_sum(every, flat_segments([(0, total)], total, world_size)[0],
                                                torch.float32)).sum())
     return differ
 

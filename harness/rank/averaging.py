@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 import torch
 
 from harness.rank.closeness import CHUNK, Expectation, no_allowance, rounding_allowance
-from harness.rank.collectives import Collectives, Reduction, all_reduce_order_holds, flat_segments
+from harness.rank.collectives import Collectives, Reduction
 from harness.rank.fused_check import FusedOutcome, check_synced, fusable
+from harness.rank.ring_order import all_reduce_order_holds, flat_segments
 from harness.wrappers import sharding
 from harness.wrappers.names import DDP
 

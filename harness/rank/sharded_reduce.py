@@ -32,8 +32,9 @@ import torch
 from torch import nn
 
 from harness.rank.closeness import Expectation, no_allowance, rounding_allowance
-from harness.rank.collectives import Collectives, Reduction, flat_segments, ring_order_holds, ring_segments
+from harness.rank.collectives import Collectives, Reduction
 from harness.rank.replica import AUTOCAST_DTYPES, unwrap
+from harness.rank.ring_order import flat_segments, ring_order_holds, ring_segments
 from harness.wrappers import sharding
 from harness.wrappers.names import DEEPSPEED, REDUCES_EVERY_MICRO_BATCH
 
