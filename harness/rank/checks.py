@@ -32,7 +32,7 @@ from harness.rank.closeness import (
     norm_rounding,
     rounding_allowance,
 )
-from harness.rank.diagnosis import Hypotheses, Reweighing, diagnose
+from harness.rank.diagnosis import REBASED, ModelFits, owned_cut
 from harness.rank.recorder import Recorder, make_failure, mark_point, where
 from harness.rank.replica import AUTOCAST_DTYPES
 from harness.rank.schedule import MicroStep
@@ -156,7 +156,7 @@ class Checks:
             grads = observed.full_grads()  # a collective when sharded: every rank, before any diagnosis
             expectations = oracle.expected_grads(name)
             parts = oracle.weighting.parts(name)
-            reweighing: Reweighing | None = None
+            fits: dict[bool, ModelFits] = {}  # by whether fitted to this rank's own partition (``Observed.owned``)
             pairs = {pname: (_grad_or_zeros(observed, pname), observed.piece_of(pname, full))
                      for pname, full in expectations.items()}
             close, max_abs = all_close(list(pairs.values()))
@@ -165,26 +165,32 @@ class Checks:
                 diff = difference(actual, expected)
                 if diff.close:
                     continue
-                if parts and reweighing is None:
-                    reweighing = Reweighing.fit(expectations, grads, parts, low=AUTOCAST_DTYPES.get(oracle.precision))
+                # fitted to the whole model, once, at its first failing tensor; where each rank's partition
+                # holds what that rank reduced (ZeRO-1/2), to this rank's partition of it
+                owned = pname in observed.owned
+                if owned not in fits:
+                    fits[owned] = ModelFits.make(
+                        expectations, grads, parts, low=AUTOCAST_DTYPES.get(oracle.precision),
+                        backwards=oracle.weighting.backwards.get(name, 1),
+                        partition=owned_cut(observed) if owned else None, owned=observed.owned)
+                fit_set = fits[owned]
                 previous = oracle.previous_grad(name, pname)
-                reweighted = reweighing.expectations.get(pname) if reweighing else None
                 local = local if local is not None else oracle.local_grads(name)
-                kind, factor = diagnose(
-                    actual,
-                    Hypotheses(expected=expected, local=observed.piece_of(pname, local[pname]),
-                               synced=observed.piece_of(pname, synced[pname]),
-                               previous=None if previous is None else observed.piece_of(pname, previous),
-                               expected_sync=oracle.last_sync,
-                               reweighted=None if reweighted is None else observed.piece_of(pname, reweighted),
-                               weight=reweighing.weight_of(self.oracle.data_rank) if reweighing else None),
-                )
+                kind, factor, which = fit_set.diagnose(
+                    pname, observed, actual, expected=expected, local=local[pname], synced=synced[pname],
+                    previous=previous, expected_sync=oracle.last_sync,
+                    weighed=oracle.weighting.tokens is not None or oracle.contract == "full_batch",
+                    rank=self.oracle.data_rank)
                 failed = True
-                weights = reweighing.weights if reweighing and kind is FailureKind.MISWEIGHTED else None
+                fit = fit_set.rebasing if which == REBASED else fit_set.reweighing
+                misweighted = kind is FailureKind.MISWEIGHTED and fit is not None
                 unit = "tokens" if oracle.weighting.tokens is not None else "micro-batches"
                 shards = None if oracle.mesh is None else oracle.mesh.shard_ranks()
                 self.recorder.add(make_failure(rank=self.rank, step=index, where=at, model=name, param=pname,
-                                               checked="grad", kind=kind, factor=factor, diff=diff, weights=weights,
+                                               checked="grad", kind=kind, factor=factor, diff=diff,
+                                               weights=fit.weights if misweighted else None,
+                                               earlier=fit.earlier if misweighted else None,
+                                               backwards=fit.backwards if misweighted else 1,
                                                unit=unit, shards=shards))
             del pairs, expectations, local, synced  # the oracle's gradients go as the rank's are adopted
             oracle.adopt_grads(name, grads)

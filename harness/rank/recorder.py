@@ -91,13 +91,17 @@ def make_failure(
     diff: Difference,
     noun: str | None = None,
     weights: list[float] | None = None,
+    earlier: float | None = None,
+    backwards: int = 1,
     unit: str = "tokens",
     shards: list[list[int]] | None = None,
 ) -> Failure:
     """A failure of a gradient check (``checked="grad"``) or a parameter check (``"param"``), where
     ``diff`` compared the gradients or the updates; ``noun`` names what was compared otherwise;
     ``weights``: a misweighted gradient's fitted weights (by rank, after a sync; under a mesh by data
-    shard, ``shards`` the ranks of each)."""
+    shard, ``shards`` the ranks of each); ``earlier``: the fitted weight of the gradient held before
+    them, where that was fitted too; ``backwards``: how many micro-batches since the last check the
+    weights are of (each by rank after a sync)."""
     noun = noun or ("gradient of" if checked == "grad" else "update of parameter")
     what = f"{noun} '{model}.{param}'"
     return Failure(
@@ -116,5 +120,6 @@ def make_failure(
         atol=diff.allowed_abs,
         rtol=diff.allowed_rel if math.isfinite(diff.allowed_rel) else 1e308,
         message=text.mismatch_text(what=what, where=f"on rank {rank} at {where}", kind=kind, factor=factor, diff=diff,
-                                   weights=weights, unit=unit, shards=shards),
+                                   weights=weights, earlier=earlier, backwards=backwards,
+                                   unit=unit, shards=shards),
     )

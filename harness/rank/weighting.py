@@ -1,6 +1,9 @@
 """Token weighting for the oracle (``Oracle.token_window``): a window weighed by its valid tokens on
-all ranks, the weight as the documented loops round it, and the contributions since the last check
-that the ``misweighted`` diagnosis refits (harness/rank/diagnosis.py, ``Reweighing``)."""
+all ranks, the weight as the documented loops round it; and the contributions since the last check
+that the ``misweighted`` diagnosis refits (harness/rank/diagnosis.py, ``Reweighing``), kept in every
+window of a model below ``REFIT_BELOW`` elements (and in every weighed window): after a sync, every
+rank's, which takes an all-gather of the model's contributions at each sync, the cost a large
+model's check does without (bench/README.md, "Against model size")."""
 
 from __future__ import annotations
 
@@ -8,6 +11,12 @@ from typing import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
+
+from harness.rank.closeness import CHUNK
+
+# A model of fewer elements keeps its contributions since the last check in every window, for a
+# diagnosis that refits them (a larger one only in a window weighed by tokens or micro-batches)
+REFIT_BELOW = CHUNK
 
 
 def token_seeds(world_size: int, tokens: int, num_steps: int, *, dtype: torch.dtype = torch.float32
@@ -36,10 +45,14 @@ class TokenWeighting:
         self.shards = shards
         self.tokens: int | None = None
         self._params = params
-        # by model, the contributions since the last check: made at the first weighted backward (a model's
-        # worth of zeros an oracle that weighs nothing need not hold)
+        # by model, the contributions of the backward being run: made at the first weighted backward (a
+        # model's worth of zeros an oracle that weighs nothing need not hold); and of each backward since
+        # the last check, in order (the fit weighs each micro-batch apart)
         self._new: dict[str, dict[str, torch.Tensor]] = {}
-        self._parts: dict[str, list[dict[str, torch.Tensor]]] = {}  # every rank's, after a sync
+        self._done: dict[str, list[dict[str, torch.Tensor]]] = {}
+        # every rank's, after a sync: by backward since the last check, then by rank (or data shard)
+        self._parts: dict[str, list[dict[str, torch.Tensor]]] = {}
+        self.backwards: dict[str, int] = {}  # how many backwards since the last check the parts hold
         self._weighted: set[str] = set()  # models with a weighted backward since their last check
         self._mixed: set[str] = set()  # ... and a local one after a sync: no parts to fit
         self._device = next(t.device for ps in params.values() for t in ps.values())
@@ -61,49 +74,61 @@ class TokenWeighting:
     def end(self) -> None:
         """The window's optimizer step: its gradients are gone, and the next window counts anew."""
         self.tokens = None
-        for name in self._new:
+        for name in list(self._params):
             self.clear(name)
 
     def add(self, name: str, pname: str, grad: torch.Tensor) -> None:
-        if not self._new:
-            self._new = {n: {p: torch.zeros_like(t) for p, t in ps.items()} for n, ps in self._params.items()}
+        if name not in self._new:
+            self._new[name] = {p: torch.zeros_like(t) for p, t in self._params[name].items()}
         self._new[name][pname] += grad
 
-    def after_backward(self, *, sync: bool) -> None:
-        """After a weighted backward of every model; at a sync, every rank's contributions since the
-        last check, each divided by the world size as it enters the average (one all_gather a model)."""
-        for name in self._new:
+    def after_backward(self, *, sync: bool, models: Iterable[str]) -> None:
+        """After a weighted backward of ``models`` (the same on every rank); at a sync, every rank's
+        contributions since the last check, each divided by the world size as it enters the average
+        (one all_gather a model)."""
+        for name in models:
+            # no gradient on this rank: its contributions are zero
+            new = self._new.pop(name, None) or {p: torch.zeros_like(t) for p, t in self._params[name].items()}
+            self._done.setdefault(name, []).append(new)
             if name in self._parts and not sync:
                 self._mixed.add(name)
             self._weighted.add(name)
         if not sync:
             return
-        for name, new in self._new.items():
-            flat = torch.cat([t.reshape(-1) for t in new.values()])
+        for name in [n for n in self._params if n in self._done]:  # in one order on every rank
+            done = self._done.pop(name)
+            flat = torch.cat([t.reshape(-1) for new in done for t in new.values()])
             gathered = [torch.empty_like(flat) for _ in range(self.world_size)] if self.world_size > 1 else [flat]
             if self.world_size > 1:
                 dist.all_gather(gathered, flat)
-            sizes = [t.numel() for t in new.values()]
-            parts = [{p: piece.view_as(t).clone() / self.world_size
-                      for (p, t), piece in zip(new.items(), g.split(sizes))} for g in gathered]
-            self._parts[name] = parts if self.shards is None else _by_shard(parts, self.shards)
-            for t in new.values():
-                t.zero_()
+            shapes = [(p, t) for p, t in done[0].items()]
+            sizes = [t.numel() for _, t in shapes] * len(done)
+            parts = []
+            for backward in range(len(done)):  # each backward's share of every rank, by rank
+                pieces = [g.split(sizes)[backward * len(shapes):(backward + 1) * len(shapes)] for g in gathered]
+                by_rank = [{p: piece.view_as(t).clone() / self.world_size for (p, t), piece in zip(shapes, ps)}
+                           for ps in pieces]
+                parts += by_rank if self.shards is None else _by_shard(by_rank, self.shards)
+            self._parts[name] = parts
+            self.backwards[name] = len(done)
 
     def parts(self, name: str) -> list[dict[str, torch.Tensor]] | None:
-        """The weighted contributions that the expected gradient adds since the last check: this
-        rank's own (no sync since), or every rank's share of the average, by rank (a sync). None
+        """The weighted contributions that the expected gradient adds since the last check, each
+        backward's apart, in order (``backwards[name]`` of them): this rank's own (no sync since), or
+        every rank's share of the average, by backward, then by rank (a sync). None
         outside token weighting, or when a local backward followed a sync before the check."""
         if name not in self._weighted or name in self._mixed:
             return None
         if name in self._parts:
             return self._parts[name]
-        return [{p: t.clone() for p, t in self._new[name].items()}]
+        self.backwards[name] = len(self._done[name])
+        return [{p: t.clone() for p, t in new.items()} for new in self._done[name]]
 
     def clear(self, name: str) -> None:
         """A check adopted the rank's gradients of ``name``: nothing since."""
-        for t in self._new.get(name, {}).values():
-            t.zero_()
+        self._new.pop(name, None)
+        self._done.pop(name, None)
+        self.backwards.pop(name, None)
         self._parts.pop(name, None)
         self._weighted.discard(name)
         self._mixed.discard(name)

@@ -257,7 +257,7 @@ def observe(engine: Any, names: list[str], *, sync: bool) -> Observed:
     stage = int(engine.zero_optimization_stage())
     captured = getattr(engine, _CAPTURED, None)
     if sync and captured is not None:
-        return Observed(params=params, grads=dict(captured))
+        return Observed(params=params, grads=dict(captured), owned=_owned(named) if stage < 3 else {})
     if stage < 2:
         # BF16_Optimizer leaves only the latest micro-batch's gradient in param.grad: the rank's own
         # sum since the boundary is its fp32 ``_hp_grad`` (a view of the flat accumulator)
@@ -267,6 +267,17 @@ def observe(engine: Any, names: list[str], *, sync: bool) -> Observed:
                                               for (n, p), g in zip(named, shown.values())})
     grads: dict[str, torch.Tensor | None] = {n: None for n, _ in named}
     return Observed(params=params, grads=grads, sharded=True, hidden=True)
+
+
+def _owned(named: list[tuple[str, Any]]) -> dict[str, tuple[int, int]]:
+    """The span of each parameter's flattened gradient in this rank's partition (ZeRO-1/2: DeepSpeed's
+    ``_hp_mapping.lp_fragment_address``, where the rank owns a part of it)."""
+    owned = {}
+    for n, p in named:
+        address = getattr(getattr(p, "_hp_mapping", None), "lp_fragment_address", None)
+        if address is not None and int(address.numel) > 0:
+            owned[n] = (int(address.start), int(address.numel))
+    return owned
 
 
 @contextlib.contextmanager

@@ -36,6 +36,10 @@ class Observed:
     # the optimizer): no claim is made of them
     hidden: bool = False
     pieces: dict[str, Piece] = field(default_factory=dict)
+    # the span (start, numel) of each flattened gradient that this rank's own partition holds, where the
+    # gradients are shown whole but each element was reduced and held by one rank (DeepSpeed ZeRO-1/2 at
+    # a boundary): a diagnosis fits this rank's part (a defect of one rank's partition shows there alone)
+    owned: dict[str, tuple[int, int]] = field(default_factory=dict)
     _full_params: Callable[[], dict[str, torch.Tensor]] | None = None
     _full_grads: Callable[[], dict[str, torch.Tensor | None]] | None = None
 
