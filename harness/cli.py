@@ -269,7 +269,9 @@ def add_selfcheck_parser(subparsers: argparse._SubParsersAction) -> None:
             "Run the case catalogue (cases/test_*.py) on one live pool of ranks, once clean and once\n"
             "under each injected sync fault (harness/selfcheck/faults.py: accelerate or DDP patched at run time\n"
             "inside the ranks, never the cases). A fault is caught when some cell ends fail. Prints a\n"
-            "fault x cell table, the kill rate (faults caught by at least one case / faults), and the\n"
+            "fault x cell table, the kill rate (faults caught by at least one case / faults), the\n"
+            "diagnosis accuracy (of the cells that caught a fault, those whose diagnoses at their first\n"
+            "failing step name it: each fault declares the kinds that do, --list-faults), and the\n"
             "smallest relative perturbation of one rank's gradients that the harness catches, for fp32\n"
             "and bf16. Canary cases run in the clean pass only. Progress goes to stderr, one line a fault."
         ),
@@ -293,7 +295,8 @@ def add_selfcheck_parser(subparsers: argparse._SubParsersAction) -> None:
     variants = parser.add_mutually_exclusive_group()
     variants.add_argument("--variants", type=_comma_list, metavar="LIST", default=None,
                           help="the variants whose name has all the parts of any pattern in LIST "
-                               "(e.g. fp32, or steps=2-bf16; default: the first fp32 variant of each case)")
+                               "(e.g. fp32, or steps=2-bf16; default: the first fp32 variant of each case and "
+                               "wrapper that is no declared defect)")
     variants.add_argument("--all-variants", action="store_true", help="every variant of every case")
     parser.add_argument("--world-size", type=_world_size, default=2, metavar="N",
                         help="ranks in the pool (default: 2)")

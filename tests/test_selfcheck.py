@@ -13,7 +13,7 @@ import pytest
 
 from harness import catalogue as case_catalogue
 from harness.matrix.schema import Cell
-from harness.records import Status
+from harness.records import FailureKind, Status
 from harness.render.selfcheck import render, sensitivity_text
 from harness.selfcheck import run as selfcheck
 from harness.selfcheck.run import Runner, Target, first_kinds, measure_sensitivity
@@ -41,7 +41,8 @@ EXPECTED_DIAGNOSES = {
     "optimizer_every_batch": ("accumulate", "steps=2-fp32", {"stepped_early"}),
     "grads_summed": ("fused_loss", "fp32", {"wrong_scale"}),
     "zero_grad_skipped": ("accumulate", "steps=1-fp32", {"stale"}),
-    "zero_grad_every_batch": ("accumulate", "steps=2-fp32", {"mismatch"}),
+    # the window keeps its last micro-batch alone: the gradient held before it weighs 0
+    "zero_grad_every_batch": ("accumulate", "steps=2-fp32", {"misweighted"}),
     "no_dataloader_end_sync": ("accumulate", "steps=2-fp32", {"sync_flag", "not_synced", "step_skipped"}),
     "counter_off_by_one": ("accumulate", "steps=2-fp32", {"sync_flag", "synced_early", "stepped_early"}),
     "accumulate_ignores_models": ("accumulate_multi_model", "steps=2-models=2-fp32", {"synced_early"}),
@@ -77,6 +78,36 @@ def test_every_registered_fault_has_an_expected_diagnosis():
                                        if not set(fault.wrappers) & set(DEEPSPEED) and not fault.needs.startswith("mesh=")}
 
 
+def test_every_fault_declares_the_diagnoses_that_name_it():
+    kinds = {k.value for k in FailureKind}
+    checks = {"grad", "param", "flag", "lr", "grad_norm", "comm", "schedule", "raise"}
+    for name, fault in selfcheck.FAULTS.items():
+        assert fault.diagnoses, name
+        for declared in fault.diagnoses:
+            kind, _, checked = declared.partition(":")
+            assert kind in kinds and (not checked or checked in checks), (name, declared)
+    # the test's own expectations are among them (what the fault's own cell must say)
+    for name, (_, _, expected) in EXPECTED_DIAGNOSES.items():
+        assert expected & {d.partition(":")[0] for d in selfcheck.FAULTS[name].diagnoses}, name
+
+
+def test_a_cell_names_a_fault_by_its_first_failing_steps_diagnoses():
+    from harness.records import Failure
+    from harness.selfcheck.planted import Fault
+
+    def failure(step, kind, checked="grad"):
+        return Failure(rank=0, step=step, model="m", param="p", kind=kind, max_abs_diff=1.0, message="", checked=checked)
+
+    fault = Fault("f", "d", lambda rank: None, diagnoses=("wrong_scale", "mismatch:lr"))
+    cell = Cell(case="c", variant="v", world_size=2, status=Status.FAIL,
+                failures=[failure(3, "mismatch"), failure(2, "wrong_scale")])
+    assert selfcheck.names(cell, fault)  # step 2's wrong_scale, the cause, not step 3's mismatch
+    cell.failures = [failure(2, "mismatch"), failure(3, "wrong_scale")]
+    assert not selfcheck.names(cell, fault)
+    cell.failures = [failure(2, "mismatch", checked="lr")]
+    assert selfcheck.names(cell, fault)
+
+
 @pytest.fixture(scope="module")
 def fault_cells(catalogue):
     """Each fault on its cell at world size 2, and each of those cells clean, on one pool."""
@@ -98,6 +129,7 @@ def test_each_fault_is_caught_by_its_cell_with_its_diagnosis(fault_cells, fault)
     assert faulty.status == Status.FAIL, f"{faulty.summary}\n{faulty.detail}"
     expected = EXPECTED_DIAGNOSES[fault][2]
     assert expected <= set(first_kinds(faulty)), (first_kinds(faulty), faulty.summary)
+    assert selfcheck.names(faulty, selfcheck.FAULTS[fault])  # what the self-check's accuracy counts
 
 
 def test_fault_details_say_where_and_how(fault_cells):

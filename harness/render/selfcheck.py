@@ -9,17 +9,17 @@ from typing import Any, Iterable
 from harness.decorator import PRECISIONS
 from harness.records import BAD_STATUSES, Status
 from harness.selfcheck.planted import Fault
-from harness.selfcheck.run import CleanRun, FaultDone, PoolUp, SelfcheckResult, Sensitivity
+from harness.selfcheck.run import CleanRun, FaultDone, PoolUp, SelfcheckResult, Sensitivity, first_kinds
 
 SYMBOLS = {Status.FAIL: "X", Status.PASS: ".", Status.ERROR: "E", Status.SKIP: "-", Status.UNSUPPORTED: "-",
            Status.DETECTED: "d", Status.MISSED: "m"}
 
 
 def fault_list(faults: Iterable[Fault]) -> str:
-    """One line a fault: its name, then what it breaks."""
+    """One line a fault: its name, what it breaks, and the diagnoses that name it."""
     faults = list(faults)
     width = max(len(f.name) for f in faults)
-    return "".join(f"{f.name.ljust(width)}  {f.description}\n" for f in faults)
+    return "".join(f"{f.name.ljust(width)}  {f.description} (named by: {', '.join(f.diagnoses)})\n" for f in faults)
 
 
 def sensitivity_text(s: Sensitivity) -> str:
@@ -45,7 +45,7 @@ def progress_line(event: Any) -> str:
                    else "NOT CAUGHT" if result.ran else "not run here")
         errors = sum(c.status == Status.ERROR for c in cells)
         extra = f", {errors} error" if errors else ""
-        how = f" ({', '.join(result.kinds()[:3])})" if result.caught else ""
+        how = f" ({', '.join(result.kinds()[:3])}; named by {len(result.named_by)})" if result.caught else ""
         return f"[{event.n:>2}/{event.total}] {result.fault.name:<30} {verdict}{how}{extra}  {result.duration_s:.1f} s"
     if isinstance(event, Sensitivity):
         return f"sensitivity {event.precision}: {sensitivity_text(event)} ({', '.join(event.cases)})"
@@ -63,7 +63,7 @@ def render(result: SelfcheckResult) -> str:
         f"{len(result.faults)} faults (caught = the cell ended fail)",
         "",
     ]
-    header = "fault".ljust(name_width) + "".join(c.rjust(width) for c in columns) + "   caught by  diagnoses"
+    header = "fault".ljust(name_width) + "".join(c.rjust(width) for c in columns) + "   caught by  named by  diagnoses"
     lines.append(header)
     clean_by_label = {f"{c.case}[{c.variant}]": c for c in result.clean}
     clean_row = "(clean)".ljust(name_width) + "".join(
@@ -72,9 +72,12 @@ def render(result: SelfcheckResult) -> str:
     for r in result.faults:
         row = r.fault.name.ljust(name_width) + "".join(SYMBOLS.get(c.status, "?").rjust(width) for c in r.cells)
         caught = f"{len(r.caught_by)}/{len(r.ran)}".rjust(9)
+        named = (f"{len(r.named_by)}/{len(r.caught_by)}" if r.caught else "").rjust(8)
         verdict = ", ".join(r.kinds()) if r.caught else ("NOT CAUGHT" if r.ran else "not run here")
-        lines.append(f"{row}   {caught}  {verdict}")
-    lines += ["", "X caught (fail)   . passed (not caught)   E error (not caught)   - skip, unsupported, or not pass when clean", ""]
+        lines.append(f"{row}   {caught}  {named}  {verdict}")
+    lines += ["", "X caught (fail)   . passed (not caught)   E error (not caught)   - skip, unsupported, or not pass when clean",
+              "named by: the cells that caught it whose diagnoses at their first failing step name it "
+              "(selfcheck --list-faults shows the kinds that do)", ""]
     for column, target in zip(columns, counted):
         lines.append(f"{column.rjust(width)}  {target.label}")
     canaries = [c for c in result.clean if c.status in (Status.DETECTED, Status.MISSED)]
@@ -89,6 +92,17 @@ def render(result: SelfcheckResult) -> str:
     caught = sum(r.caught for r in counted_faults)
     rate = caught / len(counted_faults) if counted_faults else math.nan
     lines.append(f"kill rate: {caught}/{len(counted_faults)} faults caught by at least one case ({rate:.0%})")
+    accuracy = result.diagnosis_accuracy()
+    if accuracy["cells"]:
+        lines.append(f"diagnosis accuracy: {accuracy['named']}/{accuracy['cells']} catching cells name their fault "
+                     f"({accuracy['rate']:.0%}); {accuracy['faults_always_named']}/{accuracy['faults']} faults named "
+                     "by every cell that caught them")
+        for r in counted_faults:
+            if r.caught and r.accuracy != 1.0:
+                lines.append(f"  NOT ALWAYS NAMED: {r.fault.name}: {len(r.named_by)}/{len(r.caught_by)} cells say "
+                             f"{' or '.join(r.fault.diagnoses)}; the others: "
+                             + ", ".join(f"{c.case}[{c.variant}] {', '.join(map(str, first_kinds(c)))}"
+                                         for c in r.caught_by if c not in r.named_by)[:400])
     for r in result.not_run:
         needs = f"{r.fault.needs} " if r.fault.needs else ""
         lines.append(f"  not run here: {r.fault.name} (no {needs}cell of {', '.join(r.fault.wrappers)} passed clean)")

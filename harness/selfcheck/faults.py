@@ -364,37 +364,55 @@ def _clip_grad_norm_noop(rank: int) -> Iterator[None]:
         yield
 
 
-register(Fault("perturb_rank1", "rank 1's gradients scaled by 1.01 after every backward", _perturb_rank(1, 0.01)))
+register(Fault("perturb_rank1", "rank 1's gradients scaled by 1.01 after every backward", _perturb_rank(1, 0.01),
+               diagnoses=("wrong_scale", "misweighted")))
 register(Fault("no_sync_still_syncs", "Accelerator.no_sync yields without entering DDP's no_sync",
-               _no_sync_still_syncs))
-register(Fault("trigger_noop", "trigger_sync_in_backward does nothing", _trigger_noop))
-register(Fault("loss_not_scaled", "backward does not divide the loss by the accumulation steps", _loss_not_scaled))
+               _no_sync_still_syncs,
+               diagnoses=("synced_early", "comm_unexpected")))
+register(Fault("trigger_noop", "trigger_sync_in_backward does nothing", _trigger_noop,
+               diagnoses=("not_synced", "comm_missing")))
+register(Fault("loss_not_scaled", "backward does not divide the loss by the accumulation steps", _loss_not_scaled,
+               diagnoses=("wrong_scale", "misweighted")))
 register(Fault("optimizer_every_batch", "the prepared optimizer steps even when sync_gradients is False",
-               _optimizer_every_batch))
-register(Fault("grads_summed", "DDP all-reduce sums the gradients instead of averaging them", _grads_summed))
+               _optimizer_every_batch,
+               diagnoses=("stepped_early",)))
+register(Fault("grads_summed", "DDP all-reduce sums the gradients instead of averaging them", _grads_summed,
+               diagnoses=("wrong_scale", "misweighted")))
 register(Fault("zero_grad_skipped", "the prepared optimizer's zero_grad does nothing (stale gradients)",
-               _zero_grad_skipped))
+               _zero_grad_skipped,
+               diagnoses=("stale",)))
 register(Fault("zero_grad_every_batch", "the prepared optimizer's zero_grad clears even when sync_gradients is False",
-               _zero_grad_every_batch))
+               _zero_grad_every_batch,
+               diagnoses=("misweighted",)))
 register(Fault("no_dataloader_end_sync", "GradientState.end_of_dataloader is always False",
-               _no_dataloader_end_sync))
-register(Fault("counter_off_by_one", "accumulate's step counter syncs one micro-batch early", _counter_off_by_one))
+               _no_dataloader_end_sync,
+               diagnoses=("sync_flag", "not_synced", "step_skipped", "comm_missing")))
+register(Fault("counter_off_by_one", "accumulate's step counter syncs one micro-batch early", _counter_off_by_one,
+               diagnoses=("sync_flag", "synced_early", "stepped_early", "comm_unexpected")))
 register(Fault("accumulate_ignores_models", "accumulate(*models) enters no_sync for the first model only",
-               _accumulate_ignores_models))
+               _accumulate_ignores_models,
+               diagnoses=("synced_early", "comm_unexpected")))
 register(Fault("scheduler_every_batch", "the prepared scheduler steps even when sync_gradients is False",
-               _scheduler_every_batch))
+               _scheduler_every_batch,
+               diagnoses=("mismatch:lr",)))
 register(Fault("rank_grad_perturbed", "rank 1's gradients scaled by 1+1e-3 after every backward",
-               _perturb_rank(1, 1e-3)))
+               _perturb_rank(1, 1e-3),
+               diagnoses=("wrong_scale", "misweighted")))
 register(Fault("sync_each_batch_ignored", "accumulate enters no_sync despite sync_each_batch=True",
-               _sync_each_batch_ignored))
+               _sync_each_batch_ignored,
+               diagnoses=("not_synced", "comm_missing")))
 register(Fault("sync_with_dataloader_ignored", "GradientState.sync_with_dataloader is always True",
-               _sync_with_dataloader_ignored))
+               _sync_with_dataloader_ignored,
+               diagnoses=("sync_flag", "synced_early", "stepped_early", "comm_unexpected")))
 register(Fault("eval_dataloader_not_removed", "a finished dataloader stays GradientState's active one",
-               _eval_dataloader_not_removed))
+               _eval_dataloader_not_removed,
+               diagnoses=("sync_flag", "synced_early", "stepped_early", "comm_unexpected")))
 register(Fault("dispatcher_end_missed", "with dispatch_batches, the last batch is never flagged as the end",
-               _dispatcher_end_missed))
+               _dispatcher_end_missed,
+               diagnoses=("sync_flag", "not_synced", "step_skipped", "comm_missing")))
 register(Fault("clip_grad_norm_noop", "Accelerator.clip_grad_norm_ returns the norm without clipping",
-               _clip_grad_norm_noop))
+               _clip_grad_norm_noop,
+               diagnoses=("wrong_scale", "misweighted")))
 
 
 def perturbation(relative: float, *, target_rank: int = 1, only: int | None = None) -> Fault:
@@ -402,10 +420,10 @@ def perturbation(relative: float, *, target_rank: int = 1, only: int | None = No
     every backward, or after the ``only``-th backward of the cell alone (a single event)."""
     if only is None:
         return Fault(f"perturb:{relative:g}", f"rank {target_rank}'s gradients scaled by {1 + relative:g}",
-                     _perturb_rank(target_rank, relative))
+                     _perturb_rank(target_rank, relative), diagnoses=("wrong_scale", "misweighted"))
     return Fault(f"perturb_once:{relative:g}@{only}",
                  f"rank {target_rank}'s gradients scaled by {1 + relative:g} after its backward {only} only",
-                 _perturb_rank(target_rank, relative, only=only))
+                 _perturb_rank(target_rank, relative, only=only), diagnoses=("wrong_scale", "misweighted"))
 
 
 PERTURBATION_FORMS = "perturb:<relative> or perturb_once:<relative>[@<backward>]"

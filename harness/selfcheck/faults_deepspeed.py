@@ -50,7 +50,8 @@ def _boundary_ignored(rank: int) -> Iterator[None]:
 
 register(Fault("deepspeed_boundary_ignored",
                "accelerate's DeepSpeed backward marks every micro-batch a gradient-accumulation boundary",
-               _boundary_ignored, wrappers=tuple(DEEPSPEED)))
+               _boundary_ignored, wrappers=tuple(DEEPSPEED),
+               diagnoses=("stepped_early", "synced_early", "comm_unexpected", "misweighted", "wrong_scale")))
 
 
 def _losses_zeroed(which: str) -> Any:
@@ -120,16 +121,19 @@ def _bf16_optimizer_reduces_early(rank: int) -> Iterator[None]:
 register(Fault("deepspeed_bf16_optimizer_reduces_early",
                "DeepSpeed's BF16 optimizer all-reduces its fp32 gradient sum before adding the window's last "
                "micro-batch to it (DeepSpeed PR #7985's order)",
-               _bf16_optimizer_reduces_early, wrappers=("deepspeed-z1",), needs="grad_accum=fp32"))
+               _bf16_optimizer_reduces_early, wrappers=("deepspeed-z1",), needs="grad_accum=fp32",
+               diagnoses=("not_synced", "misweighted")))
 # The same effect at every stage and on the default bf16 path, planted through the loss: the last
 # micro-batch's gradient left out of every rank's window.
 register(Fault("deepspeed_last_micro_batch_dropped",
                "the window's last micro-batch is left out of DeepSpeed's averaged gradient (the shape of "
                "DeepSpeed PR #7985)",
-               _losses_zeroed("last"), wrappers=tuple(DEEPSPEED), needs="bf16"))
+               _losses_zeroed("last"), wrappers=tuple(DEEPSPEED), needs="bf16",
+               diagnoses=("misweighted", "wrong_scale")))
 # DeepSpeed PR #6550 (before 0.15.2): ZeRO-2 with CPU offload copied each micro-batch's gradient
 # into its buffer instead of adding it, so a window's gradient was its last micro-batch's alone.
 register(Fault("deepspeed_copy_not_accumulate",
                "each micro-batch's gradient replaces the window's instead of adding to it, so only the last "
                "counts (the shape of DeepSpeed PR #6550)",
-               _losses_zeroed("earlier"), wrappers=tuple(DEEPSPEED), needs="bf16"))
+               _losses_zeroed("earlier"), wrappers=tuple(DEEPSPEED), needs="bf16",
+               diagnoses=("misweighted", "wrong_scale")))

@@ -137,15 +137,21 @@ def _hsdp_replicate_never(rank: int) -> Iterator[None]:
 
 
 register(Fault("fsdp2_no_sync_noop", "FSDP2's set_requires_gradient_sync(False) does nothing (accelerate before "
-               "1.11.0: no_sync a no-op under FSDP2)", _fsdp2_no_sync_noop, wrappers=("fsdp2",)))
+               "1.11.0: no_sync a no-op under FSDP2)", _fsdp2_no_sync_noop, wrappers=("fsdp2",),
+               diagnoses=("synced_early", "comm_unexpected")))
 register(Fault("fsdp2_reduce_sums", "FSDP2 reduce-scatters the gradients without dividing by the world size",
-               _fsdp2_reduce_sums, wrappers=("fsdp2",)))
+               _fsdp2_reduce_sums, wrappers=("fsdp2",),
+               diagnoses=("wrong_scale", "misweighted")))
 register(Fault("fsdp2_reduce_in_param_dtype", "FSDP2 reduce-scatters in bf16 although reduce_dtype=fp32 was asked "
-               "(pytorch #190626)", _fsdp2_reduce_in_param_dtype, wrappers=("fsdp2",), needs="reduce=fp32"))
+               "(pytorch #190626)", _fsdp2_reduce_in_param_dtype, wrappers=("fsdp2",), needs="reduce=fp32",
+               diagnoses=("mismatch",)))
 register(Fault("fsdp1_no_sync_noop", "FullyShardedDataParallel.no_sync does nothing (FSDP1 syncs every micro-batch)",
-               _fsdp1_no_sync_noop, wrappers=("fsdp1",)))
+               _fsdp1_no_sync_noop, wrappers=("fsdp1",),
+               diagnoses=("synced_early", "comm_unexpected")))
 register(Fault("hsdp_replicate_last_only", "under HSDP no_sync defers only the replicate all-reduce, which at the sync "
                "gets the last micro-batch's shard alone (Megatron-LM PR #7186's shape)", _hsdp_replicate_last_only,
-               wrappers=("fsdp2",), needs="mesh=hsdp"))
+               wrappers=("fsdp2",), needs="mesh=hsdp",
+               diagnoses=("comm_unexpected", "misweighted")))
 register(Fault("hsdp_replicate_never", "under HSDP the replicate all-reduce never runs: each shard is averaged over "
-               "its dp_shard group only", _hsdp_replicate_never, wrappers=("fsdp2",), needs="mesh=hsdp"))
+               "its dp_shard group only", _hsdp_replicate_never, wrappers=("fsdp2",), needs="mesh=hsdp",
+               diagnoses=("comm_missing", "misweighted")))

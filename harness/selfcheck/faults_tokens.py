@@ -26,4 +26,5 @@ def _gather_drops_ranks(rank: int) -> Iterator[None]:
 
 
 register(Fault("gather_drops_ranks", "Accelerator.gather returns this rank's tensor alone (a gathered token "
-               "count is the rank's own)", _gather_drops_ranks))
+               "count is the rank's own)", _gather_drops_ranks,
+               diagnoses=("misweighted",)))

@@ -151,12 +151,16 @@ def _unused_at_sync_kept_local(ddp: Any) -> Any:
     return hook
 
 register(Fault("short_window_rescaled", "Accelerator.backward divides the last loss of an epoch's short window "
-               "by that window's micro-batches, not the steps", _short_window_rescaled))
+               "by that window's micro-batches, not the steps", _short_window_rescaled,
+               diagnoses=("wrong_scale", "misweighted")))
 register(Fault("clip_returns_local_norm", "Accelerator.clip_grad_norm_ clips by the total norm but returns the norm "
-               "of this rank's shards (pytorch #170862)", _clip_returns_local_norm, wrappers=("fsdp2",)))
+               "of this rank's shards (pytorch #170862)", _clip_returns_local_norm, wrappers=("fsdp2",),
+               diagnoses=("wrong_scale:grad_norm",)))
 register(Fault("static_graph_syncs_once", "a static-graph DDP model all-reduces its first iteration only, then keeps "
                "each rank's own gradients (as reported of static_graph with no_sync, accelerate #3679)",
-               _ddp_hooked(lambda ddp: ddp.static_graph, _syncs_first_iteration_only)))
+               _ddp_hooked(lambda ddp: ddp.static_graph, _syncs_first_iteration_only),
+               diagnoses=("not_synced", "comm_missing")))
 register(Fault("unused_at_sync_kept_local", "with find_unused_parameters, a parameter unused by the synced backward "
                "keeps this rank's own gradient from the window's earlier micro-batches (pytorch #69031)",
-               _ddp_hooked(lambda ddp: ddp.find_unused_parameters, _unused_at_sync_kept_local)))
+               _ddp_hooked(lambda ddp: ddp.find_unused_parameters, _unused_at_sync_kept_local),
+               diagnoses=("not_synced",)))

@@ -26,6 +26,10 @@ class Fault:
     # a variant parameter its path needs (``reduce=fp32``: a fault of the reduce dtype asked for):
     # the self-check runs it only on cells of variants that have it
     needs: str = ""
+    # the failure kinds that name it: a cell that catches it names it when its diagnoses at its first
+    # failing step include one of them (the self-check's diagnosis accuracy); ``kind:checked`` is a kind
+    # found by that check only (``mismatch:lr``: the learning rate check's)
+    diagnoses: tuple[str, ...] = ()
 
 
 @contextlib.contextmanager

@@ -69,7 +69,7 @@ def select_targets(
     all_variants: bool = False,
 ) -> list[Target]:
     """The (case, variant) pairs to run. By default one variant a case and wrapper: its first fp32 one
-    (not compiled), and the first that each fault of the wrapper needs (``Fault.needs``). ``variants`` keeps those matching any pattern; ``all_variants`` keeps every variant
+    (not compiled) that is no declared defect, and the first that each fault of the wrapper needs (``Fault.needs``). ``variants`` keeps those matching any pattern; ``all_variants`` keeps every variant
     (every wrapper's: ``wrapper=<name>`` is a part of the variant's name)."""
     by_name = {c.name: c for c in catalogue}
     if cases:
@@ -91,6 +91,8 @@ def select_targets(
             for wrapper in WRAPPERS:
                 mine = [v for v in options if v.params.get("wrapper", DDP) == wrapper]
                 fp32 = [v for v in mine if v.params.get("precision", "fp32") == "fp32" and "compile" not in v.params]
+                # a declared defect's variant proves nothing (Target.known_wrong): the first that is none
+                fp32 = [v for v in fp32 if not case.info.detects_for(v)] or fp32
                 picked += [(fp32 or mine)[0]] if mine else []
                 # and the first that each fault planted on the wrapper's cells needs: reduce=fp32 under
                 # FSDP2 (a reduction in a dtype other than the one asked for, pytorch #190626), bf16
@@ -145,6 +147,16 @@ def first_kinds(cell: Cell) -> list[str]:
     return list(dict.fromkeys(f.kind for f in cell.failures if f.step == first))
 
 
+def names(cell: Cell, fault: Fault) -> bool:
+    """Whether the cell's diagnoses at its first failing step include one that names the fault
+    (``Fault.diagnoses``: a kind, or ``kind:checked``, a kind found by that check)."""
+    if not cell.failures:
+        return False
+    first = min(f.step for f in cell.failures)
+    found = {k for f in cell.failures if f.step == first for k in (str(f.kind), f"{f.kind}:{f.checked}")}
+    return bool(found & set(fault.diagnoses))
+
+
 @dataclass
 class FaultResult:
     fault: Fault
@@ -163,6 +175,16 @@ class FaultResult:
     def ran(self) -> list[Cell]:
         """The cells it ran on: those of its wrappers that passed clean."""
         return [c for c in self.cells if not c.summary.startswith(NOT_RUN)]
+
+    @property
+    def named_by(self) -> list[Cell]:
+        """The cells that caught it and named it (``names``)."""
+        return [c for c in self.caught_by if names(c, self.fault)]
+
+    @property
+    def accuracy(self) -> float | None:
+        """The share of the cells that caught it whose diagnoses name it; None when none caught it."""
+        return len(self.named_by) / len(self.caught_by) if self.caught_by else None
 
     def kinds(self) -> list[str]:
         """The diagnoses at the first failing step of the cells that caught it, most common first."""
@@ -212,6 +234,15 @@ class SelfcheckResult:
     def counted_faults(self) -> list[FaultResult]:
         return [r for r in self.faults if r.ran]
 
+    def diagnosis_accuracy(self) -> dict[str, Any]:
+        """Of every cell that caught a fault, those whose diagnoses name it; and the faults every one
+        of whose catching cells name it."""
+        caught = [r for r in self.counted_faults if r.caught]
+        cells = sum(len(r.caught_by) for r in caught)
+        named = sum(len(r.named_by) for r in caught)
+        return {"named": named, "cells": cells, "rate": named / cells if cells else None,
+                "faults_always_named": sum(r.accuracy == 1.0 for r in caught), "faults": len(caught)}
+
     @property
     def ok(self) -> bool:
         return not self.clean_bad and not self.uncaught
@@ -226,11 +257,14 @@ class SelfcheckResult:
             "faults": [
                 {"name": r.fault.name, "description": r.fault.description, "caught": r.caught,
                  "caught_by": {f"{c.case}[{c.variant}]": first_kinds(c) for c in r.caught_by}, "kinds": r.kinds(),
+                 "diagnoses": list(r.fault.diagnoses), "named_by": [f"{c.case}[{c.variant}]" for c in r.named_by],
+                 "accuracy": r.accuracy,
                  "cells": [c.to_dict() for c in r.cells]}
                 for r in self.faults
             ],
             "kill_rate": {"caught": caught, "faults": len(self.counted_faults),
                           "rate": caught / len(self.counted_faults) if self.counted_faults else None},
+            "diagnosis_accuracy": self.diagnosis_accuracy(),
             "not_run": [r.fault.name for r in self.not_run],
             "sensitivity": [{"precision": s.precision, "cases": s.cases, "caught": s.caught, "missed": s.missed}
                             for s in self.sensitivity],
