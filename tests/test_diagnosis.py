@@ -196,3 +196,20 @@ def test_a_misweighted_message_names_each_micro_batchs_weights_and_the_gradient_
     text = mismatch_text(what="gradient of 'model.w'", where="on rank 0 at step 2", kind="misweighted", factor=1.0,
                          diff=diff, weights=[1.0, 1.0], earlier=0.25, unit="micro-batches")
     assert "(weights by rank: 1, 1), and the gradient held before them weighs 0.25 times itself" in text
+
+
+def test_in_a_weighed_window_a_factor_no_weights_explain_is_still_a_scale():
+    # a token window under bf16: the reweighing allows its low dtype's rounding of every term, which a
+    # 1% scale of this rank's gradient (in fp32, after its backward) is within: not told apart from the
+    # token mean's weights; one factor for the model explains it
+    gen = torch.Generator().manual_seed(6)
+    part = torch.randn(80, generator=gen)
+    expected = {"w": Expectation.rounded(part)}
+    actual = {"w": part * 1.01}
+    reweighing = Reweighing.fit(expected, actual, [{"w": part}], low=torch.bfloat16)
+    assert not reweighing.explained
+    scaling = Scaling.fit(expected, actual)
+    hyp = Hypotheses(expected=expected["w"], reweighted=reweighing.expectations["w"], weight=reweighing.weight_of(0),
+                     scaled=scaling.expectations["w"], factor=scaling.factor, weighed=True,
+                     model_explained=(scaling.explained, reweighing.explained, True))
+    assert diagnose(actual["w"], hyp) == ("wrong_scale", pytest.approx(1.01))

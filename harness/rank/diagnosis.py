@@ -157,9 +157,12 @@ def diagnose_with(actual: torch.Tensor, hyp: Hypotheses) -> tuple[FailureKind, f
         return found
 
     if hyp.weighed and hyp.reweighted is not None:
-        # a weighed window: a wrong weight is misweighted, a uniform one (one part) included
+        # a weighed window: a wrong weight is misweighted, a uniform one (one part) included; where no
+        # weights explain it, a factor still may (one rank's gradient scaled after its backward, in bf16
+        # autocast: the reweighing allows its low dtype's rounding, and a weight of 1.01 is within it)
         found = reweighings()
-        return (FailureKind.MISWEIGHTED, found[0][1], found[0][2]) if found else (FailureKind.MISMATCH, None, None)
+        if found:
+            return FailureKind.MISWEIGHTED, found[0][1], found[0][2]
     candidates: list[tuple[FailureKind, Expectation, float | None, str]] = []
     scaled, factor = hyp.scaled, hyp.factor
     if scaled is None:
