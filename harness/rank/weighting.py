@@ -95,8 +95,14 @@ class TokenWeighting:
             self._weighted.add(name)
         if not sync:
             return
-        for name in [n for n in self._params if n in self._done]:  # in one order on every rank
+        names = [n for n in self._params if n in self._done]  # in one order on every rank
+        alike = self._same_everywhere([len(self._done[n]) for n in names])
+        for name, same in zip(names, alike):
             done = self._done.pop(name)
+            if not same:
+                # the ranks ran other numbers of backwards since the last check (no check between them):
+                # each rank's together, as one contribution
+                done = [{p: sum(new[p] for new in done) for p in done[0]}]
             flat = torch.cat([t.reshape(-1) for new in done for t in new.values()])
             gathered = [torch.empty_like(flat) for _ in range(self.world_size)] if self.world_size > 1 else [flat]
             if self.world_size > 1:
@@ -111,6 +117,15 @@ class TokenWeighting:
                 parts += by_rank if self.shards is None else _by_shard(by_rank, self.shards)
             self._parts[name] = parts
             self.backwards[name] = len(done)
+
+    def _same_everywhere(self, counts: list[int]) -> list[bool]:
+        """Whether every rank has each of ``counts`` (one small all-gather)."""
+        if self.world_size == 1 or not counts:
+            return [True] * len(counts)
+        mine = torch.tensor(counts, dtype=torch.int64, device=self._device)
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(every, mine)
+        return [bool((torch.stack(every)[:, i] == count).all()) for i, count in enumerate(counts)]
 
     def parts(self, name: str) -> list[dict[str, torch.Tensor]] | None:
         """The weighted contributions that the expected gradient adds since the last check, each
