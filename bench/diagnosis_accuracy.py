@@ -63,7 +63,8 @@ def main() -> int:
         caught = sum(c for _, c in scores.values())
         always = sum(1 for n, c in scores.values() if c and n == c)
         faults_caught = sum(1 for _, c in scores.values() if c)
-        totals.append(f"{named} / {caught} ({named / caught:.0%}); {always} / {faults_caught} faults" if caught else "-")
+        totals.append(f"{named} / {caught} ({named / caught:.0%}); {always} / {faults_caught} faults"
+                      if caught else "-")
     rows.append(totals)
     if args.markdown:
         print("| " + " | ".join(rows[0]) + " |")

@@ -96,7 +96,8 @@ def test_a_cell_names_a_fault_by_its_first_failing_steps_diagnoses():
     from harness.selfcheck.planted import Fault
 
     def failure(step, kind, checked="grad"):
-        return Failure(rank=0, step=step, model="m", param="p", kind=kind, max_abs_diff=1.0, message="", checked=checked)
+        return Failure(rank=0, step=step, model="m", param="p", kind=kind, max_abs_diff=1.0, message="",
+                       checked=checked)
 
     fault = Fault("f", "d", lambda rank: None, diagnoses=("wrong_scale", "mismatch:lr"))
     cell = Cell(case="c", variant="v", world_size=2, status=Status.FAIL,

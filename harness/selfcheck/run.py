@@ -69,8 +69,9 @@ def select_targets(
     all_variants: bool = False,
 ) -> list[Target]:
     """The (case, variant) pairs to run. By default one variant a case and wrapper: its first fp32 one
-    (not compiled) that is no declared defect, and the first that each fault of the wrapper needs (``Fault.needs``). ``variants`` keeps those matching any pattern; ``all_variants`` keeps every variant
-    (every wrapper's: ``wrapper=<name>`` is a part of the variant's name)."""
+    (not compiled) that is no declared defect, and the first that each fault of the wrapper needs
+    (``Fault.needs``). ``variants`` keeps those matching any pattern; ``all_variants`` keeps every
+    variant (every wrapper's: ``wrapper=<name>`` is a part of the variant's name)."""
     by_name = {c.name: c for c in catalogue}
     if cases:
         unknown = [name for name in cases if name not in by_name]

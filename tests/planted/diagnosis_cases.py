@@ -29,7 +29,7 @@ def test_user_loop_by_hand(ctx: RankContext) -> None:
         with contextlib.nullcontext() if window_ends else accelerator.no_sync(model), ctx.replay_rng(point):
             loss = loss_fn(model, batch)
             accelerator.backward(loss if bug == "loss_not_divided" else loss / steps)
-        oracle.backward(lambda m: loss_fn(m["model"], batch) / steps, sync=window_ends, rng=point)
+        oracle.backward(lambda m, batch=batch: loss_fn(m["model"], batch) / steps, sync=window_ends, rng=point)
         oracle.check_grads(point.index, {"model": model})
         if window_ends or bug == "clip_every_micro_batch":
             accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
