@@ -125,6 +125,10 @@ def test_each_usual_mistake_fails_with_its_diagnosis_and_what_cannot_be_inferred
         # a clip of the local gradients inside the window: the window's gradient is not the specification's
         clipped = cells[("watch_by_hand_mistake", f"mistake=clip_in_window-{precision}", 2)]
         assert clipped["status"] == "fail" and clipped["failures"][0]["step"] == 2, clipped["summary"]
+        # named: the gradient held before the window's next micro-batch was scaled down (by the clip)
+        grads = [f for f in clipped["failures"] if f["checked"] == "grad"]
+        assert grads and {f["kind"] for f in grads} == {"misweighted"}, clipped["summary"]
+        assert "and the gradient held before them weighs 0.0" in grads[0]["message"]
     # under FSDP2 a parameter mismatch: the oracle cannot load the loop's DTensor optimizer state and
     # judges on with its own (a fail, not the error its optimizer step would raise)
     other = cells[("watch_fsdp2_other_optimizer", "fp32-wrapper=fsdp2", 2)]
