@@ -57,8 +57,8 @@ def mismatch_text(*, what: str, where: str, kind: str, factor: float | None, dif
     if weights is not None and backwards > 1:  # several micro-batches since the last check: each one's
         per = len(weights) // backwards
         groups = [weights[b * per:(b + 1) * per] for b in range(backwards)]
-        by = (", each by data shard" if shards is not None and len(shards) == per
-              else ", each by rank" if per > 1 else "")
+        by = (", each by data shard (" + "; ".join(f"ranks {', '.join(map(str, r))}" for r in shards) + ")"
+              if shards is not None and len(shards) == per else ", each by rank" if per > 1 else "")
         text += (f" (its last micro-batch's; the weights of the {backwards} since the last check{by}: "
                  + "; ".join(", ".join(f"{w:.6g}" for w in group) for group in groups) + ")")
     elif weights is not None and len(weights) > 1 and shards is not None and len(shards) == len(weights):
