@@ -231,8 +231,8 @@ def _grad(grads: Mapping[str, torch.Tensor | None], pname: str, like: torch.Tens
 @dataclass(frozen=True)
 class Reweighing:
     """A gradient explained with other weights: the contributions since the last check
-    (``TokenWeighting.parts``, harness/rank/weighting.py: this rank's own, or after a sync every rank's
-    share, by rank) fitted to the rank's whole gradient over the model, with the contract's weights
+    (``TokenWeighting.parts``, harness/rank/weighting.py: each micro-batch's apart, this rank's own, or
+    after a sync every rank's share, by rank) fitted to the rank's whole gradient over the model, with the contract's weights
     all 1; ``free_base``: the gradient held before them (the expectation less them: the window's earlier
     micro-batches, as the last check found them) fitted too, its weight ``earlier`` (a clip or a
     zero_grad inside the window scales it before the next backward adds to it). ``expectations``: the
@@ -310,8 +310,8 @@ def owned_cut(observed: Observed) -> Cut:
 
 @dataclass(frozen=True)
 class ModelFits:
-    """The scale-shaped hypotheses fitted to one model's whole gradient at a failing check
-    (harness/rank/diagnosis.py): one factor for all of it; the contributions since the last check
+    """The scale-shaped hypotheses fitted to one model's whole gradient at a failing check (``Scaling``,
+    ``Reweighing``): one factor for all of it; the contributions since the last check
     reweighed; and those with the gradient held before them reweighed too (its weight free).
     ``partition``: fitted to this rank's own partition of each tensor it has one of (``owned_cut``)."""
 
