@@ -21,9 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from harness.matrix.schema import Cell  # noqa: E402
-from harness.records import Status  # noqa: E402
 from harness.selfcheck.faults import FAULTS  # noqa: E402
-from harness.selfcheck.run import names  # noqa: E402
+from harness.selfcheck.run import FaultResult  # noqa: E402
 
 
 def score(path: Path) -> dict[str, tuple[int, int]]:
@@ -33,8 +32,8 @@ def score(path: Path) -> dict[str, tuple[int, int]]:
     for fault in data["faults"]:
         if fault["name"] not in FAULTS:
             continue
-        caught = [c for c in (Cell.from_dict(d) for d in fault["cells"]) if c.status == Status.FAIL]
-        out[fault["name"]] = (sum(names(c, FAULTS[fault["name"]]) for c in caught), len(caught))
+        result = FaultResult(FAULTS[fault["name"]], [Cell.from_dict(d) for d in fault["cells"]])
+        out[fault["name"]] = (len(result.named_by), len(result.caught_by))
     return out
 
 

@@ -7,7 +7,8 @@ import inspect
 import pytest
 
 from harness.selfcheck import planted
-from harness.selfcheck.faults import FAULTS, apply_fault, perturbation, resolve
+from harness.selfcheck.faults import FAULTS, apply_fault, resolve
+from harness.selfcheck.perturbations import perturbation
 
 
 def _classes():

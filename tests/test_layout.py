@@ -31,7 +31,7 @@ SUBPACKAGES = ("rank", "wrappers", "controller", "launch", "matrix", "render", "
 # The planted faults run inside the ranks (the self-check's ``run`` is the controller's).
 FAULT_MODULES = {"harness.selfcheck.planted", "harness.selfcheck.faults", "harness.selfcheck.faults_deepspeed",
                  "harness.selfcheck.faults_fsdp", "harness.selfcheck.faults_tokens",
-                 "harness.selfcheck.faults_upstream"}
+                 "harness.selfcheck.faults_upstream", "harness.selfcheck.perturbations"}
 
 
 def side(name: str) -> str:

@@ -20,7 +20,7 @@ from harness.rank.recorder import Recorder
 from harness.rank.replica import SHARDED_MIXED, autocast_of, forward_as, unsharded_grads, unwrap
 from harness.rank.schedule import MicroStep
 from harness.rank.sharded_reduce import SHARDED_PRECISIONS, ShardedReduce
-from harness.rank.weighting import REFIT_BELOW, TokenWeighting, token_seeds
+from harness.rank.weighting import TokenWeighting, token_seeds
 
 # ``optimizer=``: called with a replica's parameters, as ``torch.optim.SGD(params, lr=...)`` is.
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
@@ -179,7 +179,6 @@ class Oracle(Averaging, Anchored):
         self.weighting = TokenWeighting(self.params, world_size=world_size, shards=None if mesh is None else [
             mesh.data_index(r) for r in range(world_size)])
         self.data_rank = rank if mesh is None else mesh.data_index(rank)
-        self.refitted = {name for name, ps in self.params.items() if sum(p.numel() for p in ps.values()) < REFIT_BELOW}
         # the models whose sync's average the next gradient check makes (``_average_grads``)
         self.pending: set[str] = set()
         # the local gradients a fused check left the oracle's own (p.grad holds the adopted ones): the
@@ -241,7 +240,7 @@ class Oracle(Averaging, Anchored):
         # the contributions a misweighted diagnosis refits: a token window's, any window's held to the
         # full-batch mean, and any window's of a model small enough (``refitted``)
         weighted = tokens is not None or self.contract == "full_batch"
-        refitted = self.params if weighted else self.refitted
+        refitted = self.params if weighted else self.weighting.refitted
         if tokens is not None:
             # the token mean's weight, world_size / N, as the two documented loops round it (each
             # backward seeded exactly so); where they differ the oracle runs both and allows each

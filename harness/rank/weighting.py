@@ -45,6 +45,8 @@ class TokenWeighting:
         self.shards = shards
         self.tokens: int | None = None
         self._params = params
+        # the models small enough to keep their contributions in every window (REFIT_BELOW)
+        self.refitted = {name for name, ps in params.items() if sum(t.numel() for t in ps.values()) < REFIT_BELOW}
         # by model, the contributions of the backward being run: made at the first weighted backward (a
         # model's worth of zeros an oracle that weighs nothing need not hold); and of each backward since
         # the last check, in order (the fit weighs each micro-batch apart)
@@ -108,10 +110,10 @@ class TokenWeighting:
             if self.world_size > 1:
                 dist.all_gather(gathered, flat)
             shapes = [(p, t) for p, t in done[0].items()]
-            sizes = [t.numel() for _, t in shapes] * len(done)
+            split = [g.split([t.numel() for _, t in shapes] * len(done)) for g in gathered]
             parts = []
             for backward in range(len(done)):  # each backward's share of every rank, by rank
-                pieces = [g.split(sizes)[backward * len(shapes):(backward + 1) * len(shapes)] for g in gathered]
+                pieces = [s[backward * len(shapes):(backward + 1) * len(shapes)] for s in split]
                 by_rank = [{p: piece.view_as(t).clone() / self.world_size for (p, t), piece in zip(shapes, ps)}
                            for ps in pieces]
                 parts += by_rank if self.shards is None else _by_shard(by_rank, self.shards)

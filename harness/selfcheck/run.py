@@ -13,7 +13,7 @@ from harness.controller.options import DEFAULT_CASE_TIMEOUT_S, DEFAULT_SEED, Set
 from harness.controller.pool import PoolSet, PoolStartError
 from harness.decorator import PRECISIONS, Variant
 from harness.matrix.schema import Cell
-from harness.records import BAD_STATUSES, Status
+from harness.records import BAD_STATUSES, Failure, Status
 from harness.selfcheck.faults import FAULTS, resolve
 from harness.selfcheck.planted import Fault
 from harness.wrappers.names import DDP, WRAPPERS
@@ -139,22 +139,24 @@ class Runner:
         return run_cell(self.pools, target.case, target.variant, self.world_size, settings)
 
 
-def first_kinds(cell: Cell) -> list[str]:
-    """The diagnoses at the cell's first failing step, in the order they were found: the cause,
-    before the mismatches it drags along in later steps."""
+def _first_failures(cell: Cell) -> list[Failure]:
+    """The failures of the cell's first failing step, in the order they were found."""
     if not cell.failures:
         return []
     first = min(f.step for f in cell.failures)
-    return list(dict.fromkeys(f.kind for f in cell.failures if f.step == first))
+    return [f for f in cell.failures if f.step == first]
+
+
+def first_kinds(cell: Cell) -> list[str]:
+    """The diagnoses at the cell's first failing step, in the order they were found: the cause,
+    before the mismatches it drags along in later steps."""
+    return list(dict.fromkeys(f.kind for f in _first_failures(cell)))
 
 
 def names(cell: Cell, fault: Fault) -> bool:
     """Whether the cell's diagnoses at its first failing step include one that names the fault
     (``Fault.diagnoses``: a kind, or ``kind:checked``, a kind found by that check)."""
-    if not cell.failures:
-        return False
-    first = min(f.step for f in cell.failures)
-    found = {k for f in cell.failures if f.step == first for k in (str(f.kind), f"{f.kind}:{f.checked}")}
+    found = {k for f in _first_failures(cell) for k in (str(f.kind), f"{f.kind}:{f.checked}")}
     return bool(found & set(fault.diagnoses))
 
 
