@@ -245,6 +245,46 @@ def test_a_rank_that_severs_its_connections_frees_the_peer_waiting_on_it_and_the
     assert said["rejoined_sum"] == [3.0, 3.0]
 
 
+def test_closing_a_launched_rank_stops_its_watch_thread_before_the_process_exits():
+    """The watch thread beats through the launch's store (a C++ call, the GIL released): left running
+    at the interpreter's exit, a call of it that returns then aborts the process after its run passed
+    (SIGABRT, a two-agent launch's rank in CI). ``close`` joins it, within a beat."""
+    import torch.distributed as dist
+
+    from harness.launch.channel import Channel, connect
+    from harness.launch.rank import RankRuntime, start_watch
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    info = launcher.LaunchInfo(launcher="env", rank=0, world_size=1, local_rank=0, local_world_size=1,
+                               node_rank=0, nodes=1, master_addr="127.0.0.1", master_port=server.port,
+                               run_id="close-joins", host="localhost")
+    runtime = RankRuntime(info, "gloo", cell_timeout_s=5.0)
+    start_watch(runtime, driver=True)
+    try:
+        beats, deadline = Channel(connect(info)), time.monotonic() + 60
+        while beats.count("beat/0", 0) < 2 and time.monotonic() < deadline:  # it beats, again and again
+            time.sleep(0.01)
+        assert beats.count("beat/0", 0) >= 2
+    finally:
+        runtime.close()  # else the thread, its store gone with this test, would end the test's process
+    assert runtime.watcher is not None and not runtime.watcher.is_alive()
+    assert runtime.exit_status(4) == 4
+
+
+def test_a_watch_thread_whose_store_call_returns_only_at_exit_does_not_abort_the_process():
+    """tests/planted/watch_at_exit.py: the thread's store call returns only once the interpreter has begun
+    to exit (an atexit handler sets its key), so ``close`` cannot join it; ``exit_status`` then ends the
+    process at once with its status. Left to the interpreter (as before), the process aborted (SIGABRT,
+    4 of 5 runs by hand)."""
+    script = ROOT / "tests" / "planted" / "watch_at_exit.py"
+    process = subprocess.run([sys.executable, str(script), "0.5"], cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                             timeout=120)
+    assert process.returncode == 3, process.stderr[-3000:]
+    assert "terminate called" not in process.stderr
+    assert "the watch thread did not stop within 0.5 s of the end; leaving at once" in process.stderr
+
+
 def test_a_hang_is_an_error_and_every_later_cell_is_not_run(faults_run):
     cells = faults_run.cells()
     host = socket.gethostname()

@@ -286,7 +286,7 @@ class LaunchedGroup:
             self._send(Shutdown(status))
             self._wait_for_byes()
             self.runtime.close()
-            return status
+            return self.runtime.exit_status(status)
         self.channel.put("stop", status)
         self._wait_for_byes()
         self.runtime.abort(self.runtime.generation, wait=False)

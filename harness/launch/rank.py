@@ -44,6 +44,7 @@ from harness.records import RankOutcome
 
 WATCH_S = 0.25  # how often a rank's watch thread beats and looks for requests
 DRIVER_LOST_S = 30.0  # a rank whose driver's heartbeat stands still this long exits
+WATCH_STOP_S = 30.0  # how long closing waits for the watch thread's last store call to return
 PG_TIMEOUT_S = 1800.0  # joining a group; cells have their own, shorter, deadline (--case-timeout)
 # after a cell's deadline: rank 0's grace for the others, its question to the stuck ones, and a second
 COLLECTIVE_MARGIN_S = 10.0
@@ -109,6 +110,7 @@ class RankRuntime:
         self.lock = threading.Lock()
         self.device: Any = None
         self.closing = False
+        self.watcher: threading.Thread | None = None  # the watch thread, once started
         self._stores: list[Any] = []  # clients the live process group uses
         self._sockets_before: set[str] = set()  # the sockets this process had before its first group
 
@@ -192,6 +194,10 @@ class RankRuntime:
         self._limit_collectives()
 
     def close(self) -> None:
+        """Leave the process group and stop the watch thread. The thread is joined, not left to the
+        interpreter's exit: a daemon thread still inside a store call then (its GIL released in
+        C++) is ended by Python with a forced unwind through that C++ frame, which aborts the
+        process ("terminate called without an active exception", SIGABRT) after its run passed."""
         import torch.distributed as dist
 
         self.closing = True
@@ -200,6 +206,18 @@ class RankRuntime:
                 dist.destroy_process_group()
         except Exception:
             pass
+        if self.watcher is not None and self.watcher is not threading.current_thread():
+            self.watcher.join(timeout=WATCH_STOP_S)
+
+    def exit_status(self, status: int) -> int:
+        """``status``, for the process to exit with once closed; where the watch thread did not stop
+        (a store call that never returned) the process leaves now, as an interpreter exit would abort it."""
+        if self.watcher is not None and self.watcher.is_alive():
+            say(self.info, f"the watch thread did not stop within {WATCH_STOP_S:g} s of the end; leaving at once")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+        return status
 
 
 def watch(runtime: RankRuntime, channel: Channel, *, driver: bool) -> None:
@@ -244,8 +262,9 @@ def watch(runtime: RankRuntime, channel: Channel, *, driver: bool) -> None:
 
 def start_watch(runtime: RankRuntime, *, driver: bool) -> None:
     channel = Channel(connect(runtime.info))
-    threading.Thread(target=watch, args=(runtime, channel), kwargs={"driver": driver},
-                     name="harness-watch", daemon=True).start()
+    runtime.watcher = threading.Thread(target=watch, args=(runtime, channel), kwargs={"driver": driver},
+                                       name="harness-watch", daemon=True)
+    runtime.watcher.start()
 
 
 def follow(runtime: RankRuntime, channel: Channel) -> int:
@@ -262,7 +281,7 @@ def follow(runtime: RankRuntime, channel: Channel) -> int:
         else:
             runtime.close()
             channel.put(f"bye/{runtime.info.rank}", True)
-            return message.exit_status
+            return runtime.exit_status(message.exit_status)
         n += 1
 
 
