@@ -46,13 +46,14 @@ WEIGHED_UNITS = {"tokens": "token mean", "micro-batches": "mean of the micro-bat
 
 
 def mismatch_text(*, what: str, where: str, kind: str, factor: float | None, diff: Difference,
-                  weights: Sequence[float] | None = None, earlier: float | None = None, backwards: int = 1,
-                  unit: str = "tokens", shards: Sequence[Sequence[int]] | None = None) -> str:
+                  weights: Sequence[float] | None = None, earlier: float | Sequence[float] | None = None,
+                  backwards: int = 1, unit: str = "tokens", shards: Sequence[Sequence[int]] | None = None) -> str:
     """The assert_close-style block for one mismatch, headed by where and what; a misweighted one
     after a sync names every rank's weight (under a mesh every data shard's, with the ranks that draw
     it: ``shards``), and what its weights weigh (``unit``: WEIGHED_UNITS); ``earlier``: the weight fitted
     to the gradient it held before them (the window's earlier micro-batches as the last check found
-    them: scaled by a clip inside the window, or dropped by a zero_grad), where that was fitted too."""
+    them: scaled by a clip inside the window, or dropped by a zero_grad), where that was fitted too;
+    after a sync, one weight a rank (or data shard): each rank's clip scales by its own norm."""
     text = KIND_TEXT[kind].format(factor=factor or 0.0, unit=unit, mean=WEIGHED_UNITS[unit])
     if weights is not None and backwards > 1:  # several micro-batches since the last check: each one's
         per = len(weights) // backwards
@@ -66,8 +67,14 @@ def mismatch_text(*, what: str, where: str, kind: str, factor: float | None, dif
             f"{w:.6g} (ranks {', '.join(map(str, ranks))})" for w, ranks in zip(weights, shards)) + ")"
     elif weights is not None and len(weights) > 1:
         text += " (weights by rank: " + ", ".join(f"{w:.6g}" for w in weights) + ")"
-    if earlier is not None:
+    if isinstance(earlier, (int, float)):
         text += f", and the gradient held before them weighs {earlier:.6g} times itself"
+    elif earlier is not None and shards is not None and len(shards) == len(earlier):
+        text += (", and the gradient each data shard held before them weighs " + ", ".join(
+            f"{e:.6g} (ranks {', '.join(map(str, ranks))})" for e, ranks in zip(earlier, shards)) + " times itself")
+    elif earlier is not None:
+        text += (", and the gradient each rank held before them weighs "
+                 + ", ".join(f"{e:.6g} (rank {r})" for r, e in enumerate(earlier)) + " times itself")
     share = 100.0 * diff.mismatched / max(diff.numel, 1)
     return (
         f"{what} {where}: {text}\n"

@@ -171,7 +171,7 @@ class Checks:
                 if owned not in fits:
                     fits[owned] = ModelFits.make(
                         expectations, grads, parts, low=AUTOCAST_DTYPES.get(oracle.precision),
-                        backwards=oracle.weighting.backwards.get(name, 1),
+                        backwards=oracle.weighting.backwards.get(name, 1), held=oracle.weighting.held(name),
                         partition=owned_cut(observed) if owned else None, owned=observed.owned)
                 fit_set = fits[owned]
                 previous = oracle.previous_grad(name, pname)

@@ -235,7 +235,9 @@ class Reweighing:
     after a sync every rank's share, by rank) fitted to the rank's whole gradient over the model, with the contract's weights
     all 1; ``free_base``: the gradient held before them (the expectation less them: the window's earlier
     micro-batches, as the last check found them) fitted too, its weight ``earlier`` (a clip or a
-    zero_grad inside the window scales it before the next backward adds to it). ``expectations``: the
+    zero_grad inside the window scales it before the next backward adds to it); after a sync, where
+    ``held`` gives every rank's share of it, by rank (``TokenWeighting.held``), one weight a rank, since
+    each rank's clip scales by its own norm (``earlier`` then a list). ``expectations``: the
     expected gradients with the fitted weights instead, by parameter, each allowed the expectation's
     allowance scaled by the largest weight plus its own rounding; under autocast (``low``: bf16,
     fp16) plus that dtype's rounding of every term: a backward seeded with another weight rounds its
@@ -245,37 +247,51 @@ class Reweighing:
     weights: list[float]
     expectations: dict[str, Expectation]
     explained: bool = True
-    earlier: float | None = None
+    earlier: float | list[float] | None = None
     backwards: int = 1  # the backwards since the last check the parts are of (each by rank after a sync)
 
     @classmethod
     def fit(cls, expected: Mapping[str, Expectation], grads: Mapping[str, torch.Tensor | None],
             parts: list[dict[str, torch.Tensor]], low: torch.dtype | None = None, *,
-            free_base: bool = False, backwards: int = 1) -> Reweighing | None:
+            free_base: bool = False, backwards: int = 1,
+            held: list[dict[str, torch.Tensor]] | None = None) -> Reweighing | None:
         names = list(expected)
         summed = {p: sum(part[p] for part in parts) for p in names}
         base = {p: expected[p].value - summed[p] for p in names}
         actual = {p: _grad(grads, p, base[p]) for p in names}
         flat_base = torch.cat([base[p].reshape(-1) for p in names])
         columns = [torch.cat([part[p].reshape(-1) for p in names]) for part in parts]
-        earlier: float | None = None
+        flat_actual = torch.cat([actual[p].reshape(-1) for p in names])
+        earlier: float | list[float] | None = None
+        # the held gradient's terms, each with its free weight: the whole (one weight), or every rank's
+        # share (one a rank); ``fixed``: what of the base they do not make, weighing 1 (the rounding of
+        # the sync's sum)
+        bases, fixed = [base], {p: torch.zeros_like(base[p]) for p in names}
+        if free_base and held is not None and len(held) > 1:
+            bases = held
+            fixed = {p: base[p] - sum(h[p] for h in held) for p in names}
         if free_base:
             if not bool(flat_base.any()):
                 return None  # nothing held before them: the fit with the base fixed is this one
-            weights = fitted_weights(torch.cat([actual[p].reshape(-1) for p in names]), torch.zeros_like(flat_base),
-                                     [flat_base, *columns])
+            flat_fixed = torch.cat([fixed[p].reshape(-1) for p in names])
+            weights = fitted_weights(flat_actual, flat_fixed,
+                                     [torch.cat([b[p].reshape(-1) for p in names]) for b in bases] + columns)
             if weights is None:
                 return None
-            earlier, weights = weights[0], weights[1:]
+            earlier, weights = weights[:len(bases)], weights[len(bases):]
+            scales = earlier
+            if len(bases) == 1:
+                earlier = earlier[0]
         else:
-            weights = fitted_weights(torch.cat([actual[p].reshape(-1) for p in names]), flat_base, columns)
+            weights = fitted_weights(flat_actual, flat_base, columns)
             if weights is None:
                 return None
-        held = 1.0 if earlier is None else earlier
-        largest = max(1.0, abs(held), max(abs(w) for w in weights))
+            scales = [1.0]
+        largest = max(1.0, *(abs(e) for e in scales), *(abs(w) for w in weights))
         expectations = {}
         for p in names:
-            value = held * base[p] + sum(w * part[p] for w, part in zip(weights, parts))
+            value = fixed[p] + sum(e * b[p] for e, b in zip(scales, bases)) + sum(
+                w * part[p] for w, part in zip(weights, parts))
             # under autocast only the new contributions' backwards ran in the low dtype: the gradient held
             # before them is the rank's own, adopted at the last check, and scaled (if at all) in its own
             terms = sum(abs(w) * part[p].abs() for w, part in zip(weights, parts))
@@ -323,17 +339,20 @@ class ModelFits:
     @classmethod
     def make(cls, expectations: Mapping[str, Expectation], grads: Mapping[str, torch.Tensor | None],
              parts: list[dict[str, torch.Tensor]] | None, *, low: torch.dtype | None, backwards: int,
-             partition: Cut | None = None, owned: Iterable[str] = ()) -> ModelFits:
+             held: list[dict[str, torch.Tensor]] | None = None, partition: Cut | None = None,
+             owned: Iterable[str] = ()) -> ModelFits:
+        """``parts``: the contributions since the last check (``TokenWeighting.parts``); ``held``: after a
+        sync, every rank's share of the gradient held before them (``TokenWeighting.held``)."""
         if partition is not None:
             names = [p for p in owned if p in expectations]
             grads = {p: partition(p, Expectation(_grad(grads, p, expectations[p].value), no_allowance())).value
                      for p in names}
             expectations = {p: partition(p, expectations[p]) for p in names}
-            parts = None if parts is None else [
-                {p: partition(p, Expectation(part[p], no_allowance())).value for p in names} for part in parts]
+            parts, held = ([{p: partition(p, Expectation(part[p], no_allowance())).value for p in names}
+                            for part in pieces] if pieces is not None else None for pieces in (parts, held))
         return cls(Scaling.fit(expectations, grads),
                    Reweighing.fit(expectations, grads, parts, low=low, backwards=backwards) if parts else None,
-                   Reweighing.fit(expectations, grads, parts, low=low, free_base=True, backwards=backwards)
+                   Reweighing.fit(expectations, grads, parts, low=low, free_base=True, backwards=backwards, held=held)
                    if parts else None, partition)
 
     def diagnose(self, pname: str, observed: Observed, actual: torch.Tensor, *, expected: Expectation,

@@ -260,6 +260,8 @@ class Oracle(Averaging, Anchored):
         if other is not None:  # the same on every rank (the window's global count): so is the set
             self.uncertain.update(self.params)
         if self.sharded is None:
+            for name in refitted:  # what this backward adds to, on every rank alike
+                self.weighting.hold(name, {pname: p.grad for pname, p in self.params[name].items()})
             grads = self._gradients(loss, flat, retain_graph=other is not None)
             others = self._gradients(other, flat) if other is not None else [None] * len(grads)
         else:  # the gradients of the unsharded parameters (bf16 ones upcast exactly), as the wrapper adds them

@@ -4,6 +4,7 @@ its check counts, and the marks of its timeline; harness/rank/checks.py judges, 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from harness import wording as text
@@ -91,7 +92,7 @@ def make_failure(
     diff: Difference,
     noun: str | None = None,
     weights: list[float] | None = None,
-    earlier: float | None = None,
+    earlier: float | Sequence[float] | None = None,
     backwards: int = 1,
     unit: str = "tokens",
     shards: list[list[int]] | None = None,
@@ -100,8 +101,8 @@ def make_failure(
     ``diff`` compared the gradients or the updates; ``noun`` names what was compared otherwise;
     ``weights``: a misweighted gradient's fitted weights (by rank, after a sync; under a mesh by data
     shard, ``shards`` the ranks of each); ``earlier``: the fitted weight of the gradient held before
-    them, where that was fitted too; ``backwards``: how many micro-batches since the last check the
-    weights are of (each by rank after a sync)."""
+    them, where that was fitted too (after a sync, by rank or data shard); ``backwards``: how many
+    micro-batches since the last check the weights are of (each by rank after a sync)."""
     noun = noun or ("gradient of" if checked == "grad" else "update of parameter")
     what = f"{noun} '{model}.{param}'"
     return Failure(

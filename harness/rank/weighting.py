@@ -55,6 +55,12 @@ class TokenWeighting:
         # every rank's, after a sync: by backward since the last check, then by rank (or data shard)
         self._parts: dict[str, list[dict[str, torch.Tensor]]] = {}
         self.backwards: dict[str, int] = {}  # how many backwards since the last check the parts hold
+        # the gradient this rank held when the last check anchored the oracle to it (``hold``): what a clip
+        # or a zero_grad inside the window scales before the next backward adds to it, on each rank by
+        # its own factor (a clip's is max_norm over that rank's norm); after a sync every rank's, by rank
+        # (or data shard), each divided by the world size as it enters the average
+        self._held: dict[str, dict[str, torch.Tensor]] = {}
+        self._held_parts: dict[str, list[dict[str, torch.Tensor]]] = {}
         self._weighted: set[str] = set()  # models with a weighted backward since their last check
         self._mixed: set[str] = set()  # ... and a local one after a sync: no parts to fit
         self._device = next(t.device for ps in params.values() for t in ps.values())
@@ -78,6 +84,14 @@ class TokenWeighting:
         self.tokens = None
         for name in list(self._params):
             self.clear(name)
+
+    def hold(self, name: str, grads: Mapping[str, torch.Tensor | None]) -> None:
+        """Before a backward of ``name``: the gradients it adds to (a copy; None is zero), kept where it
+        is the first since the last check, to be gathered by rank at a sync with the contributions
+        (``held``). Called on every rank alike, or on none: the sync's all-gather carries them."""
+        if name in self._done or name in self._new or name in self._held:
+            return
+        self._held[name] = {p: _copy_or_zeros(grads.get(p), t) for p, t in self._params[name].items()}
 
     def add(self, name: str, pname: str, grad: torch.Tensor) -> None:
         if name not in self._new:
@@ -105,18 +119,23 @@ class TokenWeighting:
                 # the ranks ran other numbers of backwards since the last check (no check between them):
                 # each rank's together, as one contribution
                 done = [{p: sum(new[p] for new in done) for p in done[0]}]
-            flat = torch.cat([t.reshape(-1) for new in done for t in new.values()])
+            held = self._held.pop(name, None)
+            sent = done + ([held] if held is not None else [])  # the held gradient rides the same all-gather
+            flat = torch.cat([t.reshape(-1) for new in sent for t in new.values()])
             gathered = [torch.empty_like(flat) for _ in range(self.world_size)] if self.world_size > 1 else [flat]
             if self.world_size > 1:
                 dist.all_gather(gathered, flat)
             shapes = [(p, t) for p, t in done[0].items()]
-            split = [g.split([t.numel() for _, t in shapes] * len(done)) for g in gathered]
+            split = [g.split([t.numel() for _, t in shapes] * len(sent)) for g in gathered]
             parts = []
-            for backward in range(len(done)):  # each backward's share of every rank, by rank
+            for backward in range(len(sent)):  # each backward's share of every rank, by rank; then the held
                 pieces = [s[backward * len(shapes):(backward + 1) * len(shapes)] for s in split]
                 by_rank = [{p: piece.view_as(t).clone() / self.world_size for (p, t), piece in zip(shapes, ps)}
                            for ps in pieces]
                 parts += by_rank if self.shards is None else _by_shard(by_rank, self.shards)
+            if held is not None:
+                shares = len(parts) // len(sent)
+                self._held_parts[name], parts = parts[len(parts) - shares:], parts[:len(parts) - shares]
             self._parts[name] = parts
             self.backwards[name] = len(done)
 
@@ -141,14 +160,26 @@ class TokenWeighting:
         self.backwards[name] = len(self._done[name])
         return [{p: t.clone() for p, t in new.items()} for new in self._done[name]]
 
+    def held(self, name: str) -> list[dict[str, torch.Tensor]] | None:
+        """After a sync: every rank's share of the gradient it held at the last check (``hold``), by rank
+        (or data shard), as ``parts`` gives its contributions since; None before a sync, or where the
+        oracle kept none (a sharded wrapper's, which holds its own until the sync)."""
+        return self._held_parts.get(name) if self.parts(name) is not None else None
+
     def clear(self, name: str) -> None:
         """A check adopted the rank's gradients of ``name``: nothing since."""
+        self._held.pop(name, None)
+        self._held_parts.pop(name, None)
         self._new.pop(name, None)
         self._done.pop(name, None)
         self.backwards.pop(name, None)
         self._parts.pop(name, None)
         self._weighted.discard(name)
         self._mixed.discard(name)
+
+
+def _copy_or_zeros(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(like) if grad is None else grad.detach().clone()
 
 
 def _by_shard(parts: list[dict[str, torch.Tensor]], shards: list[int]) -> list[dict[str, torch.Tensor]]:

@@ -1,11 +1,14 @@
 """A user's project as a new user checks it: its own model (tests/planted/user_project.py), two
 optimizers, accumulation by hand (``no_sync`` for every micro-batch of a window but its last, each
-loss divided by the window's steps) and a clip at the window's end. Each variant's ``bug`` is a mistake
-of that loop whose diagnosis must name it; run only by tests/test_diagnosis.py (not a test module)."""
+loss divided by the window's steps) and a clip at the window's end; and a second user's loop, a token
+tagger on padded sequences. Each variant's ``bug`` is a mistake of that loop whose diagnosis must name
+it; run only by tests/test_diagnosis_cells.py (not a test module)."""
 
 import contextlib
 
-from user_project import Noisy, dataset, loss_fn, make_optimizers
+from torch.utils.data import DataLoader
+from user_project import (Noisy, Sequences, Tagger, dataset, loss_fn, make_optimizers, pad, tagger_optimizers,
+                          tagging_loss)
 
 from harness import RankContext, case, grid
 
@@ -35,6 +38,73 @@ def test_user_loop_by_hand(ctx: RankContext) -> None:
             accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
         if window_ends:
             oracle.clip_grad_norm(MAX_NORM)
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+        oracle.step(window_ends)
+        oracle.check_params(point.index, {"model": model}, {"model": optimizers})
+
+
+# A second user's loop: a token tagger on padded sequences (dropout, AdamW on its embedding and body,
+# SGD with momentum on its head), accumulating by hand, clipping to 0.5 (where some micro-batches'
+# gradients are under the norm and others over, and the ranks' norms differ)
+TAGGER_NORM = 0.5
+TAGGER_BUGS = ["none", "clip_every_micro_batch"]
+
+
+def tagger_by_hand(accelerator, model, data, *, steps, bug, epochs=2):
+    """The user's loop as written, knowing nothing of the harness: ``no_sync`` for every micro-batch of
+    a window but its last, each loss divided by the steps, clip, step and zero at the window's end;
+    ``clip_every_micro_batch``: the clip after every backward instead."""
+    loader = DataLoader(data, batch_size=3, shuffle=True, collate_fn=pad)
+    optimizers = tagger_optimizers(model)
+    model, loader, *optimizers = accelerator.prepare(model, loader, *optimizers)
+    for _ in range(epochs):
+        for step, batch in enumerate(loader):
+            window_ends = (step + 1) % steps == 0 or step + 1 == len(loader)
+            with contextlib.nullcontext() if window_ends else accelerator.no_sync(model):
+                accelerator.backward(tagging_loss(model, batch) / steps)
+            if window_ends or bug == "clip_every_micro_batch":
+                accelerator.clip_grad_norm_(model.parameters(), TAGGER_NORM)
+            if window_ends:
+                for optimizer in optimizers:
+                    optimizer.step()
+                    optimizer.zero_grad()
+
+
+@case("tagger_loop_watched", variants=grid(bug=TAGGER_BUGS, steps=[2, 3], precision=["fp32", "bf16"]),
+      wrappers=["ddp"])
+def test_tagger_loop_watched(ctx: RankContext) -> None:
+    """The tagger's loop checked as it is (``ctx.watch``)."""
+    steps = ctx.variant["steps"]
+    accelerator = ctx.accelerator()
+    model = ctx.model(Tagger)
+    with ctx.watch(accelerator, model, loss=tagging_loss, optimizers=tagger_optimizers,
+                   clip_grad_norm=TAGGER_NORM, num_steps=steps):
+        tagger_by_hand(accelerator, model, Sequences(), steps=steps, bug=ctx.variant["bug"])
+
+
+@case("tagger_loop_by_hand", variants=grid(bug=TAGGER_BUGS, steps=[2, 3], precision=["fp32", "bf16"]),
+      wrappers=["ddp"])
+def test_tagger_loop_by_hand(ctx: RankContext) -> None:
+    """The tagger's loop with the oracle called beside it."""
+    steps, bug = ctx.variant["steps"], ctx.variant["bug"]
+    accelerator = ctx.accelerator()
+    model = ctx.model(Tagger)
+    loader, per_rank = ctx.dataloader(Sequences(), batch_size=3, collate_fn=pad)
+    oracle = ctx.oracle({"model": model}, optimizers=tagger_optimizers)
+    optimizers = tagger_optimizers(model)
+    model, loader, *optimizers = accelerator.prepare(model, loader, *optimizers)
+    for point, batch in ctx.epochs(loader, ctx.schedule(per_rank, epochs=2)):
+        window_ends = (point.batch + 1) % steps == 0 or point.batch + 1 == per_rank
+        with contextlib.nullcontext() if window_ends else accelerator.no_sync(model), ctx.replay_rng(point):
+            accelerator.backward(tagging_loss(model, batch) / steps)
+        oracle.backward(lambda m, batch=batch: tagging_loss(m["model"], batch) / steps, sync=window_ends, rng=point)
+        oracle.check_grads(point.index, {"model": model})
+        if window_ends or bug == "clip_every_micro_batch":
+            accelerator.clip_grad_norm_(model.parameters(), TAGGER_NORM)
+        if window_ends:
+            oracle.clip_grad_norm(TAGGER_NORM)
             for optimizer in optimizers:
                 optimizer.step()
                 optimizer.zero_grad()
