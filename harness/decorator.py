@@ -39,7 +39,9 @@ class Diagnosis:
     """A failure a canary must produce: its ``kind``, in ``model`` when given; ``when`` (variant
     parameters, e.g. ``{"sync_each_batch": True}``): only the cells of variants that have them must
     (for a known defect that one option of a case shows); ``ranks``: the fewest ranks that can show
-    it (a count of tokens not summed over the ranks is right on one rank)."""
+    it (a count of tokens not summed over the ranks is right on one rank); ``also``: other kinds that
+    show it as well (a gradient scaled by the world size reads ``wrong_scale``, and ``misweighted`` in a
+    window weighed by tokens, where any wrong weight is a misweighting)."""
 
     kind: str
     model: str | None = None
@@ -54,6 +56,7 @@ class Diagnosis:
     upstream: str = ""  # where the defect is reported (``pytorch/pytorch#149768``), named in the summary
     # for kind ``raised``: a regular expression the exception's ``Type: message`` must contain (re.search)
     match: str = ""
+    also: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if (self.kind == "raised") != bool(self.match):
@@ -61,6 +64,7 @@ class Diagnosis:
                              "needs it (what the library's exception says, e.g. match='uniform gradient dtype')")
         if self.match:
             re.compile(self.match)  # a bad pattern fails where the case is declared, not in a rank
+        object.__setattr__(self, "also", (self.also,) if isinstance(self.also, str) else tuple(self.also))
         items = self.when.items() if isinstance(self.when, Mapping) else self.when
         object.__setattr__(self, "when", tuple(sorted((str(k), v) for k, v in items)))
         fixed = self.fixed_in.items() if isinstance(self.fixed_in, Mapping) else self.fixed_in
@@ -88,7 +92,7 @@ class Diagnosis:
         return str(self) + (f" ({', '.join(where)})" if where else "")
 
     def matches(self, kind: str, model: str) -> bool:
-        return kind == self.kind and (self.model is None or model == self.model)
+        return (kind == self.kind or kind in self.also) and (self.model is None or model == self.model)
 
     @property
     def fewest_ranks(self) -> int:
@@ -100,7 +104,34 @@ class Diagnosis:
         return world_size >= self.fewest_ranks
 
     def __str__(self) -> str:
-        return self.kind + (f" in {self.model}" if self.model else "")
+        return " or ".join((self.kind, *self.also)) + (f" in {self.model}" if self.model else "")
+
+
+# Defects of the installed torch or backend that the ranks find by probing it (one collective at a rank's
+# start-up: harness/rank/backend_defects.py), never by reading a version number: a cell one of them
+# touches is judged as a canary of it, ``detected`` naming where it is reported and the release that
+# fixed it, and every other cell as usual (docs/wrappers.md, "Known defects declared as such").
+
+# gloo's reduce_scatter_tensor with ReduceOp.AVG returns the sum (two ranks holding 1 and 2 get 3, not
+# 1.5), which FSDP2 issues for its fp32 and bf16 gradients: every sync of an FSDP2 cell on CPU leaves the
+# gradients scaled by the size of the group it reduce-scatters over (a misweighting, in a window weighed
+# by tokens). Measured here: torch 2.7.1 and 2.8.0 sum; 2.9.0, 2.9.1, 2.10.0, 2.11.0 and 2.13.0 average
+# (pytorch/pytorch#162338 was closed by PR #171458 in 2.11, which added the tests).
+GLOO_AVG_SUMS = "gloo_avg_reduce_scatter_sums"
+
+PROBED: dict[str, Diagnosis] = {
+    GLOO_AVG_SUMS: Diagnosis("wrong_scale", also=("misweighted",), ranks=2,
+                             upstream="pytorch/pytorch#162338: gloo's AVG reduce-scatter sums, fixed in torch 2.9.0"),
+}
+
+
+def probed(names: list[str] | tuple[str, ...] | set[str]) -> tuple[Diagnosis, ...]:
+    """The diagnoses of the probed defects ``names`` (what the ranks report touched a cell), in the
+    table's order; a name this harness does not know (a rank of another version) is refused."""
+    unknown = sorted(set(names) - set(PROBED))
+    if unknown:
+        raise ValueError(f"unknown probed defect {unknown[0]!r}; known: {', '.join(PROBED)}")
+    return tuple(diagnosis for name, diagnosis in PROBED.items() if name in names)
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,8 @@ class RankResult:
     duration_s: float = 0.0
     timeline: TimelineRecorder | None = None  # every check by micro-step (harness/timeline.py)
     unchecked: dict[str, str] = field(default_factory=dict)  # checks that could not run here: their reasons
+    # the backend's probed defects (``PROBED``, harness/decorator.py) that the cell went through on this rank
+    defects: list[str] = field(default_factory=list)
 
 
 def expect(message: Any, *types: type) -> Any:

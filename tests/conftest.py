@@ -145,9 +145,9 @@ def start_pytest(args: list[str], report_dir: Path, *, ctrl_c: str = "handled",
     return process, token
 
 
-def _finished(args: list[str], report_dir: Path, timeout: float = 600) -> Session:
+def _finished(args: list[str], report_dir: Path, timeout: float = 600, **extra_env: str) -> Session:
     started = time.monotonic()
-    process, token = start_pytest(list(args), report_dir)
+    process, token = start_pytest(list(args), report_dir, **extra_env)
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -174,8 +174,8 @@ def run_pytest(tmp_path):
     """Run ``python -m pytest ARGS`` from the checkout's root and return what came of it."""
     counter = iter(range(1000))
 
-    def run(*args: str, timeout: float = 600, report_dir: Path | None = None) -> Session:
-        return _finished(list(args), report_dir or tmp_path / f"reports-{next(counter)}", timeout)
+    def run(*args: str, timeout: float = 600, report_dir: Path | None = None, **extra_env: str) -> Session:
+        return _finished(list(args), report_dir or tmp_path / f"reports-{next(counter)}", timeout, **extra_env)
 
     return run
 

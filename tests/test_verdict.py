@@ -3,10 +3,13 @@ agreed, compared gradients and (from two ranks on) could tell synced from local.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from harness.controller.verdict import judge
 from harness.decorator import Diagnosis
+from harness.decorator import GLOO_AVG_SUMS, probed
 from harness.messages import RankResult
 from harness.records import CellOutcome, Failure, FaultKind, RankFault, RankOutcome
 from harness.wording import cell_message as format_message
@@ -163,3 +166,39 @@ def test_a_declared_raise_before_any_check_is_detected_and_an_undeclared_cell_wi
     # a canary of another kind that raised nothing and checked nothing is still missed
     assert cell(result(0, checks=0, grad_checks=0), result(1, checks=0, grad_checks=0),
                 detects=(raised,)).status == "missed"
+
+
+def defective(rank, **kwargs):
+    """A rank's result from a cell whose syncs went through gloo's AVG reduce-scatter that sums."""
+    return dataclasses.replace(result(rank, **kwargs), defects=[GLOO_AVG_SUMS])
+
+
+@pytest.mark.parametrize("kind", ["wrong_scale", "misweighted"])
+def test_a_cell_through_a_probed_backend_defect_is_detected_naming_it(kind):
+    """The defect scales the gradient by the world size: ``wrong_scale``, or in a window weighed by
+    tokens ``misweighted``; either is the declared diagnosis, and the summary names the report and fix."""
+    c = cell(defective(0, failures=[failure(kind)]), defective(1, failures=[failure(kind, rank=1)]))
+    assert c.status == "detected", c.summary
+    assert c.summary.startswith("diagnosed as declared (wrong_scale or misweighted (pytorch/pytorch#162338: "
+                                "gloo's AVG reduce-scatter sums, fixed in torch 2.9.0)): ")
+
+
+def test_a_cell_through_a_probed_backend_defect_that_shows_nothing_is_missed_and_without_it_a_fail_stays_a_fail():
+    assert cell(defective(0), defective(1)).status == "missed"
+    assert cell(defective(0, failures=[failure("stale")]), defective(1)).status == "missed"
+    # no rank went through it: the same failure is an ordinary fail, named by nothing declared
+    plain = cell(result(0, failures=[failure("wrong_scale")]), result(1))
+    assert plain.status == "fail" and "162338" not in plain.summary
+
+
+def test_a_canary_through_a_probed_backend_defect_must_show_its_own_diagnoses_too():
+    own = (Diagnosis("not_synced", model="gen"),)
+    both = cell(defective(0, failures=[failure("not_synced", model="gen"), failure("wrong_scale")]), defective(1),
+                detects=own)
+    assert both.status == "detected" and "not_synced in gen, wrong_scale or misweighted" in both.summary
+    assert cell(defective(0, failures=[failure("wrong_scale")]), defective(1), detects=own).status == "missed"
+
+
+def test_a_probed_defect_this_harness_does_not_know_is_refused_by_name():
+    with pytest.raises(ValueError, match="unknown probed defect 'gloo_sums_twice'"):
+        probed(["gloo_sums_twice"])

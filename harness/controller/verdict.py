@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from harness import wording as text
-from harness.decorator import Diagnosis
+from harness.decorator import Diagnosis, probed
 from harness.matrix.schema import Cell
 from harness.records import UNCHECKED_KINDS, CellOutcome, Failure, FailureKind, RankOutcome, Status
 from harness.timeline import Timeline
@@ -103,6 +103,9 @@ def judge(
     if world_size >= 2 and cell.vacuous_checks == cell.grad_checks and not raised:
         cell.summary = text.all_vacuous_summary(cell)
         return cell
+    # a probed defect of the backend the cell went through (``PROBED``, harness/decorator.py), declared as
+    # the case's own are
+    detects = tuple(detects) + probed(sorted({name for r in results for name in r.defects}))
     if detects:
         return _judge_canary(cell, detects, omitted)
     if failures:

@@ -235,6 +235,7 @@ class Averaging:
         averaged, why = self.sharded.average(uncertain=uncertain)  # type: ignore[union-attr]
         if why:
             self.checks.recorder.unchecked["exact reduction order"] = why
+        self.checks.recorder.defects.update(self.sharded.defects)  # type: ignore[union-attr]
         for index, (name, ps) in enumerate(self.params.items()):
             self._synced[name] = reduced[index]  # type: ignore[assignment]
             carried = reduced[len(names) + index] if uncertain else None

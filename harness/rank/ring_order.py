@@ -16,6 +16,9 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from harness.decorator import GLOO_AVG_SUMS
+from harness.rank.backend_defects import found
+
 
 def ring_segments(sizes: Sequence[torch.Size], world_size: int) -> list[torch.Tensor]:
     """For each of the gradients one FSDP2 reduce-scatter carries (``sizes``, in its order), the ring
@@ -114,7 +117,9 @@ def ring_order_holds(world_size: int, dtype: torch.dtype, *, average: bool = Tru
         out = torch.empty(chunk, dtype=dtype)
         dist.reduce_scatter_tensor(out, every[rank].clone(), op=dist.ReduceOp.AVG if average else dist.ReduceOp.SUM)
         total = ring_sum(every, ring_segments([torch.Size([chunk * world_size])], world_size)[0], dtype)
-        return torch.equal(out, (total / world_size if average else total)[rank * chunk:(rank + 1) * chunk])
+        # a gloo whose AVG sums (``PROBED``, harness/decorator.py) still sums in the ring's order: the order is what is asked
+        divides = average and GLOO_AVG_SUMS not in found()
+        return torch.equal(out, (total / world_size if divides else total)[rank * chunk:(rank + 1) * chunk])
 
     return _probed((world_size, dtype, average), trial, "gloo's reduce-scatter here adds in another order")
 

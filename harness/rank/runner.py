@@ -292,6 +292,7 @@ def run_cell(spec: CellSpec, rank: int, device: Any) -> RankResult:
         max_abs_diff=recorder.max_abs_diff if recorder else 0.0,
         timeline=recorder.timeline if recorder else None,
         unchecked=dict(recorder.unchecked) if recorder else {},
+        defects=sorted(recorder.defects) if recorder else [],
         duration_s=time.perf_counter() - started,
     )
 
@@ -337,9 +338,10 @@ def _warm_up(device: Any) -> None:
     dist.all_reduce(probe)
     if int(probe.item()) != dist.get_world_size():
         raise RuntimeError(f"all_reduce of ones gave {probe.item()}, expected the world size {dist.get_world_size()}")
-    from harness.rank import accounting
+    from harness.rank import accounting, backend_defects
 
     accounting.probe(str(dist.get_backend()))  # does the flight recorder hold that all-reduce?
+    backend_defects.probe()  # does gloo's AVG reduce-scatter sum? (harness/decorator.py)
     _freeze_imports()
 
 

@@ -31,6 +31,8 @@ from typing import Any, Hashable, Mapping
 import torch
 from torch import nn
 
+from harness.decorator import GLOO_AVG_SUMS
+from harness.rank.backend_defects import found
 from harness.rank.closeness import Expectation, no_allowance, rounding_allowance
 from harness.rank.collectives import Collectives, Reduction
 from harness.rank.replica import AUTOCAST_DTYPES, unwrap
@@ -81,6 +83,8 @@ class ShardedReduce:
         # each model's parameters in the order the last backward gave them their gradients
         # (harness/rank/replica.py): ZeRO-2's bucket order
         self.order: dict[str, list[str]] = {}
+        # the backend's probed defects (``PROBED``, harness/decorator.py) the wrapper's syncs went through
+        self.defects: set[str] = set()
 
     def flat_groups(self, name: str) -> list[list[str]] | None:
         """FSDP1: the parameters of each of the model's flat parameters, in their order (one group of
@@ -159,6 +163,7 @@ class ShardedReduce:
         return self._reduce(uncertain)
 
     def _reduce(self, uncertain: bool) -> tuple[dict[Key, Expectation], str]:
+        self._note_defects()
         pending: dict[Hashable, torch.Tensor] = {(n, p): t for n, ps in self.pending.items() for p, t in ps.items()}
         averaged = None
         if uncertain:
@@ -180,6 +185,17 @@ class ShardedReduce:
                    f"within its rounding bound: {why}") if why else ""
         self.clear()
         return averaged, why  # type: ignore[return-value]
+
+    def _note_defects(self) -> None:
+        """FSDP2 reduce-scatters with ReduceOp.AVG over its shard group (the world, or under a mesh the
+        ranks differing in dp_shard and cp): where the rank's start-up probe found gloo's AVG to sum
+        (harness/rank/backend_defects.py), this sync goes through that defect. The oracle still averages."""
+        if self.wrapper != "fsdp2" or GLOO_AVG_SUMS not in found():
+            return
+        width = (len(self.mesh.peers(self.collectives.rank, ("dp_shard", "cp"))) if self.mesh is not None
+                 else self.world_size)
+        if width > 1 and not sharding.fsdp2_reduce_op(self.reduce_dtype):
+            self.defects.add(GLOO_AVG_SUMS)
 
     def _mesh_stages(self) -> tuple[tuple[list[Any], dict[Hashable, torch.Tensor] | None] | None, str]:
         """FSDP2 over a mesh reduces in stages: a reduce-scatter over its shard group (accelerate's
