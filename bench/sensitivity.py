@@ -4,7 +4,7 @@ backward of the cell, for every non-canary cell of the catalogue.
 Run: python bench/sensitivity.py [--world-sizes 2,4] [--relative 1e-6,1e-5] [--backward 1,3]
      [--kinds 'ddp fp32,fsdp2 fp32'] [--variants PATTERNS] [--cases NAMES]
 Prints, per relative error, row (wrapper and precision) and world size, how many cells fail (catch
-it) out of those run, and names the cells that let it through. The error lands where the wrapper holds
+it) out of those run, and names every cell that let it through, one a line, with its status and summary. The error lands where the wrapper holds
 the gradient after that backward (p.grad, FSDP2's unsharded gradient or fp32 accumulation between
 syncs); under DeepSpeed, which reduces (ZeRO-2/3) and at a boundary steps inside ``backward``, through
 that backward's loss, so before any reduction. Goals, at world sizes 2 and 4: 1e-6 caught by at least
@@ -88,7 +88,8 @@ def main() -> int:
                         if cell.status == Status.FAIL:
                             caught[key][0] += 1
                         else:
-                            missed[key].append(f"{target.label}@{backward} {cell.status}")
+                            missed[key].append(f"{target.label} after backward {backward}: {cell.status}, "
+                                               f"{cell.summary.split(';')[0]}")
                     print(f"  world size {world_size}, {fault}: done ({time.perf_counter() - started:.0f} s)",
                           file=sys.stderr, flush=True)
             not_clean = sorted(label for label, status in clean.items() if status != "pass")
@@ -101,9 +102,10 @@ def main() -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in [rows[0], tuple("-" * w for w in widths), *rows[1:]]:
         print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
-    for key, cells in sorted(missed.items()):
-        more = f" and {len(cells) - 6} more" if len(cells) > 6 else ""
-        print(f"missed at {key[0]:g}, {key[1]}, world size {key[2]}: {', '.join(cells[:6])}{more}")
+    for key, cells in sorted(missed.items()):  # every cell that let an error through, by name
+        print(f"missed at {key[0]:g}, {key[1]}, world size {key[2]} ({len(cells)}):")
+        for line in cells:
+            print(f"  {line}")
     print(f"({len(targets)} cells, backwards {args.backward}, seed {args.seed}, {time.perf_counter() - started:.0f} s)")
     return 0
 

@@ -273,7 +273,9 @@ def add_selfcheck_parser(subparsers: argparse._SubParsersAction) -> None:
             "diagnosis accuracy (of the cells that caught a fault, those whose diagnoses at their first\n"
             "failing step name it: each fault declares the kinds that do, --list-faults), and the\n"
             "smallest relative perturbation of one rank's gradients that the harness catches, for fp32\n"
-            "and bf16. Canary cases run in the clean pass only. Progress goes to stderr, one line a fault."
+            "and bf16. A fault every cell can catch (one rank's gradients scaled) is followed by each\n"
+            "cell that let it through, by name. Canary cases run in the clean pass only. Progress goes\n"
+            "to stderr, one line a fault."
         ),
         epilog=(
             "exit status:\n"
@@ -291,7 +293,9 @@ def add_selfcheck_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--cases", type=_comma_list, metavar="LIST", default=None,
                         help="only these cases (comma list of case names; default: the whole catalogue)")
     parser.add_argument("--faults", type=_comma_list, metavar="LIST", default=None,
-                        help="only these faults (names from --list-faults, or perturb:<relative>; default: all)")
+                        help="only these faults (names from --list-faults, or perturb:<relative> and "
+                             "perturb_once:<relative>[@<backward>], which run on every wrapper's cells; "
+                             "default: all)")
     variants = parser.add_mutually_exclusive_group()
     variants.add_argument("--variants", type=_comma_list, metavar="LIST", default=None,
                           help="the variants whose name has all the parts of any pattern in LIST "

@@ -356,3 +356,31 @@ def test_a_fault_with_no_cell_of_its_wrappers_here_is_not_run_and_left_out_of_th
     text = render(result)
     assert "kill rate: 1/1 faults caught" in text
     assert "not run here: deepspeed_boundary_ignored (no cell of deepspeed-z1, deepspeed-z2, deepspeed-z3 passed clean)" in text
+
+
+def test_a_perturbation_runs_on_every_wrappers_cells_and_the_report_names_each_cell_that_let_it_through(catalogue):
+    """``perturb_once:`` lands where each wrapper holds the gradient, so it runs on every wrapper's cells,
+    and every cell it ran on should catch it: the text and the JSON name the ones that did not (a fault
+    of one API lists none: other APIs' cells pass it by design)."""
+    from harness.selfcheck.faults import resolve
+
+    fault = resolve("perturb_once:1e-06@1")
+    targets = selfcheck.select_targets(catalogue, cases=["fused_loss"])
+    assert set(fault.wrappers) == {t.wrapper for t in targets} and len(targets) > 2
+    missed = targets[1]
+
+    class _MissesOne:
+        world_size = 2
+
+        def run(self, target, *, fault=None, seed=None):
+            status = Status.PASS if target is missed else Status.FAIL
+            return Cell(case=target.case.name, variant=target.variant.name, world_size=2, status=status)
+
+    results = selfcheck.run_faults(_MissesOne(), targets, [fault, selfcheck.FAULTS["trigger_noop"]])
+    clean = [Cell(case=t.case.name, variant=t.variant.name, world_size=2, status=Status.PASS) for t in targets]
+    result = selfcheck.SelfcheckResult(world_size=2, seed=1, targets=targets, clean=clean, faults=results)
+    label = f"fused_loss[{missed.variant.name}]"
+    assert result.to_dict()["faults"][0]["missed_by"] == {label: "pass"}
+    text = render(result)
+    assert f"MISSED BY 1/{len(targets)}: perturb_once:1e-06@1: {label} pass" in text
+    assert text.count("MISSED BY") == 1  # trigger_noop, missed by every cell but the trigger cases': not listed

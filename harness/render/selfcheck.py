@@ -103,6 +103,10 @@ def render(result: SelfcheckResult) -> str:
                              f"{' or '.join(r.fault.diagnoses)}; the others: "
                              + ", ".join(f"{c.case}[{c.variant}] {', '.join(map(str, first_kinds(c)))}"
                                          for c in r.caught_by if c not in r.named_by)[:400])
+    for r in counted_faults:
+        if r.fault.every_cell and r.missed_by:  # each by name: every cell it ran on can catch it
+            lines.append(f"  MISSED BY {len(r.missed_by)}/{len(r.ran)}: {r.fault.name}: "
+                         + ", ".join(f"{c.case}[{c.variant}] {c.status}" for c in r.missed_by))
     for r in result.not_run:
         needs = f"{r.fault.needs} " if r.fault.needs else ""
         lines.append(f"  not run here: {r.fault.name} (no {needs}cell of {', '.join(r.fault.wrappers)} passed clean)")

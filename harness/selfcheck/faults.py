@@ -305,7 +305,7 @@ def _clip_grad_norm_noop(rank: int) -> Iterator[None]:
 
 
 register(Fault("perturb_rank1", "rank 1's gradients scaled by 1.01 after every backward", _perturb_rank(1, 0.01),
-               diagnoses=("wrong_scale", "misweighted")))
+               diagnoses=("wrong_scale", "misweighted"), every_cell=True))
 register(Fault("no_sync_still_syncs", "Accelerator.no_sync yields without entering DDP's no_sync",
                _no_sync_still_syncs,
                diagnoses=("synced_early", "comm_unexpected")))
@@ -337,7 +337,7 @@ register(Fault("scheduler_every_batch", "the prepared scheduler steps even when 
                diagnoses=("mismatch:lr",)))
 register(Fault("rank_grad_perturbed", "rank 1's gradients scaled by 1+1e-3 after every backward",
                _perturb_rank(1, 1e-3),
-               diagnoses=("wrong_scale", "misweighted")))
+               diagnoses=("wrong_scale", "misweighted"), every_cell=True))
 register(Fault("sync_each_batch_ignored", "accumulate enters no_sync despite sync_each_batch=True",
                _sync_each_batch_ignored,
                diagnoses=("not_synced", "comm_missing")))

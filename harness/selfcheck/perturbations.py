@@ -9,6 +9,7 @@ import contextlib
 from typing import Any, Callable, ContextManager, Iterator
 
 from harness.selfcheck.planted import Fault, _patched
+from harness.wrappers.names import WRAPPERS
 
 PERTURBATION_FORMS = "perturb:<relative> or perturb_once:<relative>[@<backward>]"
 
@@ -79,13 +80,16 @@ def _fsdp2_held_grads(model: Any) -> list[Any]:
 
 def perturbation(relative: float, *, target_rank: int = 1, only: int | None = None) -> Fault:
     """A fault that scales one rank's gradients by ``1 + relative`` (sensitivity measurements): after
-    every backward, or after the ``only``-th backward of the cell alone (a single event)."""
+    every backward, or after the ``only``-th backward of the cell alone (a single event). It lands where
+    each wrapper holds the gradient, so it runs on every wrapper's cells, each of which should catch it."""
     if only is None:
         return Fault(f"perturb:{relative:g}", f"rank {target_rank}'s gradients scaled by {1 + relative:g}",
-                     _perturb_rank(target_rank, relative), diagnoses=("wrong_scale", "misweighted"))
+                     _perturb_rank(target_rank, relative), wrappers=WRAPPERS, diagnoses=("wrong_scale", "misweighted"),
+                     every_cell=True)
     return Fault(f"perturb_once:{relative:g}@{only}",
                  f"rank {target_rank}'s gradients scaled by {1 + relative:g} after its backward {only} only",
-                 _perturb_rank(target_rank, relative, only=only), diagnoses=("wrong_scale", "misweighted"))
+                 _perturb_rank(target_rank, relative, only=only), wrappers=WRAPPERS,
+                 diagnoses=("wrong_scale", "misweighted"), every_cell=True)
 
 
 def parse_perturbation(name: str) -> Fault | None:

@@ -30,6 +30,9 @@ class Fault:
     # failing step include one of them (the self-check's diagnosis accuracy); ``kind:checked`` is a kind
     # found by that check only (``mismatch:lr``: the learning rate check's)
     diagnoses: tuple[str, ...] = ()
+    # every cell it runs on can show it (one rank's gradients scaled): the report names each that let it
+    # through, where for a fault of one API the cells of the others pass by design
+    every_cell: bool = False
 
 
 @contextlib.contextmanager

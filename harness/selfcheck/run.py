@@ -180,6 +180,11 @@ class FaultResult:
         return [c for c in self.cells if not c.summary.startswith(NOT_RUN)]
 
     @property
+    def missed_by(self) -> list[Cell]:
+        """The cells it ran on that let it through (any status but fail)."""
+        return [c for c in self.ran if c.status != Status.FAIL]
+
+    @property
     def named_by(self) -> list[Cell]:
         """The cells that caught it and named it (``names``)."""
         return [c for c in self.caught_by if names(c, self.fault)]
@@ -260,6 +265,7 @@ class SelfcheckResult:
             "faults": [
                 {"name": r.fault.name, "description": r.fault.description, "caught": r.caught,
                  "caught_by": {f"{c.case}[{c.variant}]": first_kinds(c) for c in r.caught_by}, "kinds": r.kinds(),
+                 "missed_by": {f"{c.case}[{c.variant}]": c.status for c in r.missed_by},
                  "diagnoses": list(r.fault.diagnoses), "named_by": [f"{c.case}[{c.variant}]" for c in r.named_by],
                  "accuracy": r.accuracy,
                  "cells": [c.to_dict() for c in r.cells]}
