@@ -198,14 +198,29 @@ def test_a_misweighted_message_names_each_micro_batchs_weights_and_the_gradient_
     assert "(weights by rank: 1, 1), and the gradient held before them weighs 0.25 times itself" in text
 
 
-def test_in_a_weighed_window_a_factor_no_weights_explain_is_still_a_scale():
-    # a token window under bf16: the reweighing allows its low dtype's rounding of every term, which a
-    # 1% scale of this rank's gradient (in fp32, after its backward) is within: not told apart from the
-    # token mean's weights; one factor for the model explains it
+def test_in_a_weighed_window_an_exact_weight_under_a_bf16_ulp_of_its_terms_is_told_apart():
+    # a token window under bf16: one rank's gradient scaled by 1.001 after its backward (in fp32) is within
+    # the low dtype's rounding of its terms, where a re-rounded backward may land; but fitted exactly, MARGIN
+    # times closer than the token mean's weights over the model, which no re-rounding makes: a weight of 1.001
     gen = torch.Generator().manual_seed(6)
     part = torch.randn(80, generator=gen)
     expected = {"w": Expectation.rounded(part)}
-    actual = {"w": part * 1.01}
+    actual = {"w": part * 1.001}
+    reweighing = Reweighing.fit(expected, actual, [{"w": part}], low=torch.bfloat16)
+    assert reweighing.explained and reweighing.weights == [pytest.approx(1.001)]
+    hyp = Hypotheses(expected=expected["w"], reweighted=reweighing.expectations["w"], weight=reweighing.weight_of(0),
+                     weighed=True, model_explained=(False, reweighing.explained, True))
+    assert diagnose(actual["w"], hyp) == ("misweighted", pytest.approx(1.001))
+
+
+def test_in_a_weighed_window_a_factor_no_weights_explain_is_still_a_scale():
+    # a token window under bf16 whose gradient held before the micro-batch since the last check (weight 1,
+    # fixed) is scaled by 1.01 with it (one rank's whole gradient scaled after its backward): no weight of
+    # the micro-batch explains that; one factor for the model does
+    gen = torch.Generator().manual_seed(6)
+    held, part = torch.randn(80, generator=gen), torch.randn(80, generator=gen)
+    expected = {"w": Expectation.rounded(held + part)}
+    actual = {"w": (held + part) * 1.01}
     reweighing = Reweighing.fit(expected, actual, [{"w": part}], low=torch.bfloat16)
     assert not reweighing.explained
     scaling = Scaling.fit(expected, actual)

@@ -151,3 +151,22 @@ def test_a_single_event_perturbation_scales_one_rank_after_one_backward_only():
 
     assert grads_after_backwards(1) == [1.0, 1.5, 1.0]
     assert grads_after_backwards(0) == [1.0, 1.0, 1.0]
+
+
+def test_a_perturbation_under_half_a_bf16_ulp_leaves_a_bf16_gradient_as_it_was():
+    """Why the cells whose wrapper holds a gradient in bf16 at the perturbed backward (FSDP2 and FSDP1
+    under accelerate's bf16 policy, between syncs) let 1e-6 and 1e-3 through (bench/README.md): x * (1 + r)
+    rounds back to x in bf16 for every x while r is under half its smallest relative ulp, 2^-9 (1.95e-3),
+    so there is no error left in the wrapper's state to find; 1e-2 moves nearly every element."""
+    import torch
+
+    from harness.selfcheck.perturbations import _scale
+
+    grad = (torch.randn(4096, generator=torch.Generator().manual_seed(3)) * 10).to(torch.bfloat16)
+    for relative in (1e-6, 1e-3, 2.0 ** -9 * 0.99):
+        scaled = grad.clone()
+        _scale(scaled, relative)
+        assert torch.equal(scaled, grad), relative
+    scaled = grad.clone()
+    _scale(scaled, 1e-2)
+    assert (scaled != grad).float().mean() > 0.9

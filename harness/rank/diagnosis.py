@@ -70,8 +70,12 @@ def explains(pairs: Sequence[tuple[torch.Tensor, Expectation, Expectation]], *, 
     the 2-norm than the contract's expectation (the module's docstring says why). A tensor of a model
     that a hypothesis explains as a whole needs only to be closer to it (``margin=1``): a tensor of a
     few elements is too little evidence for a margin of its own."""
-    if all(_matches(actual, hypothesis) for actual, hypothesis, _ in pairs):
-        return True
+    return all(_matches(actual, hypothesis) for actual, hypothesis, _ in pairs) or closer(pairs, margin=margin)
+
+
+def closer(pairs: Sequence[tuple[torch.Tensor, Expectation, Expectation]], *, margin: float = MARGIN) -> bool:
+    """Whether the hypothesis is ``margin`` times closer to the actual gradients than the contract's
+    expectation, in the 2-norm over every pair (``explains``)."""
     left = math.sqrt(sum(_norm2(actual, hypothesis.value) for actual, hypothesis, _ in pairs))
     deviation = math.sqrt(sum(_norm2(actual, expected.value) for actual, _, expected in pairs))
     return left * margin < deviation
@@ -190,14 +194,17 @@ def diagnose_with(actual: torch.Tensor, hyp: Hypotheses) -> tuple[FailureKind, f
     return best[0], best[2], best[3]
 
 
-def _with_low(value: torch.Tensor, allowed: torch.Tensor, terms: torch.Tensor, low: torch.dtype | None) -> Expectation:
-    """A fitted hypothesis's expectation: ``allowed`` plus its own rounding; under autocast (``low``:
-    bf16, fp16) plus that dtype's rounding of every term (``terms``, their sizes): a backward seeded
-    with another weight rounds its low-precision intermediates differently."""
-    allowed = allowed + rounding_allowance(value)
-    if low is not None:
-        allowed = allowed + rounding_allowance(terms, dtype=low)
-    return Expectation(value, allowed)
+def _with_low(value: torch.Tensor, allowed: torch.Tensor, terms: torch.Tensor,
+              low: torch.dtype | None) -> tuple[Expectation, Expectation]:
+    """A fitted hypothesis's expectation: ``allowed`` plus its own rounding; and the same where the rank's
+    gradient may land, which under autocast (``low``: bf16, fp16) adds that dtype's rounding of every term
+    (``terms``, their sizes): a backward seeded with another weight rounds its low-precision
+    intermediates differently. The first tells the hypothesis apart from another; the second judges the
+    rank's gradient against it."""
+    own = Expectation(value, allowed + rounding_allowance(value))
+    if low is None:
+        return own, own
+    return own, Expectation(value, own.allowed + rounding_allowance(terms, dtype=low))
 
 
 @dataclass(frozen=True)
@@ -288,18 +295,23 @@ class Reweighing:
                 return None
             scales = [1.0]
         largest = max(1.0, *(abs(e) for e in scales), *(abs(w) for w in weights))
-        expectations = {}
+        expectations, own = {}, {}
         for p in names:
             value = fixed[p] + sum(e * b[p] for e, b in zip(scales, bases)) + sum(
                 w * part[p] for w, part in zip(weights, parts))
             # under autocast only the new contributions' backwards ran in the low dtype: the gradient held
             # before them is the rank's own, adopted at the last check, and scaled (if at all) in its own
             terms = sum(abs(w) * part[p].abs() for w, part in zip(weights, parts))
-            expectations[p] = _with_low(value, largest * expected[p].allowed, terms, low)
-        # explained, and told apart from the contract's weights somewhere in the model (weights that
-        # differ by a rounding are no misweighting)
-        explained = (explains([(actual[p], expectations[p], expected[p]) for p in names])
-                     and any_distinguishable((expectations[p], expected[p]) for p in names))
+            own[p], expectations[p] = _with_low(value, largest * expected[p].allowed, terms, low)
+        # explained, and told apart from the contract's weights somewhere in the model (weights that differ
+        # by a rounding are no misweighting): where only the allowance of a re-rounded backward (the low
+        # dtype's rounding of every term) holds the rank's gradient, by more than that; where the fit is
+        # MARGIN times closer than the contract's expectation over the model, which no re-rounding makes,
+        # by more than the rounding of either value: one rank's bf16-autocast gradient scaled by 1.001
+        # after its backward, fitted to a part in 1e4, is a weight of 1.001, under a bf16 ulp of the terms
+        pairs = [(actual[p], expectations[p], expected[p]) for p in names]
+        explained = ((closer(pairs) and any_distinguishable((own[p], expected[p]) for p in names))
+                     or (explains(pairs) and any_distinguishable((expectations[p], expected[p]) for p in names)))
         return cls(weights, expectations, explained, earlier, backwards)
 
     def weight_of(self, rank: int) -> float:
