@@ -228,3 +228,24 @@ def test_in_a_weighed_window_a_factor_no_weights_explain_is_still_a_scale():
                      scaled=scaling.expectations["w"], factor=scaling.factor, weighed=True,
                      model_explained=(scaling.explained, reweighing.explained, True))
     assert diagnose(actual["w"], hyp) == ("wrong_scale", pytest.approx(1.01))
+
+
+def test_after_a_sync_each_rank_held_gradient_has_its_own_weight_and_alike_ones_share_one():
+    """At a sync the gradient each rank held before the micro-batches since the last check enters the
+    average with a weight of its own (a clip scales each by its own norm); where every rank held the same
+    (the average of an earlier sync in the window, then dropped by a zero_grad) one weight says all, not
+    two that cancel each other out."""
+    gen = torch.Generator().manual_seed(12)
+    held0, held1, new0, new1 = (torch.randn(60, generator=gen) for _ in range(4))
+    parts = [{"w": new0 / 2}, {"w": new1 / 2}]
+    expected = {"w": Expectation.rounded((held0 + held1 + new0 + new1) / 2)}
+    clipped = {"w": (0.4 * held0 + 0.7 * held1 + new0 + new1) / 2}
+    by_rank = Reweighing.fit(expected, clipped, parts, free_base=True, held=[{"w": held0 / 2}, {"w": held1 / 2}])
+    assert by_rank.explained and by_rank.earlier == [pytest.approx(0.4), pytest.approx(0.7)]
+    assert by_rank.weights == [pytest.approx(1.0), pytest.approx(1.0)]
+    one = Reweighing.fit(expected, clipped, parts, free_base=True)  # one weight for their average: no fit
+    assert not one.explained
+    same = {"w": Expectation.rounded(held0 + (new0 + new1) / 2)}
+    dropped = {"w": (new0 + new1) / 2}
+    alike = Reweighing.fit(same, dropped, parts, free_base=True, held=[{"w": held0 / 2}, {"w": held0 / 2}])
+    assert alike.explained and alike.earlier == pytest.approx(0.0, abs=1e-6)

@@ -113,12 +113,14 @@ class Hypotheses:
 
 def fitted_weights(actual: torch.Tensor, base: torch.Tensor, parts: Sequence[torch.Tensor]) -> list[float] | None:
     """The weights w_j minimising |actual - base - sum_j w_j * parts_j| (least squares, in float64),
-    or None when every part is zero. The contract's weights are all 1."""
+    or None when every part is zero; where several do (parts alike: every rank holding the average a
+    sync left), the least of them (an SVD's solution): equal weights on parts alike, not two that
+    cancel each other out at any size. The contract's weights are all 1."""
     columns = torch.stack([p.double().reshape(-1) for p in parts], dim=1)
     if not bool(columns.any()):
         return None
     target = (actual.double() - base.double()).reshape(-1, 1)
-    return [float(w) for w in torch.linalg.lstsq(columns, target).solution.reshape(-1)]
+    return [float(w) for w in torch.linalg.lstsq(columns, target, driver="gelsd").solution.reshape(-1)]
 
 
 # which fitted hypothesis a diagnosis took: its name, for the words of the failure
@@ -230,6 +232,12 @@ class Scaling:
         return cls(factor, expectations, explains([(actual[p], expectations[p], e) for p, e in expected.items()]))
 
 
+def _apart(shares: list[dict[str, torch.Tensor]], names: list[str]) -> bool:
+    """Whether the ranks' shares differ anywhere (after a sync in the window each holds the same average:
+    one weight for it says all)."""
+    return any(not torch.equal(share[p], shares[0][p]) for share in shares[1:] for p in names)
+
+
 def _grad(grads: Mapping[str, torch.Tensor | None], pname: str, like: torch.Tensor) -> torch.Tensor:
     grad = grads.get(pname)
     return grad if grad is not None else torch.zeros_like(like)
@@ -274,7 +282,7 @@ class Reweighing:
         # share (one a rank); ``fixed``: what of the base they do not make, weighing 1 (the rounding of
         # the sync's sum)
         bases, fixed = [base], {p: torch.zeros_like(base[p]) for p in names}
-        if free_base and held is not None and len(held) > 1:
+        if free_base and held is not None and _apart(held, names):
             bases = held
             fixed = {p: base[p] - sum(h[p] for h in held) for p in names}
         if free_base:
