@@ -127,8 +127,12 @@ def accelerator_kwargs(mesh: Shape, *, device_type: str) -> dict[str, Any]:
     import accelerate
     import accelerate.utils
 
+    from harness.rank.backend_defects import AVG_ALL_REDUCE, lacks
     from harness.wrappers import probe
 
+    if mesh.size("dp_replicate") > 1 and lacks(AVG_ALL_REDUCE):
+        raise SkipCell(f"mesh={mesh.name}: FSDP2 averages the replicas' shards with an {AVG_ALL_REDUCE}, "
+                       f"which this backend cannot do: {lacks(AVG_ALL_REDUCE)}")
     config_class = probe.require(accelerate.utils, "ParallelismConfig", "accelerate.utils.ParallelismConfig")
     probe.require_parameter(accelerate.Accelerator, "parallelism_config", "Accelerator(parallelism_config=...)")
     sizes = {f"{d}_size": n for d, n in mesh.sizes if n > 1}

@@ -166,18 +166,24 @@ def fsdp2_reduce_groups(model: nn.Module) -> list[list[str]]:
 def fsdp2_reduce_op(dtype: Any) -> str:
     """Why FSDP2 on this torch does not reduce-scatter gradients in ``dtype`` with ReduceOp.AVG and
     nothing divided before or after on the default group, or "" where it does (asked of FSDP2's own
-    ``_get_gradient_divide_factors``; a torch that has another one is said not to)."""
+    ``_get_gradient_divide_factors``: from torch 2.8 its divide factors and ops, before that its divide
+    factors alone, both None where it reduces with AVG; a torch that has another one is said not to)."""
     import torch.distributed as dist
 
     try:
         from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
 
-        pre, post, op, _ = _get_gradient_divide_factors(dist.group.WORLD, None, dtype, "cpu")
+        factors = _get_gradient_divide_factors(dist.group.WORLD, None, dtype, "cpu")
+        if len(factors) == 2:  # torch 2.7: (pre, post), and foreach_reduce's AVG where both are None
+            pre, post = factors
+            op = dist.ReduceOp.AVG if pre is None else dist.ReduceOp.SUM
+        else:
+            pre, post, op, _ = factors
     except Exception as exc:  # noqa: BLE001 - another torch's private function: its word is unknown
         return f"FSDP2's divide factors could not be read on this torch ({type(exc).__name__})"
     if (pre, post) != (None, None) or op != dist.ReduceOp.AVG:
         name = str(op).rsplit(".", 1)[-1]
-        divides = "".join(f", dividing by {f:g} {when}" for f, when in ((pre, "before"), (post, "after")) if f)
+        divides = "".join(f", dividing by {f:g} {when}" for f, when in ((pre, "before"), (post, "after")) if f not in (None, 1))
         return f"FSDP2 reduce-scatters with {name}{divides} here, not AVG"
     return ""
 
