@@ -4,10 +4,10 @@ backward of the cell, for every non-canary cell of the catalogue.
 Run: python bench/sensitivity.py [--world-sizes 2,4] [--relative 1e-6,1e-5] [--backward 1,3]
      [--kinds 'ddp fp32,fsdp2 fp32'] [--variants PATTERNS] [--cases NAMES]
 Prints, per relative error, row (wrapper and precision) and world size, how many cells fail (catch
-it) out of those run, and names every cell that let it through, one a line, with its status and summary. The error lands where the wrapper holds
-the gradient after that backward (p.grad, FSDP2's unsharded gradient or fp32 accumulation between
-syncs); under DeepSpeed, which reduces (ZeRO-2/3) and at a boundary steps inside ``backward``, through
-that backward's loss, so before any reduction. Goals, at world sizes 2 and 4: 1e-6 caught by at least
+it) out of those run, and names every cell that let it through, one a line, with its status and
+summary. The error lands where the wrapper holds the gradient after that backward (p.grad, FSDP2's
+unsharded gradient or fp32 accumulation between syncs); under DeepSpeed, which reduces (ZeRO-2/3) and
+at a boundary steps inside ``backward``, through that backward's loss, so before any reduction. Goals, at world sizes 2 and 4: 1e-6 caught by at least
 95% of the cells of every wrapper whose gradient is fp32 state (DDP in fp32 and bf16 autocast, FSDP2,
 FSDP1 and DeepSpeed ZeRO-1/2/3 in fp32, FSDP2's reduce=fp32), where the oracle reproduces the
 reduction's summation order (gloo); 1e-2 (more than a bf16 ulp) by at least 95% of the cells whose

@@ -117,7 +117,8 @@ def ring_order_holds(world_size: int, dtype: torch.dtype, *, average: bool = Tru
         out = torch.empty(chunk, dtype=dtype)
         dist.reduce_scatter_tensor(out, every[rank].clone(), op=dist.ReduceOp.AVG if average else dist.ReduceOp.SUM)
         total = ring_sum(every, ring_segments([torch.Size([chunk * world_size])], world_size)[0], dtype)
-        # a gloo whose AVG sums (``PROBED``, harness/decorator.py) still sums in the ring's order: the order is what is asked
+        # a gloo whose AVG sums (``PROBED``, harness/decorator.py) still sums in the ring's order, which is
+        # what is asked here
         divides = average and GLOO_AVG_SUMS not in found()
         return torch.equal(out, (total / world_size if divides else total)[rank * chunk:(rank + 1) * chunk])
 
