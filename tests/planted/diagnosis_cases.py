@@ -20,29 +20,36 @@ BUGS = ["none", "loss_not_divided", "clip_every_micro_batch"]
 def test_user_loop_by_hand(ctx: RankContext) -> None:
     """``none`` passes; ``loss_not_divided`` hands backward the loss without dividing it by the steps;
     ``clip_every_micro_batch`` clips the local gradients after every backward, not only at the sync."""
-    steps, bug = ctx.variant["steps"], ctx.variant["bug"]
     accelerator = ctx.accelerator()  # accumulation by hand: the Accelerator is given no steps
-    model = ctx.model(Noisy, hidden=8)
-    loader, per_rank = ctx.dataloader(dataset(23), batch_size=3)
-    oracle = ctx.oracle({"model": model}, optimizers=make_optimizers)
-    optimizers = make_optimizers(model)
-    model, loader, *optimizers = accelerator.prepare(model, loader, *optimizers)
+    beside_the_oracle(ctx, accelerator, ctx.model(Noisy, hidden=8), dataset(23), loss=loss_fn,
+                      optimizers=make_optimizers, max_norm=MAX_NORM)
+
+
+def beside_the_oracle(ctx, accelerator, model, data, *, loss, optimizers, max_norm, collate_fn=None):
+    """A loop accumulating by hand with ``no_sync``, each loss divided by the steps, clipping to ``max_norm``
+    and stepping every optimizer at a window's end, the oracle called beside it; the variant's ``bug``
+    planted."""
+    steps, bug = ctx.variant["steps"], ctx.variant["bug"]
+    loader, per_rank = ctx.dataloader(data, batch_size=3, **({"collate_fn": collate_fn} if collate_fn else {}))
+    oracle = ctx.oracle({"model": model}, optimizers=optimizers)
+    made = optimizers(model)
+    model, loader, *made = accelerator.prepare(model, loader, *made)
     for point, batch in ctx.epochs(loader, ctx.schedule(per_rank, epochs=2)):
         window_ends = (point.batch + 1) % steps == 0 or point.batch + 1 == per_rank
         with contextlib.nullcontext() if window_ends else accelerator.no_sync(model), ctx.replay_rng(point):
-            loss = loss_fn(model, batch)
-            accelerator.backward(loss if bug == "loss_not_divided" else loss / steps)
-        oracle.backward(lambda m, batch=batch: loss_fn(m["model"], batch) / steps, sync=window_ends, rng=point)
+            value = loss(model, batch)
+            accelerator.backward(value if bug == "loss_not_divided" else value / steps)
+        oracle.backward(lambda m, batch=batch: loss(m["model"], batch) / steps, sync=window_ends, rng=point)
         oracle.check_grads(point.index, {"model": model})
         if window_ends or bug == "clip_every_micro_batch":
-            accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
+            accelerator.clip_grad_norm_(model.parameters(), max_norm)
         if window_ends:
-            oracle.clip_grad_norm(MAX_NORM)
-            for optimizer in optimizers:
+            oracle.clip_grad_norm(max_norm)
+            for optimizer in made:
                 optimizer.step()
                 optimizer.zero_grad()
         oracle.step(window_ends)
-        oracle.check_params(point.index, {"model": model}, {"model": optimizers})
+        oracle.check_params(point.index, {"model": model}, {"model": made})
 
 
 # A second user's loop: a token tagger on padded sequences (dropout, AdamW on its embedding and body,
@@ -88,25 +95,6 @@ def test_tagger_loop_watched(ctx: RankContext) -> None:
       wrappers=["ddp"])
 def test_tagger_loop_by_hand(ctx: RankContext) -> None:
     """The tagger's loop with the oracle called beside it."""
-    steps, bug = ctx.variant["steps"], ctx.variant["bug"]
     accelerator = ctx.accelerator()
-    model = ctx.model(Tagger)
-    loader, per_rank = ctx.dataloader(Sequences(), batch_size=3, collate_fn=pad)
-    oracle = ctx.oracle({"model": model}, optimizers=tagger_optimizers)
-    optimizers = tagger_optimizers(model)
-    model, loader, *optimizers = accelerator.prepare(model, loader, *optimizers)
-    for point, batch in ctx.epochs(loader, ctx.schedule(per_rank, epochs=2)):
-        window_ends = (point.batch + 1) % steps == 0 or point.batch + 1 == per_rank
-        with contextlib.nullcontext() if window_ends else accelerator.no_sync(model), ctx.replay_rng(point):
-            accelerator.backward(tagging_loss(model, batch) / steps)
-        oracle.backward(lambda m, batch=batch: tagging_loss(m["model"], batch) / steps, sync=window_ends, rng=point)
-        oracle.check_grads(point.index, {"model": model})
-        if window_ends or bug == "clip_every_micro_batch":
-            accelerator.clip_grad_norm_(model.parameters(), TAGGER_NORM)
-        if window_ends:
-            oracle.clip_grad_norm(TAGGER_NORM)
-            for optimizer in optimizers:
-                optimizer.step()
-                optimizer.zero_grad()
-        oracle.step(window_ends)
-        oracle.check_params(point.index, {"model": model}, {"model": optimizers})
+    beside_the_oracle(ctx, accelerator, ctx.model(Tagger), Sequences(), loss=tagging_loss,
+                      optimizers=tagger_optimizers, max_norm=TAGGER_NORM, collate_fn=pad)
