@@ -7,15 +7,14 @@ Prints, per relative error, row (wrapper and precision) and world size, how many
 it) out of those run, and names every cell that let it through, one a line, with its status and
 summary. The error lands where the wrapper holds the gradient after that backward (p.grad, FSDP2's
 unsharded gradient or fp32 accumulation between syncs); under DeepSpeed, which reduces (ZeRO-2/3) and
-at a boundary steps inside ``backward``, through that backward's loss, so before any reduction. Goals, at world sizes 2 and 4: 1e-6 caught by at least
-95% of the cells of every wrapper whose gradient is fp32 state (DDP in fp32 and bf16 autocast, FSDP2,
-FSDP1 and DeepSpeed ZeRO-1/2/3 in fp32, FSDP2's reduce=fp32), where the oracle reproduces the
-reduction's summation order (gloo); 1e-2 (more than a bf16 ulp) by at least 95% of the cells whose
-wrapper holds it in bf16 (FSDP2 and FSDP1 under accelerate's policy, DeepSpeed, ZeRO-1's BF16 optimizer
-too: it sums in fp32 but reduces in bf16), where a smaller error rounds away inside the wrapper before
-anything can see it (bench/README.md). Targets live here, not in timed tests (machines are shared and
-noisy).
-"""
+at a boundary steps inside ``backward``, through that backward's loss, so before any reduction.
+Goals, at world sizes 2 and 4: 1e-6 caught by at least 95% of the cells of every wrapper whose gradient
+is fp32 state (DDP in fp32 and bf16 autocast, FSDP2, FSDP1 and DeepSpeed ZeRO-1/2/3 in fp32, FSDP2's
+reduce=fp32), where the oracle reproduces the reduction's summation order (gloo); 1e-2 (more than a bf16
+ulp) by at least 95% of the cells whose wrapper holds it in bf16 (FSDP2 and FSDP1 under accelerate's
+policy, DeepSpeed, ZeRO-1's BF16 optimizer too: it sums in fp32 but reduces in bf16), where a smaller
+error rounds away inside the wrapper before anything can see it (bench/README.md). Targets live here,
+not in timed tests (machines are shared and noisy). """
 
 from __future__ import annotations
 

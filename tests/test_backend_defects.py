@@ -122,5 +122,6 @@ def test_fsdp2s_reduce_op_is_read_from_torch_27s_two_factors_and_28s_four():
     import torch.distributed as dist
 
     assert run_on_ranks(_reduce_ops, 1, (None, None)) == [""]
-    assert run_on_ranks(_reduce_ops, 1, (2.0, 1.0)) == ["FSDP2 reduce-scatters with SUM, dividing by 2 before here, not AVG"]
+    assert run_on_ranks(_reduce_ops, 1, (2.0, 1.0)) == [
+        "FSDP2 reduce-scatters with SUM, dividing by 2 before here, not AVG"]
     assert run_on_ranks(_reduce_ops, 1, (None, None, dist.ReduceOp.AVG, dist.ReduceOp.AVG)) == [""]

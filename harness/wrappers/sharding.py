@@ -183,7 +183,8 @@ def fsdp2_reduce_op(dtype: Any) -> str:
         return f"FSDP2's divide factors could not be read on this torch ({type(exc).__name__})"
     if (pre, post) != (None, None) or op != dist.ReduceOp.AVG:
         name = str(op).rsplit(".", 1)[-1]
-        divides = "".join(f", dividing by {f:g} {when}" for f, when in ((pre, "before"), (post, "after")) if f not in (None, 1))
+        divides = "".join(f", dividing by {f:g} {when}"
+                          for f, when in ((pre, "before"), (post, "after")) if f not in (None, 1))
         return f"FSDP2 reduce-scatters with {name}{divides} here, not AVG"
     return ""
 
