@@ -9,6 +9,12 @@ from harness.records import Failure, RankOutcome
 from harness.timeline import TimelineRecorder
 
 
+# What ``python -m harness watch SCRIPT`` asks of every process of its run, ranks included: the script,
+# its arguments and the specification's options, as JSON in this environment variable
+# (harness/launch/watch.py writes it; harness/rank/script_cells.py and harness/controller/script.py read it).
+WATCH_ENVIRONMENT = "GRADSYNC_WATCH"
+
+
 class ProtocolError(RuntimeError):
     """A message of a type the receiver does not accept at this point."""
 
@@ -85,6 +91,7 @@ class RankResult:
     duration_s: float = 0.0
     timeline: TimelineRecorder | None = None  # every check by micro-step (harness/timeline.py)
     unchecked: dict[str, str] = field(default_factory=dict)  # checks that could not run here: their reasons
+    forced: dict[str, str] = field(default_factory=dict)  # the user's settings the harness changed: was -> now
     # the backend's probed defects (``PROBED``, harness/decorator.py) that the cell went through on this rank
     defects: list[str] = field(default_factory=list)
 

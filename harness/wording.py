@@ -243,6 +243,11 @@ def evidence_summary(cell: Cell) -> str:
     return f"{text}; max |diff| {cell.max_abs_diff:.3g}" + unchecked_suffix(cell.unchecked)
 
 
+def forced_suffix(forced: Mapping[str, str]) -> str:
+    """What the harness changed of the user's own settings to run a cell, or nothing."""
+    return "; FORCED: " + ", ".join(f"{key} {change}" for key, change in forced.items()) if forced else ""
+
+
 def unchecked_suffix(unchecked: Mapping[str, str]) -> str:
     """What a cell did not check and why (docs/upgrade-checks.md), or nothing."""
     return "".join(f"; NOT CHECKED: {CHECK_TITLES.get(check, check)}: {reason}" for check, reason in unchecked.items())

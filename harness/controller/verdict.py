@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from harness import wording as text
 from harness.decorator import Diagnosis, probed
 from harness.matrix.schema import Cell
 from harness.records import UNCHECKED_KINDS, CellOutcome, Failure, FailureKind, RankOutcome, Status
 from harness.timeline import Timeline
+
+if TYPE_CHECKING:
+    from harness.messages import RankResult
 
 
 def _judge_canary(cell: Cell, detects: Sequence[Diagnosis], omitted: int) -> Cell:
@@ -82,6 +85,15 @@ def judge(
         cell.summary = results[0].detail
         return cell
     assert outcomes <= {RankOutcome.OK}, outcomes  # RAISED arrives as a fault
+    cell.forced = dict(sorted({k: v for r in results for k, v in r.forced.items()}.items()))
+    cell = _judge_checks(cell, results, detects)
+    cell.summary += text.forced_suffix(cell.forced)
+    return cell
+
+
+def _judge_checks(cell: Cell, results: Sequence[RankResult], detects: Sequence[Diagnosis]) -> Cell:
+    """A cell whose ranks all ran the case to its end, judged on their checks."""
+    world_size = cell.world_size
     failures: list[Failure] = sorted((f for r in results for f in r.failures), key=lambda f: (f.step, f.rank))
     omitted = sum(r.omitted_failures for r in results)
     cell.checks = sum(r.checks for r in results)

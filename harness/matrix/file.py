@@ -207,6 +207,9 @@ _CELL_CHECKS: dict[str, Check] = {
     "unchecked": _kind(lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(t, str)
                                                            for k, t in v.items()),
                        "an object of check names to reasons"),
+    "forced": _kind(lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(t, str)
+                                                        for k, t in v.items()),
+                    "an object of settings to 'was -> now'"),
 }
 _ANNOTATION_CHECKS: dict[str, Check] = {"str": TEXT, "int": INT, "float": NUMBER, "bool": BOOL}
 

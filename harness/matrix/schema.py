@@ -41,6 +41,9 @@ class Cell:
     # the checks that could not run in this cell, by name (``collective_accounting``), each with its
     # reason (docs/upgrade-checks.md); written only where there is one
     unchecked: dict[str, str] = field(default_factory=dict)
+    # the user's own settings the harness changed to run the cell (a script's Accelerator arguments,
+    # ``python -m harness watch``), by setting, each ``was -> now``; written only where there is one
+    forced: dict[str, str] = field(default_factory=dict)
 
     @property
     def key(self) -> tuple[str, str, int]:
@@ -56,6 +59,8 @@ class Cell:
             data["timeline"] = self.timeline.to_dict()
         if not self.unchecked:
             del data["unchecked"]
+        if not self.forced:
+            del data["forced"]
         return data
 
     @classmethod

@@ -126,6 +126,16 @@ class RankContext(RankData):
         ``accelerator.backward`` is watched for the collectives it issues (harness/rank/accounting.py)."""
         from accelerate import Accelerator
 
+        kwargs = self._accelerator_kwargs(kwargs)
+        return self._built(kwargs, lambda: Accelerator(**kwargs))
+
+    def _accelerator_kwargs(self, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """``kwargs`` with what the cell asks of the Accelerator: the variant's precision and this
+        rank's device where they are not given, the wrapper's plugin, the compile backend; the
+        accumulation settings remembered."""
+        from accelerate import Accelerator
+
+        kwargs = dict(kwargs)
         kwargs.setdefault("mixed_precision", MIXED_PRECISION[self.precision])
         kwargs.setdefault("cpu", self.device.type == "cpu")
         self.accumulation = _accumulation_of(kwargs)
@@ -136,8 +146,13 @@ class RankContext(RankData):
         if self.compile is not None:
             self.require_parameter(Accelerator, "dynamo_backend", "Accelerator(dynamo_backend=...)")
             kwargs.setdefault("dynamo_backend", self.compile)
+        return kwargs
+
+    def _built(self, kwargs: Mapping[str, Any], construct: Callable[[], Any]) -> Any:
+        """The Accelerator ``construct`` makes of ``kwargs`` (from ``_accelerator_kwargs``), made the
+        cell's: what accelerate cannot run here is ``skip``, and its backwards are watched."""
         try:
-            accelerator = Accelerator(**kwargs)
+            accelerator = construct()
         except ValueError as exc:
             if kwargs["mixed_precision"] == "fp16" and "fp16" in str(exc):
                 self.skip(f"accelerate refuses fp16 on {self.device.type}: {exc}")

@@ -32,6 +32,9 @@ class Recorder:
     # the checks that could not run here, by name, each with its reason (docs/upgrade-checks.md):
     # recorded where one would have run, so that the cell says so
     unchecked: dict[str, str] = field(default_factory=dict)
+    # what the harness changed of the user's own settings to run the cell (a script's Accelerator
+    # arguments: harness/rank/script.py), by setting, each as ``was -> now``; said in the summary
+    forced: dict[str, str] = field(default_factory=dict)
     # the backend's probed defects (``PROBED``, harness/decorator.py) the cell's syncs went through
     defects: set[str] = field(default_factory=set)
     timeline: TimelineRecorder = field(init=False)

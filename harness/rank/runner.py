@@ -292,6 +292,7 @@ def run_cell(spec: CellSpec, rank: int, device: Any) -> RankResult:
         max_abs_diff=recorder.max_abs_diff if recorder else 0.0,
         timeline=recorder.timeline if recorder else None,
         unchecked=dict(recorder.unchecked) if recorder else {},
+        forced=dict(recorder.forced) if recorder else {},
         defects=sorted(recorder.defects) if recorder else [],
         duration_s=time.perf_counter() - started,
     )

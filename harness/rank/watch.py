@@ -67,6 +67,8 @@ class Watch:
     """The oracle and the checks of one case's loop, run from the calls the loop makes anyway.
     Made by ``RankContext.watch``; a context manager around the loop."""
 
+    who = "ctx.watch"  # what the watch's refusals say they come from
+
     def __init__(
         self,
         ctx: RankContext,
@@ -107,7 +109,12 @@ class Watch:
     # the context manager
 
     def __enter__(self) -> Watch:
-        accelerator = self.accelerator
+        self._instrument(self.accelerator)
+        self._refuse_second_accelerator()
+        return self
+
+    def _instrument(self, accelerator: Any) -> None:
+        """The Accelerator's methods the watch follows, patched on this instance only."""
         for method in PREPARE:
             if hasattr(accelerator, method):
                 self._patch(accelerator, method, self._preparing(getattr(accelerator, method)))
@@ -115,8 +122,6 @@ class Watch:
         self._patch(accelerator, "accumulate", self._accumulate(accelerator.accumulate))
         if hasattr(accelerator, "clip_grad_norm_"):
             self._patch(accelerator, "clip_grad_norm_", self._clip(accelerator.clip_grad_norm_))
-        self._refuse_second_accelerator()
-        return self
 
     def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
         for restore in reversed(self._restore):
@@ -126,7 +131,7 @@ class Watch:
             return
         self._settle()
         if not self.backwards and not self.stopped:
-            raise LoopRefused("ctx.watch: the loop ran no accelerator.backward, so nothing was checked; the loop must "
+            raise LoopRefused(f"{self.who}: the loop ran no accelerator.backward, so nothing was checked; the loop must "
                               "call accelerator.backward(loss) on batches drawn from a dataloader it prepared")
 
     def _patch(self, owner: Any, name: str, value: Any) -> None:
@@ -153,7 +158,7 @@ class Watch:
 
         @functools.wraps(original)
         def init(*args: Any, **kwargs: Any) -> None:
-            raise LoopRefused("ctx.watch: the loop made a second Accelerator; take the one the case gives it "
+            raise LoopRefused(f"{self.who}: the loop made a second Accelerator; take the one the case gives it "
                               "(ctx.accelerator(...), with the Accelerator's arguments there) as a parameter")
 
         Accelerator.__init__ = init  # type: ignore[method-assign]
@@ -183,7 +188,7 @@ class Watch:
             name = next((n for n, m in self.originals.items() if m is before or m is unwrap(after)), None)
             if name is None:
                 if any(p.requires_grad for p in before.parameters()):
-                    raise LoopRefused(f"ctx.watch: the loop prepares a model the specification does not name "
+                    raise LoopRefused(f"{self.who}: the loop prepares a model the specification does not name "
                                       f"({type(before).__name__}); give every model it trains to ctx.watch, by name")
                 return
             self.prepared[name] = after
@@ -202,7 +207,7 @@ class Watch:
         owners = [name for name, model in self.originals.items()
                   if held & {id(p) for p in model.parameters()}]
         if len(owners) != 1:
-            raise LoopRefused("ctx.watch: an optimizer of the loop holds the parameters of "
+            raise LoopRefused(f"{self.who}: an optimizer of the loop holds the parameters of "
                               f"{' and '.join(owners) or 'no model the specification names'}; the checks need "
                               "each optimizer to hold one named model's parameters")
         return owners[0]
@@ -242,10 +247,10 @@ class Watch:
         from torch.utils.data import IterableDataset
 
         if isinstance(loader.dataset, IterableDataset):
-            raise LoopRefused("ctx.watch: the loop prepares a DataLoader of an IterableDataset, whose batches per rank "
+            raise LoopRefused(f"{self.who}: the loop prepares a DataLoader of an IterableDataset, whose batches per rank "
                               "the harness cannot know; give it a map-style Dataset")
         if loader.batch_size is None:
-            raise LoopRefused("ctx.watch: the loop prepares a DataLoader with a batch_sampler, whose batches per rank "
+            raise LoopRefused(f"{self.who}: the loop prepares a DataLoader with a batch_sampler, whose batches per rank "
                               "the harness cannot know; give it batch_size= (and shuffle=, drop_last=) instead")
         split, dispatch = _dataloader_options(self.accelerator)
         return self.ctx._batches_per_rank(len(loader.dataset), loader.batch_size, split_batches=split,
@@ -292,7 +297,7 @@ class Watch:
             self.stopped = "its dataloader yielded another number of batches than the contract's"
 
     def _refuse_ahead(self, state: _Loader) -> None:
-        raise LoopRefused(f"ctx.watch: the loop drew batch {state.seen} of epoch {state.epochs - 1} from its "
+        raise LoopRefused(f"{self.who}: the loop drew batch {state.seen} of epoch {state.epochs - 1} from its "
                           f"{state.name()} before the backward of the one before it; the watch pairs each backward "
                           "with the one batch drawn before it: for a loop that takes a window's batches first (to "
                           "count its tokens), write the case with ctx.windows and the oracle (docs/writing-a-case.md)")
@@ -316,26 +321,26 @@ class Watch:
         paired is refused before the backward runs."""
         state = self.last_drawn
         if state is not None and not state.pending and state is self.training and self.unsettled is not None:
-            raise LoopRefused(f"ctx.watch: a second accelerator.backward on batch {state.seen} of epoch "
+            raise LoopRefused(f"{self.who}: a second accelerator.backward on batch {state.seen} of epoch "
                               f"{state.epochs - 1} of the {state.name()}; the specification gives one loss a batch: "
                               "for a loop with several losses a batch (a GAN's), write the case with the oracle beside "
                               "it (docs/writing-a-case.md)")
         if state is None or not state.pending:
-            raise LoopRefused("ctx.watch: accelerator.backward with no batch drawn since the last backward from a "
+            raise LoopRefused(f"{self.who}: accelerator.backward with no batch drawn since the last backward from a "
                               "dataloader the loop prepared; the watch pairs each backward with the batch the loop "
                               "drew from a DataLoader it gave accelerator.prepare: prepare the loop's data source")
         if state.pending > 1:
-            raise LoopRefused(f"ctx.watch: the loop drew {state.pending} batches from its {state.name()} before one "
+            raise LoopRefused(f"{self.who}: the loop drew {state.pending} batches from its {state.name()} before one "
                               "backward; the watch pairs each backward with the one batch drawn before it: for a loop "
                               "that takes a window's batches first, write the case with ctx.windows and the oracle "
                               "(docs/writing-a-case.md)")
         others = [s.name() for s in self.drawn_since_backward if s is not state]
         if others:
-            raise LoopRefused(f"ctx.watch: the loop drew from its {' and '.join(others)} and its {state.name()} "
+            raise LoopRefused(f"{self.who}: the loop drew from its {' and '.join(others)} and its {state.name()} "
                               "for one backward; the specification's loss takes one batch: give the loop one "
                               "training dataloader (an evaluation loader run to its end between steps is fine)")
         if self.training is not None and state is not self.training:
-            raise LoopRefused(f"ctx.watch: backwards on batches of the {self.training.name()} and then of the "
+            raise LoopRefused(f"{self.who}: backwards on batches of the {self.training.name()} and then of the "
                               f"{state.name()}; the watch follows one training dataloader")
         self.training = state
         state.trained = True
@@ -404,7 +409,7 @@ class Watch:
             if self.stopped:
                 return norm
             if self.clip is None:
-                raise LoopRefused("ctx.watch: the loop clips its gradients (accelerator.clip_grad_norm_) and the "
+                raise LoopRefused(f"{self.who}: the loop clips its gradients (accelerator.clip_grad_norm_) and the "
                                   "specification does not; give ctx.watch clip_grad_norm= the norm they are clipped "
                                   "to before each optimizer step")
             point = self.unsettled
