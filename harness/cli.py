@@ -19,6 +19,7 @@ from harness.matrix.schema import MatrixError
 from harness.render.comparison import render_comparison_html, render_comparison_markdown
 from harness.render.diff import render_diff_markdown, render_diff_text
 from harness.render.reports import check_report_dir, write_atomically, write_reports
+from harness.launch.watch import WatchUsage, add_watch_parser
 
 PROG = "harness"
 
@@ -413,6 +414,7 @@ SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     add_compare_parser,
     add_merge_parser,
     add_selfcheck_parser,
+    add_watch_parser,
 )
 
 
@@ -422,8 +424,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=("The harness's commands beside `pytest cases/`: run the installed catalogue with `run`, or\n"
                      "under torchrun, srun or accelerate launch with `launch`,\n"
                      "compare the matrices it writes (reports/matrix.json) with `diff` and `compare`, join\n"
-                     "several runs' matrices into one with `merge`, and check the harness (or your own cases)\n"
-                     "with `selfcheck`."),
+                     "several runs' matrices into one with `merge`, check the harness (or your own cases)\n"
+                     "with `selfcheck`, and check a training script as it is with `watch`."),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Run `python -m harness COMMAND --help` for a command's options and exit status.",
     )
@@ -440,11 +442,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         # everything after `run` or `launch` is pytest's, in its order, its options too
         args = argparse.Namespace(command=argv[0], run=run_catalogue if argv[0] == "run" else run_launch,
                                   pytest_args=argv[1:])
-    else:
-        args = parser.parse_args(argv)
+    else:  # `watch SCRIPT [options] -- ARGS`: what follows `--` is the script's
+        cut = argv.index("--") if argv[:1] == ["watch"] and "--" in argv else len(argv)
+        args = parser.parse_args(argv[:cut])
+        if cut < len(argv):
+            args.script_args = argv[cut + 1:]
     try:
         return args.run(args)
-    except (MatrixError, UsageError) as exc:
+    except (MatrixError, UsageError, WatchUsage) as exc:
         reason = " ".join(str(exc).split())
         print(f"{PROG} {args.command}: error: {reason}", file=sys.stderr)
         return EXIT_UNUSABLE

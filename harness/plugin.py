@@ -23,6 +23,7 @@ from harness.matrix.diff import selection_id
 from harness.matrix.schema import Cell, Matrix, merge_cells, with_unavailable_checks
 from harness.rank.runner import launcher_settings
 from harness.records import BAD_STATUSES, GOOD_STATUSES
+from harness.controller.script import script_environment, watched
 from harness.render.matrix import terminal_summary
 from harness.render.reports import CellTexts, check_report_dir, write_reports
 from harness.wording import cell_message, skip_reason
@@ -176,11 +177,14 @@ class HarnessState:
         if self.settings.fault is not None:  # a matrix made under an injected fault must say so
             environment["fault"] = self.settings.fault
         environment["selection"] = self.selection()
+        script = watched()
+        if script is not None:  # `python -m harness watch SCRIPT`: the script and what the command asked
+            environment["script"] = script_environment(script)
         if self.launch is not None:  # the launcher, nodes, processes per node, hosts and devices
             environment.update(self.launch.environment())
         # the ranks drop these (harness/rank/runner.py): the matrix says that they were there
         ignored = self.launch.dropped if self.launch is not None else launcher_settings()
-        if ignored:
+        if ignored and script is None:
             environment["ignored_launcher_settings"] = ignored
         self._environment = environment
         return environment

@@ -23,6 +23,8 @@ from harness.decorator import Variant
 from harness.matrix.schema import Cell
 from harness.messages import CellSpec
 from harness.records import Status
+from harness.controller.script import SCRIPT_CELLS, watched
+from harness.controller.script import rerun_command as watch_rerun
 from harness.wording import nccl_skip_summary, not_run_summary
 
 # Inside the report dir: where a printed rerun command writes its reports.
@@ -85,10 +87,14 @@ def run_cell(pools: PoolSet, case: CaseRef, variant: Variant, world_size: int, s
     # whatever pytest's rootdir (an installed catalogue lies outside it)
     runnable = nodeid(case, variant.name, world_size)
     node = node or runnable
-    common = dict(case=case.name, variant=variant.name, world_size=world_size, nodeid=node,
-                  rerun=rerun_command(runnable, world_size=world_size, backend=settings.backend, seed=settings.seed,
-                                      report_dir=settings.report_dir, case_timeout_s=settings.case_timeout_s,
-                                      fault=settings.fault, relaunch=settings.relaunch))
+    if case.path.name == SCRIPT_CELLS and watched() is not None:  # `python -m harness watch SCRIPT`'s cell
+        rerun = watch_rerun(world_size=world_size, variant=variant.name, case_timeout_s=settings.case_timeout_s,
+                            report_dir=os.path.join(settings.report_dir, RERUN_DIR))
+    else:
+        rerun = rerun_command(runnable, world_size=world_size, backend=settings.backend, seed=settings.seed,
+                              report_dir=settings.report_dir, case_timeout_s=settings.case_timeout_s,
+                              fault=settings.fault, relaunch=settings.relaunch)
+    common = dict(case=case.name, variant=variant.name, world_size=world_size, nodeid=node, rerun=rerun)
     if settings.backend == "nccl" and not settings.launched and world_size > settings.gpu_count:
         return Cell(status=Status.SKIP, summary=nccl_skip_summary(world_size, settings.gpu_count), **common)
     spec = cell_spec(case, variant, world_size, settings, label=node)
