@@ -221,7 +221,8 @@ def failures_summary(failures: Sequence[Failure], omitted: int) -> str:
     where = f"{first.model}.{first.param}" if first.checked in ("grad", "param") else first.model
     if first.checked == "raise":  # a declared raise (harness/rank/raises.py): what the library said
         where = first.message
-    noun = "raises" if all(f.checked == "raise" for f in failures) else "mismatches"
+    raised = all(f.checked == "raise" for f in failures)
+    noun = ("raise" if raised else "mismatch") if total == 1 else ("raises" if raised else "mismatches")
     return (
         f"{total} {noun} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {kinds}; "
         f"first: {where} on rank {first.rank} at step {first.step}"

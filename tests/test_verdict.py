@@ -135,6 +135,23 @@ def test_a_rank_that_raised_names_it_and_the_blocked_ones():
     assert "--- rank 1 raised ZeroDivisionError: planted ---" in c.detail
 
 
+def test_what_the_ranks_judged_before_one_raised_is_kept_in_the_error_cell():
+    # a training script that synced its first micro-batch early and then crashed in its optimizer step
+    early = failure("synced_early", rank=0, step=1)
+    outcome = CellOutcome(results={0: result(0, outcome=RankOutcome.RAISED, failures=[early],
+                                             detail="Traceback ...\nAssertionError: capturable")},
+                          faults=[RankFault(0, FaultKind.RAISED, "Traceback ...\nAssertionError: capturable")])
+    c = judge(case="c", variant="v", world_size=1, outcome=outcome, timeout_s=5, duration_s=1)
+    assert c.status == "error" and c.failures == [early]
+    assert c.summary == ("rank 0 raised AssertionError: capturable; before it, 1 mismatch on rank 0: synced_early in "
+                         "model; first: model.weight on rank 0 at step 1")
+    # and a rank that raised with nothing judged before is said as before
+    clean = CellOutcome(results={0: result(0, outcome=RankOutcome.RAISED, detail="Traceback ...\nValueError: x")},
+                        faults=[RankFault(0, FaultKind.RAISED, "Traceback ...\nValueError: x")])
+    assert judge(case="c", variant="v", world_size=1, outcome=clean, timeout_s=5, duration_s=1).summary == \
+        "rank 0 raised ValueError: x"
+
+
 @pytest.mark.parametrize("what, detail, summary", [
     (FaultKind.EXITED, "exited with code 7\nlog", "rank 1 exited with code 7"),
     (FaultKind.KILLED, "killed by SIGKILL", "rank 1 killed by SIGKILL"),

@@ -69,6 +69,12 @@ def judge(
     if outcome.faults:
         cell.summary = text.faults_summary(outcome.faults, timeout_s=timeout_s)
         cell.detail = text.faults_detail(outcome.faults, timeout_s=timeout_s)
+        # what the ranks that reported had judged before the fault: kept, and said after it
+        judged = sorted((f for r in outcome.results.values() for f in r.failures), key=lambda f: (f.step, f.rank))
+        if judged:
+            cell.failures = judged
+            omitted = sum(r.omitted_failures for r in outcome.results.values())
+            cell.summary += "; before it, " + text.failures_summary(judged, omitted)
         return cell
     results = [outcome.results[r] for r in sorted(outcome.results)]
     outcomes = {r.outcome for r in results}
