@@ -191,6 +191,18 @@ def test_a_script_that_exits_with_a_status_is_an_error_saying_what_it_said_last(
                                "error: unrecognized arguments: --no-such-option")
 
 
+def test_what_the_script_raises_is_said_with_the_scripts_line_it_came_through(tmp_path):
+    result, cells = watch(tmp_path / "reports", HAND_LOOP, "--nproc", "1", args=("--shape", "hub_checkpoint"),
+                          HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf-home"))
+    cell = cells[("as-written", 1)]
+    assert result.returncode == 1 and cell["status"] == "error"
+    assert cell["summary"].startswith("rank 0 raised harness.rank.script.ScriptFailed: OSError: ")
+    line = next(n for n, text in enumerate(HAND_LOOP.read_text().splitlines(), 1) if "no-such-checkpoint" in text)
+    assert cell["summary"].endswith(f'(at hand_loop.py:{line}: AutoConfig.from_pretrained("gradsync-harness/no-such-checkpoint"))')
+    assert "\n" not in cell["summary"] and "Traceback" in cell["detail"]
+    assert "(at " + cell["summary"].split(" (at ")[1] in PAGE.read_text(encoding="utf-8")  # as the page shows it
+
+
 def test_the_launchers_accelerate_settings_are_the_scripts_own(tmp_path):
     # as `accelerate launch --gradient_accumulation_steps 2` leaves them: the script's Accelerator() takes two
     # steps a window from there, so its loop that steps at every batch steps early

@@ -28,6 +28,7 @@ import inspect
 import os
 import runpy
 import sys
+import traceback
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import torch
@@ -76,6 +77,10 @@ def named_loss(spec: str) -> Callable[[Any, Any], torch.Tensor]:
     if not callable(loss):
         raise LoopRefused(f"{WHO}: --loss {spec!r} is not a function")
     return loss  # type: ignore[no-any-return]
+
+
+class ScriptFailed(Exception):
+    """The script raised: what, and the script's own line it came through."""
 
 
 class ScriptWatch(Watch):
@@ -291,7 +296,7 @@ class ScriptRun:
                 said = tail.last_line()
                 failed = RuntimeError(f"{WHO}: the script exited with status {exc.code}" + (f": {said}" if said else ""))
         except BaseException as exc:
-            failed = exc
+            failed = self._where(exc)
         finally:
             Accelerator.__init__ = original  # type: ignore[method-assign]
             sys.argv, sys.path[:], sys.stderr = saved[0], saved[1], saved[2]
@@ -308,6 +313,22 @@ class ScriptRun:
         if watch is None:
             raise LoopRefused(f"{WHO}: the script made no Accelerator (it ran to its end); the harness checks the "
                               "training of a script that trains with accelerate")
+
+    def _where(self, exc: BaseException) -> BaseException:
+        """An error the script raised (not the harness's, not an interruption) as ``ScriptFailed``, one
+        line that says it and the script's own line it came through (a checkpoint it could not fetch,
+        say: which call); the error itself is its cause, its traceback in the cell's detail."""
+        from harness.decorator import SkipCell, Unsupported
+
+        if isinstance(exc, (LoopRefused, SkipCell, Unsupported)) or not isinstance(exc, Exception):
+            return exc
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if os.path.abspath(f.filename) == self.path]
+        said = " ".join(str(exc).split()) or "(no message)"
+        if frames:
+            said += f" (at {os.path.basename(self.path)}:{frames[-1].lineno}: {frames[-1].line})"
+        failed = ScriptFailed(f"{type(exc).__name__}: {said}")
+        failed.__cause__ = exc
+        return failed
 
     def adopt(self, original: Callable[..., None], accelerator: Any, args: tuple[Any, ...],
               kwargs: dict[str, Any]) -> None:

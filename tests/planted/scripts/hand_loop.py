@@ -4,8 +4,9 @@ plants one of the mistakes users make in such a loop; without it the loop is rig
 runs it unedited under ``python -m harness watch --num-steps K``.
 
 Mistakes:
-  step_at_zero      steps at ``step % k == 0`` (accelerate's examples/by_feature/gradient_accumulation.py):
-                    the first window is one micro-batch divided by k, the next ones start one late
+  step_at_zero      syncs and steps at ``step % k == 0`` (accelerate's examples/by_feature/gradient_accumulation.py
+                    between its PRs #459 and #484, 2022): the first window is one micro-batch divided by k,
+                    every later one starts a micro-batch early
   loss_not_divided  each micro-batch's loss is not divided by the steps
   no_zero_grad      the optimizer's gradients are never cleared: each window adds to the last
   never_syncs       every backward under ``no_sync``: the ranks step on their own gradients
@@ -14,7 +15,8 @@ Mistakes:
 
 ``--shape`` plants what the harness cannot follow (``iterable``: an IterableDataset; ``two_losses``:
 two backwards a batch; ``unprepared_model``: the model never given to ``prepare``) or what it leaves
-alone (``second_accelerator``: another Accelerator made after the first, for its ``print``).
+alone (``second_accelerator``: another Accelerator made after the first, for its ``print``), or a
+checkpoint it cannot load offline (``hub_checkpoint``: a config from the Hugging Face hub).
 """
 
 import argparse
@@ -25,7 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 MISTAKES = ("step_at_zero", "loss_not_divided", "no_zero_grad", "never_syncs", "clip_every_batch", "plain_logits")
-SHAPES = ("iterable", "two_losses", "unprepared_model", "second_accelerator")
+SHAPES = ("iterable", "two_losses", "unprepared_model", "second_accelerator", "hub_checkpoint")
 
 
 class Stream(IterableDataset):
@@ -69,6 +71,10 @@ def main():
     args = parser.parse_args()
     k, mistake, shape = args.accumulation, args.mistake, args.shape
     accelerator = Accelerator()
+    if shape == "hub_checkpoint":
+        from transformers import AutoConfig
+
+        AutoConfig.from_pretrained("gradsync-harness/no-such-checkpoint")
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(40, 6, generator=generator), torch.randint(0, 3, (40,), generator=generator))
