@@ -94,6 +94,18 @@ def test_a_loop_that_accumulates_by_hand_passes_under_its_window_and_fails_under
     assert cell["status"] == "fail" and {"comm_missing", "wrong_scale", "step_skipped"} <= kinds(cell), cell["summary"]
 
 
+def test_the_full_batch_contract_by_flag_weighs_a_short_window_by_its_own_micro_batches(tmp_path):
+    # 5 batches a rank an epoch in windows of 2: the last window has one micro-batch, which the loop
+    # divides by 2 as accelerate's contract does (passed above); the full-batch contract wants it whole
+    result, cells = watch(tmp_path / "reports", HAND_LOOP, "--nproc", "2", "--num-steps", "2", "--contract",
+                          "full_batch", args=("--accumulation", "2"))
+    cell = cells[("as-written", 2)]
+    assert result.returncode == 1 and cell["status"] == "fail" and cells["environment"]["script"]["contract"] == \
+        "full_batch"
+    first = min(cell["failures"], key=lambda f: f["step"])
+    assert (first["step"], first["kind"]) == (5, "misweighted") and "weigh 0.5 times" in first["message"]
+
+
 # each mistake: the diagnoses its first failing step must name, and that step
 MISTAKES = {
     "step_at_zero": ({"stepped_early", "synced_early", "comm_unexpected"}, 1),
@@ -201,6 +213,28 @@ def test_what_the_script_raises_is_said_with_the_scripts_line_it_came_through(tm
     assert cell["summary"].endswith(f'(at hand_loop.py:{line}: AutoConfig.from_pretrained("gradsync-harness/no-such-checkpoint"))')
     assert "\n" not in cell["summary"] and "Traceback" in cell["detail"]
     assert "(at " + cell["summary"].split(" (at ")[1] in PAGE.read_text(encoding="utf-8")  # as the page shows it
+
+
+def test_tiny_model_builds_each_pretrained_model_of_its_own_config_shrunk(tmp_path):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    checkpoint = tmp_path / "my-bert"  # a local checkpoint, as a script names its own
+    config = BertConfig(vocab_size=50, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                        intermediate_size=128, max_position_embeddings=32, num_labels=2)
+    BertForSequenceClassification(config).save_pretrained(checkpoint)
+    script = ROOT / "tests" / "planted" / "scripts" / "pretrained.py"
+    sizes = {}
+    for tiny in (False, True):
+        out = tmp_path / f"sizes-{tiny}.json"
+        result, cells = watch(tmp_path / f"reports-{tiny}", script, "--nproc", "2", *(["--tiny-model"] if tiny else []),
+                              args=("--checkpoint", str(checkpoint), "--sizes", str(out)))
+        cell = cells[("as-written", 2)]
+        assert result.returncode == 0 and cell["status"] == "pass", cell["summary"]
+        sizes[tiny] = json.loads(out.read_text())
+        said = cell.get("forced", {}).get(f"model {checkpoint}")
+        assert said == ("pretrained -> tiny (bert: 2 layers, width 32, random weights)" if tiny else None), cell
+        assert cells["environment"]["script"]["tiny_model"] is tiny
+    assert sizes == {False: {"layers": 4, "width": 64}, True: {"layers": 2, "width": 32}}
 
 
 def test_the_launchers_accelerate_settings_are_the_scripts_own(tmp_path):

@@ -34,6 +34,8 @@ def rerun_command(*, world_size: int, variant: str, report_dir: str, case_timeou
         parts += ["--num-steps", str(asked["num_steps"])]
     if asked.get("contract", "accelerate") != "accelerate":
         parts += ["--contract", str(asked["contract"])]
+    if asked.get("tiny_model"):
+        parts += ["--tiny-model"]
     parts += ["--report-dir", report_dir, "--case-timeout", f"{case_timeout_s:g}"]
     if asked.get("argv"):
         parts += ["--", *asked["argv"]]
@@ -44,5 +46,5 @@ def script_environment(asked: dict[str, Any]) -> dict[str, Any]:
     """What ``python -m harness watch`` ran, for the matrix: the script, its arguments, the options of the
     specification, and the launcher's ACCELERATE_* settings the script ran under (not ignored, as they
     are for a case)."""
-    shown = {key: asked.get(key) for key in ("path", "argv", "loss", "num_steps", "contract")}
+    shown = {key: asked.get(key) for key in ("path", "argv", "loss", "num_steps", "contract", "tiny_model")}
     return {**shown, "accelerate_settings": sorted(asked.get("accelerate_settings") or {})}

@@ -82,7 +82,7 @@ def run_watch(args: argparse.Namespace) -> int:
     os.environ[WATCH_ENVIRONMENT] = json.dumps({
         "path": str(script.resolve()), "argv": list(args.script_args), "name": case_name(script),
         "precisions": args.precision or [], "loss": args.loss, "num_steps": args.num_steps,
-        "contract": args.contract, "accelerate_settings": settings,
+        "contract": args.contract, "accelerate_settings": settings, "tiny_model": args.tiny_model,
     })
     import harness.rank
 
@@ -147,6 +147,10 @@ def add_watch_parser(subparsers: Any) -> None:
     parser.add_argument("--contract", choices=CONTRACTS, default="accelerate",
                         help="accelerate: each micro-batch's loss divided by the steps (default); full_batch: "
                              "each window the mean over the micro-batches it really had")
+    parser.add_argument("--tiny-model", action="store_true",
+                        help="build every pretrained transformers model the script loads (from_pretrained) of its "
+                             "own config shrunk to 2 layers of width 32, with random weights: the checkpoint's "
+                             "config is read, its weights are not (said in each cell's summary)")
     parser.add_argument("--report-dir", type=Path, default=Path("reports"), metavar="DIR",
                         help="where matrix.json, matrix.md and matrix.html go (default: reports)")
     parser.add_argument("--case-timeout", type=_timeout, default=max(DEFAULT_CASE_TIMEOUT_S, 600.0),

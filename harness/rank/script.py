@@ -47,6 +47,61 @@ WRAPPER_PLUGINS = ("fsdp_plugin", "deepspeed_plugin", "deepspeed_plugins", "mega
                    "parallelism_config", "torch_tp_plugin")
 
 
+# ``--tiny-model``: a pretrained transformers model's config shrunk to these sizes, where it has them
+TINY_SIZES = {
+    "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2, "encoder_layers": 2, "decoder_layers": 2,
+    "hidden_size": 32, "n_embd": 32, "d_model": 32,
+    "num_attention_heads": 2, "n_head": 2, "encoder_attention_heads": 2, "decoder_attention_heads": 2,
+    "intermediate_size": 64, "n_inner": 64, "ffn_dim": 64, "d_ff": 64, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64,
+}
+
+
+def tiny_config(config: Any) -> Any:
+    """A copy of a transformers config with ``TINY_SIZES`` where it has those sizes (key-value heads
+    no more than the heads, a head's width what the width and heads make)."""
+    small = copy.deepcopy(config)
+    for key, size in TINY_SIZES.items():
+        if isinstance(getattr(small, key, None), int):
+            setattr(small, key, size)
+    if isinstance(getattr(small, "num_key_value_heads", None), int):
+        small.num_key_value_heads = min(small.num_key_value_heads, 2)
+    if isinstance(getattr(small, "head_dim", None), int):
+        small.head_dim = 16
+    return small
+
+
+@contextlib.contextmanager
+def tiny_pretrained(forced: dict[str, str]) -> Iterator[None]:
+    """Every ``from_pretrained`` of a transformers model builds it of its own config shrunk
+    (``tiny_config``), with random weights: the checkpoint's config is read (a local directory, the
+    cache, or the hub), its weights are not. Each one is said in ``forced`` (a cell's: its summary
+    says it)."""
+    try:
+        from transformers import AutoConfig, PreTrainedModel
+    except ImportError:
+        raise LoopRefused(f"{WHO}: --tiny-model shrinks transformers models; transformers is not installed") from None
+    original = vars(PreTrainedModel)["from_pretrained"]
+
+    def from_pretrained(cls: Any, name: Any, *args: Any, **kwargs: Any) -> Any:
+        config = kwargs.pop("config", None)
+        dtype = kwargs.pop("torch_dtype", None) or kwargs.pop("dtype", None)
+        if config is None or isinstance(config, (str, os.PathLike)):
+            config, kwargs = AutoConfig.from_pretrained(config or name, return_unused_kwargs=True, **kwargs)
+        else:
+            for key in [k for k in kwargs if hasattr(config, k)]:
+                setattr(config, key, kwargs.pop(key))
+        small = tiny_config(config)
+        model = cls._from_config(small, **({"torch_dtype": dtype} if dtype is not None else {}))
+        forced[f"model {name}"] = f"pretrained -> tiny ({small.model_type}: 2 layers, width 32, random weights)"
+        return model
+
+    PreTrainedModel.from_pretrained = classmethod(from_pretrained)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        PreTrainedModel.from_pretrained = original  # type: ignore[assignment]
+
+
 def model_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     """The specification's loss of one micro-batch by default: the model's own ``.loss`` on it (a
     transformers model returns one for a batch with ``labels``)."""
@@ -253,7 +308,7 @@ class ScriptRun:
 
     def __init__(self, ctx: RankContext, path: str, argv: list[str], *, loss: str | None = None,
                  num_steps: int | None = None, contract: str = "accelerate", precision: str | None = None,
-                 settings: Mapping[str, str] | None = None) -> None:
+                 settings: Mapping[str, str] | None = None, tiny_model: bool = False) -> None:
         self.ctx = ctx
         self.path = os.path.abspath(path)
         self.argv = list(argv)
@@ -263,6 +318,7 @@ class ScriptRun:
         self.contract = contract
         self.precision = precision  # the precision the command forces, or None for the script's own
         self.settings = dict(settings or {})  # the launcher's ACCELERATE_* settings: the script's environment
+        self.tiny_model = tiny_model  # every pretrained transformers model shrunk (``tiny_pretrained``)
         self.watch: ScriptWatch | None = None
         self.forced: dict[str, Any] = {}  # what the harness changed of the script's Accelerator arguments
 
@@ -290,7 +346,8 @@ class ScriptRun:
         try:
             if self.loss_name:  # importable from the script's directory too
                 self.loss = named_loss(self.loss_name)
-            runpy.run_path(self.path, run_name="__main__")
+            with tiny_pretrained(self.ctx.recorder.forced) if self.tiny_model else contextlib.nullcontext():
+                runpy.run_path(self.path, run_name="__main__")
         except SystemExit as exc:
             if exc.code not in (None, 0):
                 said = tail.last_line()

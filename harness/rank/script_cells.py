@@ -41,4 +41,4 @@ def test_script(ctx: RankContext) -> None:
     """The script run unedited on every rank, its first Accelerator the cell's, every step checked."""
     run_script(ctx, WATCHED["path"], WATCHED["argv"], loss=WATCHED["loss"], num_steps=WATCHED["num_steps"],
                contract=WATCHED["contract"], precision=ctx.variant.get("precision"),
-               settings=WATCHED.get("accelerate_settings") or {})
+               settings=WATCHED.get("accelerate_settings") or {}, tiny_model=bool(WATCHED.get("tiny_model")))
