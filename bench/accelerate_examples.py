@@ -166,7 +166,8 @@ def main() -> int:
     args = parser.parse_args()
     labels = [s.strip() for s in args.runs.split(",") if s.strip()]
     unknown = [label for label in labels if label not in RUNS]
-    missing = sorted({RUNS[label][0] for label in labels if label in RUNS} - {p.name for p in args.examples.glob("*.py")})
+    present = {p.name for p in args.examples.glob("*.py")}
+    missing = sorted({RUNS[label][0] for label in labels if label in RUNS} - present)
     if unknown or missing:
         print(f"accelerate_examples: {'unknown run ' + ', '.join(unknown) if unknown else ''}"
               f"{'no ' + ', '.join(missing) + ' in ' + str(args.examples) if missing else ''}", file=sys.stderr)

@@ -210,7 +210,8 @@ def test_what_the_script_raises_is_said_with_the_scripts_line_it_came_through(tm
     assert result.returncode == 1 and cell["status"] == "error"
     assert cell["summary"].startswith("rank 0 raised harness.rank.script.ScriptFailed: OSError: ")
     line = next(n for n, text in enumerate(HAND_LOOP.read_text().splitlines(), 1) if "no-such-checkpoint" in text)
-    assert cell["summary"].endswith(f'(at hand_loop.py:{line}: AutoConfig.from_pretrained("gradsync-harness/no-such-checkpoint"))')
+    call = 'AutoConfig.from_pretrained("gradsync-harness/no-such-checkpoint")'
+    assert cell["summary"].endswith(f"(at hand_loop.py:{line}: {call})")
     assert "\n" not in cell["summary"] and "Traceback" in cell["detail"]
     assert "(at " + cell["summary"].split(" (at ")[1] in PAGE.read_text(encoding="utf-8")  # as the page shows it
 
@@ -226,7 +227,8 @@ def test_tiny_model_builds_each_pretrained_model_of_its_own_config_shrunk(tmp_pa
     sizes = {}
     for tiny in (False, True):
         out = tmp_path / f"sizes-{tiny}.json"
-        result, cells = watch(tmp_path / f"reports-{tiny}", script, "--nproc", "2", *(["--tiny-model"] if tiny else []),
+        options = ["--nproc", "2", *(["--tiny-model"] if tiny else [])]
+        result, cells = watch(tmp_path / f"reports-{tiny}", script, *options,
                               args=("--checkpoint", str(checkpoint), "--sizes", str(out)))
         cell = cells[("as-written", 2)]
         assert result.returncode == 0 and cell["status"] == "pass", cell["summary"]
@@ -259,6 +261,22 @@ def test_under_torchrun_the_launchers_processes_are_the_ranks(tmp_path):
     assert cells["environment"]["launcher"] == "torchrun"
     cell = cells[("as-written", 2)]
     assert result.returncode != 0 and cell["status"] == "fail" and "wrong_scale" in kinds(cell), cell["summary"]
+
+
+def test_under_accelerate_launch_its_settings_are_the_scripts(tmp_path):
+    launcher = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "bf16", "--dynamo_backend", "no",
+                "--main_process_port", str(free_port()))
+    # a bf16 cell of a script whose Accelerator() takes bf16 from accelerate launch: nothing to force
+    # (run alone, the same cell says mixed_precision 'no' -> 'bf16')
+    result, cells = watch(tmp_path / "reports", HAND_LOOP, "--num-steps", "2", "--precision", "bf16",
+                          launcher=launcher)
+    environment_ = cells["environment"]
+    assert environment_["launcher"] == "accelerate launch" and "ignored_launcher_settings" not in environment_
+    assert "ACCELERATE_MIXED_PRECISION" in environment_["script"]["accelerate_settings"]
+    cell = cells[("bf16", 2)]
+    assert result.returncode == 0 and cell["status"] == "pass", cell["summary"]
+    assert cell["forced"] == {"cpu": "False -> True"}
 
 
 @pytest.mark.parametrize("argv, says", [

@@ -351,7 +351,8 @@ class ScriptRun:
         except SystemExit as exc:
             if exc.code not in (None, 0):
                 said = tail.last_line()
-                failed = RuntimeError(f"{WHO}: the script exited with status {exc.code}" + (f": {said}" if said else ""))
+                failed = RuntimeError(f"{WHO}: the script exited with status {exc.code}"
+                                      + (f": {said}" if said else ""))
         except BaseException as exc:
             failed = self._where(exc)
         finally:
@@ -400,9 +401,12 @@ class ScriptRun:
             raise LoopRefused(f"{WHO}: the script's Accelerator asks for {plugins[0] if plugins else 'a wrapper'}: "
                               "the harness follows a script under DDP (or one process) so far; check its loop "
                               "under FSDP or DeepSpeed with ctx.watch (docs/writing-a-case.md)")
-        steps = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")  # `accelerate launch`'s, read as accelerate does
-        if steps and not given.get("gradient_accumulation_plugin") and given.get("gradient_accumulation_steps", 1) == 1:
-            given["gradient_accumulation_steps"] = int(steps)
+        # `accelerate launch --gradient_accumulation_steps`, read where accelerate reads it
+        launched = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+        unasked = (given.get("gradient_accumulation_steps") in (None, 1)
+                   and not given.get("gradient_accumulation_plugin"))
+        if launched and unasked:
+            given["gradient_accumulation_steps"] = int(launched)
         asked = str(given.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION") or "no")
         if asked not in PRECISION_OF:
             raise LoopRefused(f"{WHO}: the script asks for mixed_precision={asked!r}; the harness checks "

@@ -24,12 +24,14 @@ class SentencePairs(Dataset):
         generator = torch.Generator().manual_seed(seed)
         self.items = []
         for _ in range(samples):
-            first = torch.randint(3, VOCAB, (int(torch.randint(3, 9, (1,), generator=generator)),), generator=generator)
-            second = torch.randint(3, VOCAB, (int(torch.randint(3, 9, (1,), generator=generator)),), generator=generator)
+            lengths = torch.randint(3, 9, (2,), generator=generator).tolist()
+            first = torch.randint(3, VOCAB, (lengths[0],), generator=generator)
+            second = torch.randint(3, VOCAB, (lengths[1],), generator=generator)
             if torch.rand(1, generator=generator) < 0.5:
                 second[0] = first[0]
             ids = torch.cat([torch.tensor([1]), first, torch.tensor([2]), second, torch.tensor([2])])
-            types = torch.cat([torch.zeros(len(first) + 2, dtype=torch.long), torch.ones(len(second) + 1, dtype=torch.long)])
+            types = torch.cat([torch.zeros(len(first) + 2, dtype=torch.long),
+                               torch.ones(len(second) + 1, dtype=torch.long)])
             self.items.append((ids, types, int(first[0] == second[0])))
 
     def __len__(self) -> int:
