@@ -261,6 +261,13 @@ def test_under_torchrun_the_launchers_processes_are_the_ranks(tmp_path):
     assert cells["environment"]["launcher"] == "torchrun"
     cell = cells[("as-written", 2)]
     assert result.returncode != 0 and cell["status"] == "fail" and "wrong_scale" in kinds(cell), cell["summary"]
+    # a world size other than the launcher's stops every rank with one line
+    other = subprocess.run([*launcher[:-1], f"127.0.0.1:{free_port()}", "-m", "harness", "watch", str(HAND_LOOP),
+                            "--world-sizes", "4", "--report-dir", str(tmp_path / "other")], cwd=tmp_path,
+                           env=environment(), capture_output=True, text=True, timeout=600)
+    assert other.returncode != 0 and not (tmp_path / "other" / "matrix.json").exists()
+    assert "--world-sizes: the launcher started 2 ranks; under a launcher the world size is the launcher's" in \
+        other.stdout + other.stderr
 
 
 def test_under_accelerate_launch_its_settings_are_the_scripts(tmp_path):

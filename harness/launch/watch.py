@@ -93,7 +93,9 @@ def run_watch(args: argparse.Namespace) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ or "SLURM_PROCID" in os.environ:
         from harness.launch.main import main as launch_main
 
-        return launch_main([cells, *options])
+        # the world size is the launcher's: one asked here that differs stops every rank with one line
+        asked = ["--world-sizes", ",".join(map(str, sizes))] if args.nproc or args.world_sizes else []
+        return launch_main([cells, *options, *asked])
     command = [sys.executable, "-m", "pytest", cells, "--rootdir", ".", "--world-sizes",
                ",".join(map(str, sizes)), *options]
     sys.stdout.flush()
