@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from harness.controller.options import DEFAULT_CASE_TIMEOUT_S, DEFAULT_SEED, OptionError, parse_case_timeout, parse_seed
+from harness.controller.options import (DEFAULT_CASE_TIMEOUT_S, DEFAULT_SEED, argparse_type, parse_case_timeout,
+                                        parse_seed)
 from harness.matrix.comparison import build_comparison
 from harness.matrix.diff import diff_matrices, label_matrices
 from harness.matrix.file import load_matrix
@@ -205,18 +206,6 @@ def _comma_list(text: str) -> list[str]:
     return items
 
 
-def _option_type(parse: Callable[[str], object]) -> Callable[[str], object]:
-    """An argparse type from an options.py parser, whose message already names the option."""
-
-    def convert(text: str) -> object:
-        try:
-            return parse(text)
-        except OptionError as exc:
-            raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[-1]) from None
-
-    return convert
-
-
 def _world_size(text: str) -> int:
     if not text.isdigit() or int(text) < 2:
         raise argparse.ArgumentTypeError(f"{text!r}: give 2 or more ranks (1 cannot tell synced from local)")
@@ -305,10 +294,10 @@ def add_selfcheck_parser(subparsers: argparse._SubParsersAction) -> None:
     variants.add_argument("--all-variants", action="store_true", help="every variant of every case")
     parser.add_argument("--world-size", type=_world_size, default=2, metavar="N",
                         help="ranks in the pool (default: 2)")
-    parser.add_argument("--case-timeout", type=_option_type(parse_case_timeout), default=DEFAULT_CASE_TIMEOUT_S,
+    parser.add_argument("--case-timeout", type=argparse_type(parse_case_timeout), default=DEFAULT_CASE_TIMEOUT_S,
                         metavar="SECONDS", help="seconds one cell may take before its ranks are declared hung "
                                                 f"(default: {DEFAULT_CASE_TIMEOUT_S:g})")
-    parser.add_argument("--seed", type=_option_type(parse_seed), default=DEFAULT_SEED, metavar="N",
+    parser.add_argument("--seed", type=argparse_type(parse_seed), default=DEFAULT_SEED, metavar="N",
                         help=f"base seed for models and data (default: {DEFAULT_SEED})")
     parser.add_argument("--sensitivity-cases", type=_comma_list, metavar="LIST", default=None,
                         help="cases for the perturbation search (default: fused_loss,accumulate where present)")

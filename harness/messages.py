@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +15,13 @@ from harness.timeline import TimelineRecorder
 # its arguments and the specification's options, as JSON in this environment variable
 # (harness/launch/watch.py writes it; harness/rank/script_cells.py and harness/controller/script.py read it).
 WATCH_ENVIRONMENT = "GRADSYNC_WATCH"
+
+
+def watched() -> dict[str, Any] | None:
+    """What the running ``watch`` command asked for (the script, its arguments, the specification's
+    options), or None outside one."""
+    raw = os.environ.get(WATCH_ENVIRONMENT)
+    return dict(json.loads(raw)) if raw else None
 
 
 class ProtocolError(RuntimeError):

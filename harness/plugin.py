@@ -21,9 +21,10 @@ from harness.controller.progress import TICK_S, Progress, terminal_writer
 from harness.decorator import case_info
 from harness.matrix.diff import selection_id
 from harness.matrix.schema import Cell, Matrix, merge_cells, with_unavailable_checks
+from harness.messages import watched
 from harness.rank.runner import launcher_settings
 from harness.records import BAD_STATUSES, GOOD_STATUSES
-from harness.controller.script import script_environment, watched
+from harness.controller.script import script_environment
 from harness.render.matrix import terminal_summary
 from harness.render.reports import CellTexts, check_report_dir, write_reports
 from harness.wording import cell_message, skip_reason

@@ -21,9 +21,9 @@ from harness.controller.pool import GroupLost, PoolSet, PoolStartError
 from harness.controller.verdict import judge
 from harness.decorator import Variant
 from harness.matrix.schema import Cell
-from harness.messages import CellSpec
+from harness.messages import CellSpec, watched
 from harness.records import Status
-from harness.controller.script import SCRIPT_CELLS, watched
+from harness.controller.script import SCRIPT_CELLS
 from harness.controller.script import rerun_command as watch_rerun
 from harness.wording import nccl_skip_summary, not_run_summary
 

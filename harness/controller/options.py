@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from harness.wrappers.names import parse as parse_wrappers
 from harness.wrappers.names import parse_meshes
@@ -42,6 +42,20 @@ class Settings:
     wrappers: tuple[str, ...] | str = "auto"
     # the meshes FSDP2 cells also run on (--meshes): "auto" (each case's own) or names, () for none
     meshes: tuple[str, ...] | str = "auto"
+
+
+def argparse_type(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """An argparse type from one of these parsers, whose message already names the option (argparse
+    names it again: the parser's own name is dropped)."""
+    import argparse
+
+    def convert(text: str) -> object:
+        try:
+            return parse(text)
+        except OptionError as exc:
+            raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[-1]) from None
+
+    return convert
 
 
 def parse_world_sizes(text: str) -> tuple[int, ...] | None:

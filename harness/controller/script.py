@@ -3,22 +3,13 @@ reads it: the matrix names the script, and the command that reruns one of its ce
 
 from __future__ import annotations
 
-import json
-import os
 import shlex
 from typing import Any
 
 from harness.decorator import ALL_PRECISIONS
-from harness.messages import WATCH_ENVIRONMENT
+from harness.messages import watched
 
 SCRIPT_CELLS = "script_cells.py"  # harness/rank/script_cells.py: the cells' case file
-
-
-def watched() -> dict[str, Any] | None:
-    """What the running ``watch`` command asked for (the script, its arguments, the specification's
-    options), or None outside one: the matrix's environment says it, as ``script``."""
-    raw = os.environ.get(WATCH_ENVIRONMENT)
-    return dict(json.loads(raw)) if raw else None
 
 
 def rerun_command(*, world_size: int, variant: str, report_dir: str, case_timeout_s: float) -> str:

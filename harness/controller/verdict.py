@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from harness import wording as text
 from harness.decorator import Diagnosis, probed
@@ -70,10 +70,9 @@ def judge(
         cell.summary = text.faults_summary(outcome.faults, timeout_s=timeout_s)
         cell.detail = text.faults_detail(outcome.faults, timeout_s=timeout_s)
         # what the ranks that reported had judged before the fault: kept, and said after it
-        judged = sorted((f for r in outcome.results.values() for f in r.failures), key=lambda f: (f.step, f.rank))
+        judged, omitted = _failures(outcome.results.values())
         if judged:
             cell.failures = judged
-            omitted = sum(r.omitted_failures for r in outcome.results.values())
             cell.summary += "; before it, " + text.failures_summary(judged, omitted)
         return cell
     results = [outcome.results[r] for r in sorted(outcome.results)]
@@ -97,11 +96,17 @@ def judge(
     return cell
 
 
+def _failures(results: Iterable[RankResult]) -> tuple[list[Failure], int]:
+    """The ranks' failures in step order (then rank), and how many they left out."""
+    results = list(results)
+    failures = sorted((f for r in results for f in r.failures), key=lambda f: (f.step, f.rank))
+    return failures, sum(r.omitted_failures for r in results)
+
+
 def _judge_checks(cell: Cell, results: Sequence[RankResult], detects: Sequence[Diagnosis]) -> Cell:
     """A cell whose ranks all ran the case to its end, judged on their checks."""
     world_size = cell.world_size
-    failures: list[Failure] = sorted((f for r in results for f in r.failures), key=lambda f: (f.step, f.rank))
-    omitted = sum(r.omitted_failures for r in results)
+    failures, omitted = _failures(results)
     cell.checks = sum(r.checks for r in results)
     cell.grad_checks = sum(r.grad_checks for r in results)
     cell.vacuous_checks = sum(r.vacuous_checks for r in results)

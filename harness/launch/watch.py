@@ -13,12 +13,12 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from harness.controller.options import DEFAULT_CASE_TIMEOUT_S, OptionError, parse_case_timeout
+from harness.controller.options import DEFAULT_CASE_TIMEOUT_S, argparse_type, parse_case_timeout
 from harness.controller.script import SCRIPT_CELLS
 from harness.decorator import ALL_PRECISIONS as PRECISIONS
+from harness.launch.environment import LaunchError, detect
 from harness.messages import WATCH_ENVIRONMENT
-
-CONTRACTS = ("accelerate", "full_batch")  # harness/rank/oracle.py's, named here without importing torch
+from harness.rank.schedule import CONTRACTS
 
 
 class WatchUsage(Exception):
@@ -55,11 +55,13 @@ def _loss(text: str) -> str:
     return text
 
 
-def _timeout(text: str) -> float:
+def under_launcher() -> bool:
+    """Whether a launcher started this process (harness/launch/environment.py's ``detect``)."""
     try:
-        return parse_case_timeout(text)
-    except OptionError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        detect()
+    except LaunchError:
+        return False
+    return True
 
 
 def case_name(script: Path) -> str:
@@ -90,7 +92,7 @@ def run_watch(args: argparse.Namespace) -> int:
     # no ini file of the working directory's project (its addopts, its plugins) changes the run
     options = ["--report-dir", str(args.report_dir), "--case-timeout", f"{args.case_timeout:g}",
                "-p", "no:cacheprovider", "-c", os.devnull]
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ or "SLURM_PROCID" in os.environ:
+    if under_launcher():
         from harness.launch.main import main as launch_main
 
         # the world size is the launcher's: one asked here that differs stops every rank with one line
@@ -155,7 +157,8 @@ def add_watch_parser(subparsers: Any) -> None:
                              "config is read, its weights are not (said in each cell's summary)")
     parser.add_argument("--report-dir", type=Path, default=Path("reports"), metavar="DIR",
                         help="where matrix.json, matrix.md and matrix.html go (default: reports)")
-    parser.add_argument("--case-timeout", type=_timeout, default=max(DEFAULT_CASE_TIMEOUT_S, 600.0),
+    parser.add_argument("--case-timeout", type=argparse_type(parse_case_timeout),
+                        default=max(DEFAULT_CASE_TIMEOUT_S, 600.0),
                         metavar="SECONDS", help="seconds one cell may take before its ranks are declared hung "
                                                 "(default: 600)")
     parser.set_defaults(run=run_watch, script_args=[])

@@ -188,6 +188,11 @@ def _timeline(value: Any, name: str) -> Optional[str]:
 
 _timeline.expected = "an object (a timeline)"  # type: ignore[attr-defined]
 
+def _texts_by_name(value: Any) -> bool:
+    """An object of strings to strings."""
+    return isinstance(value, dict) and all(isinstance(k, str) and isinstance(t, str) for k, t in value.items())
+
+
 _CELL_CHECKS: dict[str, Check] = {
     "case": NAME,
     "variant": TEXT,
@@ -204,12 +209,8 @@ _CELL_CHECKS: dict[str, Check] = {
     "rerun": TEXT,
     "detail": TEXT,
     "timeline": _optional(_timeline),
-    "unchecked": _kind(lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(t, str)
-                                                           for k, t in v.items()),
-                       "an object of check names to reasons"),
-    "forced": _kind(lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(t, str)
-                                                        for k, t in v.items()),
-                    "an object of settings to 'was -> now'"),
+    "unchecked": _kind(_texts_by_name, "an object of check names to reasons"),
+    "forced": _kind(_texts_by_name, "an object of settings to 'was -> now'"),
 }
 _ANNOTATION_CHECKS: dict[str, Check] = {"str": TEXT, "int": INT, "float": NUMBER, "bool": BOOL}
 

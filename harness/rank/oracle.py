@@ -18,7 +18,7 @@ from harness.rank.closeness import Expectation, norm_rounding, rounding_allowanc
 from harness.rank.collectives import Collectives, flat
 from harness.rank.recorder import Recorder
 from harness.rank.replica import SHARDED_MIXED, autocast_of, forward_as, unsharded_grads, unwrap
-from harness.rank.schedule import MicroStep
+from harness.rank.schedule import CONTRACTS, MicroStep
 from harness.rank.sharded_reduce import SHARDED_PRECISIONS, ShardedReduce
 from harness.rank.weighting import TokenWeighting, token_seeds
 
@@ -29,13 +29,6 @@ ModelOptimizers = Callable[[nn.Module], Union[torch.optim.Optimizer, Sequence[to
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 # What ``backward(rng=key)`` replays: the RNG state the case's own forward ran under for that key.
 RngReplay = Callable[[Hashable], ContextManager[None]]
-
-# The accumulation contracts an oracle holds a case to (``contract=``). ``accelerate``: each backward's
-# loss divided by the configured accumulation steps, as ``Accelerator.backward`` documents, so a window
-# the dataloader ends early weighs its micro-batches as a full one would and the window's gradient is
-# smaller. ``full_batch``: each window's gradient is the mean over the micro-batches the window really
-# had, the gradient of one batch holding all of them: a short window's micro-batches weigh more.
-CONTRACTS = ("accelerate", "full_batch")
 
 
 class Oracle(Averaging, Anchored):

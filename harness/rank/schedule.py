@@ -6,6 +6,13 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+# The accumulation contracts an oracle holds a case to (``contract=``). ``accelerate``: each backward's
+# loss divided by the configured accumulation steps, as ``Accelerator.backward`` documents, so a window
+# the dataloader ends early weighs its micro-batches as a full one would and the window's gradient is
+# smaller. ``full_batch``: each window's gradient is the mean over the micro-batches the window really
+# had, the gradient of one batch holding all of them: a short window's micro-batches weigh more.
+CONTRACTS = ("accelerate", "full_batch")
+
 
 @dataclass(frozen=True)
 class MicroStep:

@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 import torch
 from torch import nn
 
+from harness.rank.context import MIXED_PRECISION
+from harness.rank.tiny_model import tiny_pretrained
 from harness.rank.watch import LoopRefused, Watch, _dataloader_options
 
 if TYPE_CHECKING:
@@ -41,65 +43,10 @@ if TYPE_CHECKING:
 
 WHO = "watch"
 # accelerate's mixed_precision values, as the harness names the precisions
-PRECISION_OF = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
+PRECISION_OF = {asked: precision for precision, asked in MIXED_PRECISION.items()}
 # Accelerator arguments that ask for a wrapper the script watch does not follow yet
 WRAPPER_PLUGINS = ("fsdp_plugin", "deepspeed_plugin", "deepspeed_plugins", "megatron_lm_plugin",
                    "parallelism_config", "torch_tp_plugin")
-
-
-# ``--tiny-model``: a pretrained transformers model's config shrunk to these sizes, where it has them
-TINY_SIZES = {
-    "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2, "encoder_layers": 2, "decoder_layers": 2,
-    "hidden_size": 32, "n_embd": 32, "d_model": 32,
-    "num_attention_heads": 2, "n_head": 2, "encoder_attention_heads": 2, "decoder_attention_heads": 2,
-    "intermediate_size": 64, "n_inner": 64, "ffn_dim": 64, "d_ff": 64, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64,
-}
-
-
-def tiny_config(config: Any) -> Any:
-    """A copy of a transformers config with ``TINY_SIZES`` where it has those sizes (key-value heads
-    no more than the heads, a head's width what the width and heads make)."""
-    small = copy.deepcopy(config)
-    for key, size in TINY_SIZES.items():
-        if isinstance(getattr(small, key, None), int):
-            setattr(small, key, size)
-    if isinstance(getattr(small, "num_key_value_heads", None), int):
-        small.num_key_value_heads = min(small.num_key_value_heads, 2)
-    if isinstance(getattr(small, "head_dim", None), int):
-        small.head_dim = 16
-    return small
-
-
-@contextlib.contextmanager
-def tiny_pretrained(forced: dict[str, str]) -> Iterator[None]:
-    """Every ``from_pretrained`` of a transformers model builds it of its own config shrunk
-    (``tiny_config``), with random weights: the checkpoint's config is read (a local directory, the
-    cache, or the hub), its weights are not. Each one is said in ``forced`` (a cell's: its summary
-    says it)."""
-    try:
-        from transformers import AutoConfig, PreTrainedModel
-    except ImportError:
-        raise LoopRefused(f"{WHO}: --tiny-model shrinks transformers models; transformers is not installed") from None
-    original = vars(PreTrainedModel)["from_pretrained"]
-
-    def from_pretrained(cls: Any, name: Any, *args: Any, **kwargs: Any) -> Any:
-        config = kwargs.pop("config", None)
-        dtype = kwargs.pop("torch_dtype", None) or kwargs.pop("dtype", None)
-        if config is None or isinstance(config, (str, os.PathLike)):
-            config, kwargs = AutoConfig.from_pretrained(config or name, return_unused_kwargs=True, **kwargs)
-        else:
-            for key in [k for k in kwargs if hasattr(config, k)]:
-                setattr(config, key, kwargs.pop(key))
-        small = tiny_config(config)
-        model = cls._from_config(small, **({"torch_dtype": dtype} if dtype is not None else {}))
-        forced[f"model {name}"] = f"pretrained -> tiny ({small.model_type}: 2 layers, width 32, random weights)"
-        return model
-
-    PreTrainedModel.from_pretrained = classmethod(from_pretrained)  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        PreTrainedModel.from_pretrained = original  # type: ignore[assignment]
 
 
 def model_loss(model: nn.Module, batch: Any) -> torch.Tensor:
@@ -320,7 +267,6 @@ class ScriptRun:
         self.settings = dict(settings or {})  # the launcher's ACCELERATE_* settings: the script's environment
         self.tiny_model = tiny_model  # every pretrained transformers model shrunk (``tiny_pretrained``)
         self.watch: ScriptWatch | None = None
-        self.forced: dict[str, Any] = {}  # what the harness changed of the script's Accelerator arguments
 
     def run(self) -> None:
         from accelerate import Accelerator
@@ -411,13 +357,14 @@ class ScriptRun:
         if asked not in PRECISION_OF:
             raise LoopRefused(f"{WHO}: the script asks for mixed_precision={asked!r}; the harness checks "
                               f"{', '.join(PRECISION_OF)}")
+        forced = {}  # what the cell changes of the script's arguments: was, now
         if self.precision is not None and PRECISION_OF[asked] != self.precision:
-            self.forced["mixed_precision"] = (asked, self.precision)
-            asked = {v: k for k, v in PRECISION_OF.items()}[self.precision]
+            forced["mixed_precision"] = (asked, self.precision)
+            asked = MIXED_PRECISION[self.precision]
         ctx.precision = PRECISION_OF[asked]
         given["mixed_precision"] = asked
         if ctx.device.type == "cpu" and not given.get("cpu"):
-            self.forced["cpu"] = (given.get("cpu", False), True)
+            forced["cpu"] = (given.get("cpu", False), True)
             given["cpu"] = True
         made = ctx._accelerator_kwargs(given)
         configured = ctx._accumulation().num_steps
@@ -431,7 +378,7 @@ class ScriptRun:
             return accelerator
 
         ctx._built(made, construct)
-        for key, (was, now) in self.forced.items():
+        for key, (was, now) in forced.items():  # said once the Accelerator is made, as it was asked
             ctx.recorder.forced[key] = f"{was!r} -> {now!r}"
         watch = ScriptWatch(ctx, accelerator, loss=self.loss, num_steps=steps, contract=self.contract)
         watch._instrument(accelerator)

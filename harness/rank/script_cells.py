@@ -5,14 +5,12 @@ rank by the harness's pytest plugin like any case. The command passes what to ru
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
 
 from harness.decorator import Variant, case
+from harness.messages import WATCH_ENVIRONMENT, watched
 from harness.rank.context import RankContext
 from harness.rank.script import run_script
-from harness.messages import WATCH_ENVIRONMENT
 # the variant of a cell that keeps the script's own mixed precision
 AS_WRITTEN = "as-written"
 
@@ -20,11 +18,11 @@ AS_WRITTEN = "as-written"
 def configuration() -> dict[str, Any]:
     """What the command asked for: ``path``, ``argv``, ``name``, ``precisions``, ``loss``,
     ``num_steps``, ``contract``."""
-    asked = os.environ.get(WATCH_ENVIRONMENT)
-    if not asked:
+    asked = watched()
+    if asked is None:
         raise RuntimeError(f"{__name__} holds the cells of `python -m harness watch SCRIPT`, which sets "
                            f"{WATCH_ENVIRONMENT}; run that command rather than collecting this file")
-    return dict(json.loads(asked))
+    return asked
 
 
 def variants(precisions: list[str]) -> tuple[Variant, ...]:

@@ -131,8 +131,8 @@ class Watch:
             return
         self._settle()
         if not self.backwards and not self.stopped:
-            raise LoopRefused(f"{self.who}: the loop ran no accelerator.backward, so nothing was checked; the loop must "
-                              "call accelerator.backward(loss) on batches drawn from a dataloader it prepared")
+            raise LoopRefused(f"{self.who}: the loop ran no accelerator.backward, so nothing was checked; the loop "
+                              "must call accelerator.backward(loss) on batches drawn from a dataloader it prepared")
 
     def _patch(self, owner: Any, name: str, value: Any) -> None:
         """Set ``owner.name`` for the watch; an instance's own method is put back by removing it."""
@@ -247,11 +247,11 @@ class Watch:
         from torch.utils.data import IterableDataset
 
         if isinstance(loader.dataset, IterableDataset):
-            raise LoopRefused(f"{self.who}: the loop prepares a DataLoader of an IterableDataset, whose batches per rank "
-                              "the harness cannot know; give it a map-style Dataset")
+            raise LoopRefused(f"{self.who}: the loop prepares a DataLoader of an IterableDataset, whose batches per "
+                              "rank the harness cannot know; give it a map-style Dataset")
         if loader.batch_size is None:
-            raise LoopRefused(f"{self.who}: the loop prepares a DataLoader with a batch_sampler, whose batches per rank "
-                              "the harness cannot know; give it batch_size= (and shuffle=, drop_last=) instead")
+            raise LoopRefused(f"{self.who}: the loop prepares a DataLoader with a batch_sampler, whose batches per "
+                              "rank the harness cannot know; give it batch_size= (and shuffle=, drop_last=) instead")
         split, dispatch = _dataloader_options(self.accelerator)
         return self.ctx._batches_per_rank(len(loader.dataset), loader.batch_size, split_batches=split,
                                           dispatch_batches=dispatch, drop_last=loader.drop_last)
