@@ -244,6 +244,11 @@ def evidence_summary(cell: Cell) -> str:
     return f"{text}; max |diff| {cell.max_abs_diff:.3g}" + unchecked_suffix(cell.unchecked)
 
 
+def wrapper_suffix(wrapper: str) -> str:
+    """The wrapper a script's own plugin asked for, which the cell ran under, or nothing."""
+    return f"; under {wrapper}, as the script's Accelerator asks" if wrapper else ""
+
+
 def forced_suffix(forced: Mapping[str, str]) -> str:
     """What the harness changed of the user's own settings to run a cell, or nothing."""
     return "; FORCED: " + ", ".join(f"{key} {change}" for key, change in forced.items()) if forced else ""

@@ -271,7 +271,7 @@ def is_quick(item) -> bool:
 # The files that take longest (each half a minute to a minute and a quarter, from the durations CI
 # prints), run first: the xdist workers take files in collection order, and a long file taken last
 # would leave the other worker idle at the end.
-LONGEST_FILES = ("test_launch.py", "test_plugin.py", "test_selfcheck.py", "test_script.py", "test_example.py",
+LONGEST_FILES = ("test_launch.py", "test_plugin.py", "test_selfcheck.py", "test_script.py", "test_script_wrappers.py", "test_example.py",
                  "test_wrappers.py", "test_parallel.py", "test_mesh.py", "test_rank_faults.py", "test_matrix_input.py")
 
 

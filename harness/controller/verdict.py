@@ -91,8 +91,9 @@ def judge(
         return cell
     assert outcomes <= {RankOutcome.OK}, outcomes  # RAISED arrives as a fault
     cell.forced = dict(sorted({k: v for r in results for k, v in r.forced.items()}.items()))
+    cell.wrapper = results[0].wrapper
     cell = _judge_checks(cell, results, detects)
-    cell.summary += text.forced_suffix(cell.forced)
+    cell.summary += text.wrapper_suffix(cell.wrapper) + text.forced_suffix(cell.forced)
     return cell
 
 

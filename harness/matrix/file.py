@@ -211,6 +211,7 @@ _CELL_CHECKS: dict[str, Check] = {
     "timeline": _optional(_timeline),
     "unchecked": _kind(_texts_by_name, "an object of check names to reasons"),
     "forced": _kind(_texts_by_name, "an object of settings to 'was -> now'"),
+    "wrapper": TEXT,
 }
 _ANNOTATION_CHECKS: dict[str, Check] = {"str": TEXT, "int": INT, "float": NUMBER, "bool": BOOL}
 

@@ -44,6 +44,9 @@ class Cell:
     # the user's own settings the harness changed to run the cell (a script's Accelerator arguments,
     # ``python -m harness watch``), by setting, each ``was -> now``; written only where there is one
     forced: dict[str, str] = field(default_factory=dict)
+    # the wrapper a script's own Accelerator asked for (its FSDP or DeepSpeed plugin), which the cell
+    # ran under (``python -m harness watch``); written only where there is one
+    wrapper: str = ""
 
     @property
     def key(self) -> tuple[str, str, int]:
@@ -61,6 +64,8 @@ class Cell:
             del data["unchecked"]
         if not self.forced:
             del data["forced"]
+        if not self.wrapper:
+            del data["wrapper"]
         return data
 
     @classmethod

@@ -66,6 +66,7 @@ class Oracle(Averaging, Anchored):
         contract: str = "accelerate",
         window_length: Callable[[], int] | None = None,
         mesh: Any = None,
+        weights: Mapping[str, nn.Module] | None = None,
     ) -> None:
         if not models:
             raise ValueError("the oracle needs at least one model")
@@ -94,7 +95,9 @@ class Oracle(Averaging, Anchored):
         # calls ``finish`` when the case ends (RankContext does); without it each is sent at once
         self.more_checks = more_checks
         self.collectives = Collectives(rank=rank, world_size=world_size)
-        self.replicas = {name: copy.deepcopy(unwrap(m)) for name, m in models.items()}
+        # ``weights``: the models to copy where ``models`` no longer hold their whole weights (a script's
+        # models sharded in place by prepare: harness/rank/script.py)
+        self.replicas = {name: copy.deepcopy(unwrap(m)) for name, m in (weights or models).items()}
         # the user's modules, which prepare wraps: how their wrapper reduces is read off it at a sync
         # (harness/rank/averaging.py; DDP's buckets, harness/wrappers/sharding.py)
         self.user_models = {name: unwrap(m) for name, m in models.items()}
@@ -342,9 +345,11 @@ class Oracle(Averaging, Anchored):
             raise ValueError("backward(rng=...) needs an oracle made by ctx.oracle(...), which knows the RNG to replay")
         return self.replay_rng(key)
 
-    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> dict[str, float]:
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0, *, reciprocal: bool = False) -> dict[str, float]:
         """Clip each model's replica gradients, as ``clip_grad_norm_`` on synced gradients does;
-        the total norm of each model's gradients before clipping."""
+        the total norm of each model's gradients before clipping. ``reciprocal``: by the coefficient
+        DeepSpeed's optimizer step computes, ``1 / max(1, (norm + 1e-6) / max_norm)`` (ZeRO's
+        ``unscale_and_clip_grads``), which rounds apart from torch's ``min(1, max_norm / (norm + 1e-6))``."""
         self.settle()
         self._unscale()
         self._part_local()  # the clip scales p.grad in place
@@ -352,7 +357,15 @@ class Oracle(Averaging, Anchored):
         for name, replica in self.replicas.items():
             ps = self.params[name]
             before = {pname: p.grad.detach().abs() for pname, p in ps.items() if p.grad is not None}
-            norm = float(torch.nn.utils.clip_grad_norm_(replica.parameters(), max_norm, norm_type=norm_type))
+            if reciprocal:
+                total = torch.nn.utils.clip_grad_norm_(replica.parameters(), float("inf"), norm_type=norm_type)
+                scale = 1.0 / torch.clamp((total + 1e-6) / max_norm, min=1.0)
+                for p in replica.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(scale.to(p.grad.dtype))
+                norm = float(total)
+            else:
+                norm = float(torch.nn.utils.clip_grad_norm_(replica.parameters(), max_norm, norm_type=norm_type))
             norms[name] = norm
             coefficient = min(1.0, max_norm / (norm + 1e-6))
             # the norm is off by at most the norm of the allowances, and the coefficient with it; the

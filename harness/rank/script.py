@@ -21,7 +21,6 @@ line (``LoopRefused``) saying why, before anything is judged halfway.
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import importlib
 import inspect
@@ -29,24 +28,22 @@ import os
 import runpy
 import sys
 import traceback
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 from torch import nn
 
 from harness.rank.context import MIXED_PRECISION
+from harness.rank.script_plugins import asked_wrapper, carry_over
+from harness.rank.script_watch import WHO, ScriptWatch
 from harness.rank.tiny_model import tiny_pretrained
-from harness.rank.watch import LoopRefused, Watch, _dataloader_options
+from harness.rank.watch import LoopRefused
 
 if TYPE_CHECKING:
     from harness.rank.context import RankContext
 
-WHO = "watch"
 # accelerate's mixed_precision values, as the harness names the precisions
 PRECISION_OF = {asked: precision for precision, asked in MIXED_PRECISION.items()}
-# Accelerator arguments that ask for a wrapper the script watch does not follow yet
-WRAPPER_PLUGINS = ("fsdp_plugin", "deepspeed_plugin", "deepspeed_plugins", "megatron_lm_plugin",
-                   "parallelism_config", "torch_tp_plugin")
 
 
 def model_loss(model: nn.Module, batch: Any) -> torch.Tensor:
@@ -85,139 +82,6 @@ class ScriptFailed(Exception):
     """The script raised: what, and the script's own line it came through."""
 
 
-class ScriptWatch(Watch):
-    """The watch of a script's own Accelerator: its models, optimizers and schedulers are found as the
-    script prepares them, and the oracle is made of them before the first batch is drawn."""
-
-    who = WHO
-
-    def __init__(self, ctx: RankContext, accelerator: Any, *, loss: Callable[[Any, Any], torch.Tensor],
-                 num_steps: int, contract: str) -> None:
-        super().__init__(ctx, accelerator, {}, loss=loss, clip_grad_norm=None, scheduler=False, num_steps=num_steps)
-        self.contract_name = contract
-        self.raw_optimizers: list[tuple[torch.optim.Optimizer, Any]] = []  # (as made, as prepared)
-        self.raw_schedulers: list[Any] = []  # as made
-        self.made = False  # the oracle is made (at the first batch drawn)
-
-    def _adopt(self, before: Any, after: Any) -> None:
-        from torch.optim.lr_scheduler import LRScheduler
-        from torch.utils.data import DataLoader
-
-        if isinstance(before, (nn.Module, torch.optim.Optimizer, LRScheduler)) and self.made:
-            raise LoopRefused(f"{WHO}: the script prepared a {type(before).__name__} after its first batch; the "
-                              "harness follows the models, optimizers and schedulers prepared before training starts")
-        if isinstance(before, nn.Module):
-            if not any(p.requires_grad for p in before.parameters()):
-                return  # a frozen model (a teacher, an embedding table): nothing to check
-            known = next((n for n, m in self.originals.items() if m is before), None)
-            name = known or ("model" if not self.originals else f"model_{len(self.originals) + 1}")
-            self.originals[name] = before
-            self.prepared[name] = after
-            self.optimizers.setdefault(name, [])
-        elif isinstance(before, torch.optim.Optimizer):
-            if not any(before is b for b, _ in self.raw_optimizers):
-                self.raw_optimizers.append((before, after))
-        elif isinstance(before, LRScheduler):
-            if not any(before is s for s in self.raw_schedulers):
-                self.raw_schedulers.append(before)
-        elif isinstance(before, DataLoader):
-            self._watch_loader(before, after)
-
-    def _drawn(self, state: Any, batch: Any) -> None:
-        if not self.made and not self.stopped:
-            self._make_oracle()
-        super()._drawn(state, batch)
-
-    def _make_oracle(self) -> None:
-        """The oracle, of the models as every rank holds them now (prepared, before their first batch),
-        with copies of the script's optimizers and schedulers."""
-        self.made = True
-        if not self.originals:
-            raise LoopRefused(f"{WHO}: the script drew a batch from a prepared dataloader before it prepared a model "
-                              "with trainable parameters; the harness checks the models given accelerator.prepare")
-        copies: dict[int, torch.optim.Optimizer] = {}  # the script's optimizer each oracle optimizer copies, by id
-        by_model: dict[str, list[torch.optim.Optimizer]] = {name: [] for name in self.originals}
-        for before, after in self.raw_optimizers:
-            if before.state:
-                raise LoopRefused(f"{WHO}: the script's {type(before).__name__} has stepped before its first batch "
-                                  "(state loaded from a checkpoint?); the oracle starts from an optimizer as made")
-            name = self._owner(before)
-            by_model[name].append(before)
-            self.optimizers[name].append(after)
-
-        def optimizers_of(name: str) -> Callable[[nn.Module], tuple[torch.optim.Optimizer, ...]]:
-            def make(replica: nn.Module) -> tuple[torch.optim.Optimizer, ...]:
-                made = []
-                for raw in by_model[name]:
-                    clone = copied_optimizer(raw, self.originals[name], replica)
-                    copies[id(clone)] = raw
-                    made.append(clone)
-                return tuple(made)
-
-            return make
-
-        schedulers = {id(s.optimizer): s for s in self.raw_schedulers}
-        unscheduled = [type(b).__name__ for b, _ in self.raw_optimizers if id(b) not in schedulers]
-        if len(schedulers) != len(self.raw_schedulers) or (schedulers and unscheduled):
-            raise LoopRefused(f"{WHO}: the script's schedulers do not each drive one of its optimizers "
-                              f"({len(self.raw_schedulers)} schedulers, {len(self.raw_optimizers)} optimizers); the "
-                              "harness follows one scheduler an optimizer, or none")
-
-        def scheduler(optimizer: torch.optim.Optimizer) -> Any:
-            raw = copies[id(optimizer)]
-            made = schedulers[id(raw)]
-            return copy.deepcopy(made, memo={id(raw): optimizer})
-
-        split, _ = _dataloader_options(self.accelerator)
-        with_optimizer = bool(getattr(self.accelerator, "step_scheduler_with_optimizer", True))
-        if schedulers and not with_optimizer:
-            raise LoopRefused(f"{WHO}: the script's Accelerator steps its schedulers apart from the optimizers "
-                              "(step_scheduler_with_optimizer=False); the harness follows schedulers accelerate "
-                              "steps with them")
-        self.check_lr = bool(schedulers)
-        with _plain_forward(self.originals.values()):
-            self.oracle = self.ctx._oracle(
-                self.originals, num_steps=self.contract["num_steps"],
-                optimizers={name: optimizers_of(name) for name in self.originals if by_model[name]},
-                scheduler=scheduler if schedulers else None,
-                scheduler_steps=1 if split else self.ctx.world_size,
-                contract=self.contract_name, replay_rng=self.replay)
-
-    def _clip(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        checked = super()._clip(original)
-
-        @functools.wraps(original)
-        def clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> Any:
-            if self.clip is None and not self.stopped:
-                max_norm = args[0] if args else kwargs.get("max_norm")
-                norm_type = args[1] if len(args) > 1 else kwargs.get("norm_type", 2)
-                if float(norm_type) != 2.0:
-                    raise LoopRefused(f"{WHO}: the script clips to a {norm_type}-norm; the oracle clips the 2-norm")
-                self.clip = float(max_norm)
-            return checked(parameters, *args, **kwargs)
-
-        return clip_grad_norm_
-
-
-def copied_optimizer(raw: torch.optim.Optimizer, model: nn.Module, replica: nn.Module) -> torch.optim.Optimizer:
-    """An optimizer of ``raw``'s class over ``replica``'s parameters, group by group with ``raw``'s
-    hyperparameters as they stand (a scheduler made before may have set the learning rate already)."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    params = dict(replica.named_parameters())
-    groups = []
-    for group in raw.param_groups:
-        foreign = sum(id(p) not in names for p in group["params"])
-        if foreign:
-            raise LoopRefused(f"{WHO}: the script's {type(raw).__name__} holds {foreign} parameters of no model it "
-                              "prepared; the checks need each optimizer to hold one prepared model's parameters")
-        groups.append({**{k: v for k, v in group.items() if k != "params"},
-                       "params": [params[names[id(p)]] for p in group["params"]]})
-    try:
-        return type(raw)(groups)
-    except TypeError:
-        return type(raw)(groups, **raw.defaults)
-
-
 class _Tail:
     """The script's standard error, passed on as written, its last line kept: what a script that exits
     with a status (argparse's usage error, say) said last."""
@@ -236,18 +100,6 @@ class _Tail:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.stream, name)
-
-
-@contextlib.contextmanager
-def _plain_forward(models: Any) -> Iterator[None]:
-    """The models with accelerate's mixed-precision forward (an instance attribute ``prepare`` sets)
-    put aside, so that the oracle's copies run their class's forward under the oracle's precision."""
-    held = [(m, vars(m).pop("forward")) for m in models if "forward" in vars(m)]
-    try:
-        yield
-    finally:
-        for model, forward in held:
-            vars(model)["forward"] = forward
 
 
 class ScriptRun:
@@ -341,12 +193,6 @@ class ScriptRun:
         given = dict(inspect.signature(original).bind(accelerator, *args, **kwargs).arguments)
         given.pop(next(iter(given)))  # the instance
         given.update(given.pop("kwargs", {}) if isinstance(given.get("kwargs"), dict) else {})
-        plugins = [k for k in WRAPPER_PLUGINS if given.get(k) is not None]
-        if plugins or os.environ.get("ACCELERATE_USE_FSDP") == "true" or \
-                os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":
-            raise LoopRefused(f"{WHO}: the script's Accelerator asks for {plugins[0] if plugins else 'a wrapper'}: "
-                              "the harness follows a script under DDP (or one process) so far; check its loop "
-                              "under FSDP or DeepSpeed with ctx.watch (docs/writing-a-case.md)")
         # `accelerate launch --gradient_accumulation_steps`, read where accelerate reads it
         launched = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
         unasked = (given.get("gradient_accumulation_steps") in (None, 1)
@@ -363,10 +209,20 @@ class ScriptRun:
             asked = MIXED_PRECISION[self.precision]
         ctx.precision = PRECISION_OF[asked]
         given["mixed_precision"] = asked
-        if ctx.device.type == "cpu" and not given.get("cpu"):
-            forced["cpu"] = (given.get("cpu", False), True)
+        wrapper = asked_wrapper(given, ctx.precision)  # the script's plugin taken out: the cell makes its own
+        if wrapper is not None:
+            ctx.wrapper, ctx._dtype_policy = wrapper.wrapper, dict(wrapper.policy)
+            ctx.recorder.wrapper = wrapper.wrapper
+            if wrapper.num_steps is not None:
+                given["gradient_accumulation_steps"] = wrapper.num_steps
+        was_cpu = given.get("cpu", False)
+        if ctx.device.type == "cpu" and not was_cpu:
             given["cpu"] = True
         made = ctx._accelerator_kwargs(given)
+        if made.get("cpu") != was_cpu:  # DeepSpeed's cell runs with cpu=False on a CPU host too
+            forced["cpu"] = (was_cpu, made.get("cpu"))
+        if wrapper is not None:
+            forced.update(carry_over(wrapper, made))
         configured = ctx._accumulation().num_steps
         if self.num_steps is not None and configured not in (1, self.num_steps):
             raise LoopRefused(f"{WHO}: --num-steps {self.num_steps} for a script whose Accelerator accumulates "
@@ -380,7 +236,8 @@ class ScriptRun:
         ctx._built(made, construct)
         for key, (was, now) in forced.items():  # said once the Accelerator is made, as it was asked
             ctx.recorder.forced[key] = f"{was!r} -> {now!r}"
-        watch = ScriptWatch(ctx, accelerator, loss=self.loss, num_steps=steps, contract=self.contract)
+        watch = ScriptWatch(ctx, accelerator, loss=self.loss, num_steps=steps, contract=self.contract,
+                            clip_in_step=wrapper.clip if wrapper is not None else None)
         watch._instrument(accelerator)
         self.watch = watch
 

@@ -203,7 +203,7 @@ class Watch:
         """The model whose parameters ``optimizer`` holds (each optimizer holds one model's)."""
         if len(self.originals) == 1:
             return next(iter(self.originals))
-        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        held = {id(p) for group in self._groups(optimizer) for p in group["params"]}
         owners = [name for name, model in self.originals.items()
                   if held & {id(p) for p in model.parameters()}]
         if len(owners) != 1:
@@ -211,6 +211,10 @@ class Watch:
                               f"{' and '.join(owners) or 'no model the specification names'}; the checks need "
                               "each optimizer to hold one named model's parameters")
         return owners[0]
+
+    def _groups(self, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+        """``optimizer``'s parameter groups as the loop made them."""
+        return optimizer.param_groups
 
     def _watch_loader(self, raw: Any, prepared: Any) -> None:
         """Follow ``prepared``'s batches: its class's iteration tells the watch of the loaders that

@@ -1,0 +1,248 @@
+"""The watch of a script's own Accelerator (``python -m harness watch``, harness/rank/script.py): the
+models, optimizers and schedulers it prepares found as it prepares them, and the oracle made of them
+before its first batch, with copies of its optimizers and schedulers as it made them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
+
+import torch
+from torch import nn
+
+from harness.rank.watch import LoopRefused, Watch, _dataloader_options
+from harness.wrappers.names import DDP
+
+if TYPE_CHECKING:
+    from harness.rank.context import RankContext
+
+WHO = "watch"  # what a script's refusals say they come from
+
+
+class ScriptWatch(Watch):
+    """The watch of a script's own Accelerator: its models, optimizers and schedulers are found as the
+    script prepares them, and the oracle is made of them before the first batch is drawn."""
+
+    who = WHO
+
+    def __init__(self, ctx: RankContext, accelerator: Any, *, loss: Callable[[Any, Any], torch.Tensor],
+                 num_steps: int, contract: str, clip_in_step: float | None = None) -> None:
+        super().__init__(ctx, accelerator, {}, loss=loss, clip_grad_norm=clip_in_step, scheduler=False,
+                         num_steps=num_steps)
+        self.contract_name = contract
+        # DeepSpeed clips inside its optimizer step, to its config's norm whatever the script's
+        # clip_grad_norm_ asks (accelerate's returns the engine's norm and clips nothing): the oracle
+        # clips there too, and the gradients are judged clipped by the parameters the step makes
+        self.clip_in_step = clip_in_step is not None
+        # each trainable model as the script gave it to prepare, copied before a wrapper that shards it
+        # in place (FSDP2) or partitions it (ZeRO-3) does; the oracle's replicas start from these with
+        # the weights the ranks hold after prepare (``_make_oracle``)
+        self.as_given: dict[int, nn.Module] = {}
+        self.groups_as_made: dict[int, list[dict[str, Any]]] = {}  # each optimizer's, by id, before prepare
+        self.names_as_given: dict[int, dict[int, str]] = {}
+        self.stepped_before: dict[int, bool] = {}  # whether it held state before prepare, by id
+        # each model's parameter names by the id of the parameter as given to prepare (FSDP2 swaps in
+        # its own parameters), by the id of the model
+        self.raw_optimizers: list[tuple[torch.optim.Optimizer, Any]] = []  # (as made, as prepared)
+        self.raw_schedulers: list[Any] = []  # as made
+        self.made = False  # the oracle is made (at the first batch drawn)
+
+    def _preparing(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        prepare = super()._preparing(original)
+
+        @functools.wraps(original)
+        def noting(*args: Any, **kwargs: Any) -> Any:
+            for given in args:
+                if isinstance(given, torch.optim.Optimizer) and id(given) not in self.groups_as_made:
+                    # ZeRO gives the optimizer its flat partitions and fills its state as it prepares it
+                    self.groups_as_made[id(given)] = [{"params": list(g["params"])} for g in given.param_groups]
+                    self.stepped_before[id(given)] = bool(given.state)
+                elif isinstance(given, nn.Module) and id(given) not in self.names_as_given:
+                    self.names_as_given[id(given)] = {id(p): n for n, p in given.named_parameters()}
+                    if self.ctx.wrapper != DDP and any(p.requires_grad for p in given.parameters()):
+                        with _plain_forward([given]):
+                            self.as_given[id(given)] = copy.deepcopy(given)
+            return prepare(*args, **kwargs)
+
+        return noting
+
+    def _groups(self, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+        """The optimizer's groups with their hyperparameters as they stand (a scheduler made after
+        prepare sets the learning rate) and their parameters as the script made them."""
+        made = self.groups_as_made.get(id(optimizer))
+        if made is None or len(made) != len(optimizer.param_groups):
+            return optimizer.param_groups
+        return [{**now, "params": then["params"]} for now, then in zip(optimizer.param_groups, made)]
+
+    def _names(self, model: nn.Module) -> dict[int, str]:
+        """``model``'s parameter names by the ids of its parameters, as given to prepare and as now."""
+        return {**self.names_as_given.get(id(model), {}), **{id(p): n for n, p in model.named_parameters()}}
+
+    def _owner(self, optimizer: torch.optim.Optimizer) -> str:
+        held = {id(p) for group in self._groups(optimizer) for p in group["params"]}
+        owners = [name for name, model in self.originals.items() if held & set(self._names(model))]
+        if len(owners) != 1:
+            raise LoopRefused(f"{WHO}: the script's {type(optimizer).__name__} holds the parameters of "
+                              f"{' and '.join(owners) or 'no model it prepared'}; the checks need each optimizer to "
+                              "hold one prepared model's parameters")
+        return owners[0]
+
+    def _adopt(self, before: Any, after: Any) -> None:
+        from torch.optim.lr_scheduler import LRScheduler
+        from torch.utils.data import DataLoader
+
+        if isinstance(before, (nn.Module, torch.optim.Optimizer, LRScheduler)) and self.made:
+            raise LoopRefused(f"{WHO}: the script prepared a {type(before).__name__} after its first batch; the "
+                              "harness follows the models, optimizers and schedulers prepared before training starts")
+        if isinstance(before, nn.Module):
+            if not any(p.requires_grad for p in before.parameters()):
+                return  # a frozen model (a teacher, an embedding table): nothing to check
+            known = next((n for n, m in self.originals.items() if m is before), None)
+            name = known or ("model" if not self.originals else f"model_{len(self.originals) + 1}")
+            self.originals[name] = before
+            self.prepared[name] = after
+            self.optimizers.setdefault(name, [])
+        elif isinstance(before, torch.optim.Optimizer):
+            if not any(before is b for b, _ in self.raw_optimizers):
+                self.raw_optimizers.append((before, after))
+        elif isinstance(before, LRScheduler):
+            if not any(before is s for s in self.raw_schedulers):
+                self.raw_schedulers.append(before)
+        elif isinstance(before, DataLoader):
+            self._watch_loader(before, after)
+
+    def _drawn(self, state: Any, batch: Any) -> None:
+        if not self.made and not self.stopped:
+            self._make_oracle()
+        super()._drawn(state, batch)
+
+    def _make_oracle(self) -> None:
+        """The oracle, of the models as every rank holds them now (prepared, before their first batch),
+        with copies of the script's optimizers and schedulers."""
+        self.made = True
+        if not self.originals:
+            raise LoopRefused(f"{WHO}: the script drew a batch from a prepared dataloader before it prepared a model "
+                              "with trainable parameters; the harness checks the models given accelerator.prepare")
+        copies: dict[int, torch.optim.Optimizer] = {}  # the script's optimizer each oracle optimizer copies, by id
+        by_model: dict[str, list[torch.optim.Optimizer]] = {name: [] for name in self.originals}
+        for before, after in self.raw_optimizers:
+            if self.stepped_before.get(id(before), bool(before.state)):
+                raise LoopRefused(f"{WHO}: the script's {type(before).__name__} has stepped before its first batch "
+                                  "(state loaded from a checkpoint?); the oracle starts from an optimizer as made")
+            name = self._owner(before)
+            by_model[name].append(before)
+            self.optimizers[name].append(after)
+
+        def optimizers_of(name: str) -> Callable[[nn.Module], tuple[torch.optim.Optimizer, ...]]:
+            def make(replica: nn.Module) -> tuple[torch.optim.Optimizer, ...]:
+                made = []
+                for raw in by_model[name]:
+                    clone = copied_optimizer(raw, self._groups(raw), self._names(self.originals[name]), replica)
+                    copies[id(clone)] = raw
+                    made.append(clone)
+                return tuple(made)
+
+            return make
+
+        schedulers = {id(s.optimizer): s for s in self.raw_schedulers}
+        unscheduled = [type(b).__name__ for b, _ in self.raw_optimizers if id(b) not in schedulers]
+        if len(schedulers) != len(self.raw_schedulers) or (schedulers and unscheduled):
+            raise LoopRefused(f"{WHO}: the script's schedulers do not each drive one of its optimizers "
+                              f"({len(self.raw_schedulers)} schedulers, {len(self.raw_optimizers)} optimizers); the "
+                              "harness follows one scheduler an optimizer, or none")
+
+        def scheduler(optimizer: torch.optim.Optimizer) -> Any:
+            raw = copies[id(optimizer)]
+            made = schedulers[id(raw)]
+            return copy.deepcopy(made, memo={id(raw): optimizer})
+
+        split, _ = _dataloader_options(self.accelerator)
+        with_optimizer = bool(getattr(self.accelerator, "step_scheduler_with_optimizer", True))
+        if schedulers and not with_optimizer:
+            raise LoopRefused(f"{WHO}: the script's Accelerator steps its schedulers apart from the optimizers "
+                              "(step_scheduler_with_optimizer=False); the harness follows schedulers accelerate "
+                              "steps with them")
+        self.check_lr = bool(schedulers)
+        with _plain_forward(self.originals.values()):
+            self.oracle = self.ctx._oracle(
+                self.originals, weights=self._weights(), num_steps=self.contract["num_steps"],
+                optimizers={name: optimizers_of(name) for name in self.originals if by_model[name]},
+                scheduler=scheduler if schedulers else None,
+                scheduler_steps=1 if split else self.ctx.world_size,
+                contract=self.contract_name, replay_rng=self.replay)
+
+    def _weights(self) -> dict[str, nn.Module] | None:
+        """Under a wrapper that shards or partitions the models: each one as given to prepare, holding
+        the full weights the ranks hold now (gathered); None under DDP, whose models are whole."""
+        if self.ctx.wrapper == DDP:
+            return None
+        from harness.wrappers.sharding import observe
+
+        weights = {}
+        for name, model in self.originals.items():
+            given = self.as_given[id(model)]
+            full = observe(self.prepared[name], [n for n, _ in given.named_parameters()], sync=False).full_params()
+            with torch.no_grad():
+                for pname, p in given.named_parameters():
+                    p.copy_(full[pname].to(p.dtype))
+            weights[name] = given
+        return weights
+
+    def _clip_oracle(self, point: Any) -> None:
+        if not self.clip_in_step:
+            super()._clip_oracle(point)
+            return
+        self.oracle.clip_grad_norm(self.clip, reciprocal=True)  # type: ignore[arg-type]
+        self.clipped = True
+
+    def _clip(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        if self.clip_in_step:
+            return original
+        checked = super()._clip(original)
+
+        @functools.wraps(original)
+        def clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.clip is None and not self.stopped:
+                max_norm = args[0] if args else kwargs.get("max_norm")
+                norm_type = args[1] if len(args) > 1 else kwargs.get("norm_type", 2)
+                if float(norm_type) != 2.0:
+                    raise LoopRefused(f"{WHO}: the script clips to a {norm_type}-norm; the oracle clips the 2-norm")
+                self.clip = float(max_norm)
+            return checked(parameters, *args, **kwargs)
+
+        return clip_grad_norm_
+
+
+def copied_optimizer(raw: torch.optim.Optimizer, param_groups: list[dict[str, Any]], names: Mapping[int, str],
+                     replica: nn.Module) -> torch.optim.Optimizer:
+    """An optimizer of ``raw``'s class over ``replica``'s parameters, group by group (``param_groups``:
+    ``raw``'s as the script made it) with the hyperparameters as they stand (a scheduler made before may
+    have set the learning rate already)."""
+    params = dict(replica.named_parameters())
+    groups = []
+    for group in param_groups:
+        foreign = sum(id(p) not in names for p in group["params"])
+        if foreign:
+            raise LoopRefused(f"{WHO}: the script's {type(raw).__name__} holds {foreign} parameters of no model it "
+                              "prepared; the checks need each optimizer to hold one prepared model's parameters")
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": [params[names[id(p)]] for p in group["params"]]})
+    try:
+        return type(raw)(groups)
+    except TypeError:
+        return type(raw)(groups, **raw.defaults)
+
+
+@contextlib.contextmanager
+def _plain_forward(models: Any) -> Iterator[None]:
+    """The models with accelerate's mixed-precision forward (an instance attribute ``prepare`` sets)
+    put aside, so that the oracle's copies run their class's forward under the oracle's precision."""
+    held = [(m, vars(m).pop("forward")) for m in models if "forward" in vars(m)]
+    try:
+        yield
+    finally:
+        for model, forward in held:
+            vars(model)["forward"] = forward
