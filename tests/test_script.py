@@ -50,6 +50,14 @@ def kinds(cell: dict) -> set[str]:
     return {f["kind"] for f in cell["failures"]}
 
 
+def assert_refused(result: subprocess.CompletedProcess, cell: dict, says: str) -> None:
+    """The run exits 1 and the cell is an error of one line, every rank's LoopRefused saying ``says``."""
+    ranks = "rank 0" if cell["world_size"] == 1 else "ranks " + ", ".join(map(str, range(cell["world_size"])))
+    assert result.returncode == 1 and cell["status"] == "error" and "\n" not in cell["summary"]
+    assert cell["summary"].startswith(f"{ranks} raised harness.rank.watch.LoopRefused: watch: "), cell["summary"]
+    assert says in cell["summary"]
+
+
 def shown(command: str) -> dict[tuple[str, int], str]:
     """The cells docs/script.md shows ``command`` giving, by (variant, world size)."""
     run = documented_run(PAGE.read_text(encoding="utf-8"), command)
@@ -189,10 +197,7 @@ REFUSED = {
 def test_a_script_the_harness_cannot_follow_is_an_error_of_one_line_saying_why(tmp_path, shape):
     result, cells = watch(tmp_path / "reports", HAND_LOOP, "--nproc", "1", "--num-steps", "2",
                           args=("--shape", shape))
-    cell = cells[("as-written", 1)]
-    assert result.returncode == 1 and cell["status"] == "error"
-    assert cell["summary"].startswith("rank 0 raised harness.rank.watch.LoopRefused: watch: ")
-    assert REFUSED[shape] in cell["summary"] and "\n" not in cell["summary"]
+    assert_refused(result, cells[("as-written", 1)], REFUSED[shape])
 
 
 def test_a_script_that_exits_with_a_status_is_an_error_saying_what_it_said_last(tmp_path):

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import ROOT
 from test_launch import free_port
-from test_script import kinds, watch
+from test_script import assert_refused, kinds, watch
 
 PLUGIN_LOOP = ROOT / "tests" / "planted" / "scripts" / "plugin_loop.py"
 CPU = {"cpu": "False -> True"}  # FSDP's cells on a CPU host; DeepSpeed's run with cpu=False (deepspeed_cpu.py)
@@ -58,10 +58,7 @@ REFUSED = {
 @pytest.mark.parametrize("asked", sorted(REFUSED))
 def test_a_plugin_setting_the_oracle_does_not_model_is_one_line_naming_it(tmp_path, asked):
     result, cells = watch(tmp_path / "reports", PLUGIN_LOOP, "--nproc", "2", args=("--plugin", *asked.split()))
-    cell = cells[("as-written", 2)]
-    assert result.returncode == 1 and cell["status"] == "error" and "\n" not in cell["summary"]
-    assert cell["summary"].startswith("ranks 0, 1 raised harness.rank.watch.LoopRefused: watch: ")
-    assert REFUSED[asked] in cell["summary"]
+    assert_refused(result, cells[("as-written", 2)], REFUSED[asked])
 
 
 def test_fsdp_at_one_rank_is_a_skip_saying_accelerate_wraps_nothing_there(tmp_path):

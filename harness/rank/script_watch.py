@@ -42,10 +42,10 @@ class ScriptWatch(Watch):
         # the weights the ranks hold after prepare (``_make_oracle``)
         self.as_given: dict[int, nn.Module] = {}
         self.groups_as_made: dict[int, list[dict[str, Any]]] = {}  # each optimizer's, by id, before prepare
-        self.names_as_given: dict[int, dict[int, str]] = {}
         self.stepped_before: dict[int, bool] = {}  # whether it held state before prepare, by id
         # each model's parameter names by the id of the parameter as given to prepare (FSDP2 swaps in
         # its own parameters), by the id of the model
+        self.names_as_given: dict[int, dict[int, str]] = {}
         self.raw_optimizers: list[tuple[torch.optim.Optimizer, Any]] = []  # (as made, as prepared)
         self.raw_schedulers: list[Any] = []  # as made
         self.made = False  # the oracle is made (at the first batch drawn)
@@ -81,14 +81,8 @@ class ScriptWatch(Watch):
         """``model``'s parameter names by the ids of its parameters, as given to prepare and as now."""
         return {**self.names_as_given.get(id(model), {}), **{id(p): n for n, p in model.named_parameters()}}
 
-    def _owner(self, optimizer: torch.optim.Optimizer) -> str:
-        held = {id(p) for group in self._groups(optimizer) for p in group["params"]}
-        owners = [name for name, model in self.originals.items() if held & set(self._names(model))]
-        if len(owners) != 1:
-            raise LoopRefused(f"{WHO}: the script's {type(optimizer).__name__} holds the parameters of "
-                              f"{' and '.join(owners) or 'no model it prepared'}; the checks need each optimizer to "
-                              "hold one prepared model's parameters")
-        return owners[0]
+    def _param_ids(self, model: nn.Module) -> set[int]:
+        return set(self._names(model))
 
     def _adopt(self, before: Any, after: Any) -> None:
         from torch.optim.lr_scheduler import LRScheduler

@@ -204,8 +204,7 @@ class Watch:
         if len(self.originals) == 1:
             return next(iter(self.originals))
         held = {id(p) for group in self._groups(optimizer) for p in group["params"]}
-        owners = [name for name, model in self.originals.items()
-                  if held & {id(p) for p in model.parameters()}]
+        owners = [name for name, model in self.originals.items() if held & self._param_ids(model)]
         if len(owners) != 1:
             raise LoopRefused(f"{self.who}: an optimizer of the loop holds the parameters of "
                               f"{' and '.join(owners) or 'no model the specification names'}; the checks need "
@@ -215,6 +214,10 @@ class Watch:
     def _groups(self, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
         """``optimizer``'s parameter groups as the loop made them."""
         return optimizer.param_groups
+
+    def _param_ids(self, model: nn.Module) -> set[int]:
+        """The ids of ``model``'s parameters, those an optimizer of it may hold."""
+        return {id(p) for p in model.parameters()}
 
     def _watch_loader(self, raw: Any, prepared: Any) -> None:
         """Follow ``prepared``'s batches: its class's iteration tells the watch of the loaders that
