@@ -5,7 +5,7 @@ Run: python bench/false_alarms.py [--world-sizes 2,3,4] [--seeds 10] [--wrappers
 Prints, per world size, the clean cells run, the fails (false alarms) and errors, and the seconds;
 then each fail with its rerun command. Exit 1 on any fail or error. tests/test_selfcheck.py runs
 the same sweep (its sweep_false_alarms) with ten seeds at world sizes 2 and 3 and two at 4; run this
-before changing a tolerance (harness/rank/closeness.py) or the seeding, and on a new torch or accelerate.
+before changing a tolerance (harness/rank/numerics/closeness.py) or the seeding, and on a new torch or accelerate.
 """
 
 from __future__ import annotations

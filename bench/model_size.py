@@ -50,7 +50,7 @@ class ReplicaOracle:
     ``busy_s``, the time spent in them."""
 
     def __init__(self, models: Any, *, optimizer: Any = None, num_steps: int = 1, **_: Any) -> None:
-        from harness.rank.replica import unwrap
+        from harness.wrappers.prepared import unwrap
 
         started = time.perf_counter()
         self.replicas = {name: copy.deepcopy(unwrap(m)) for name, m in models.items()}

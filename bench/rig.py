@@ -112,7 +112,7 @@ FLOOR_RING = "65536"
 
 def recorded(spec: Any, rank: int, device: Any) -> list[tuple[str, list[list[int]], str]]:
     """Run the cell once; the collectives it issued on this rank: (op, input sizes, dtype)."""
-    from harness.rank.accounting import _records
+    from harness.rank.numerics.accounting import _records
     from harness.rank.runner import run_cell
 
     before = max((e["record_id"] for e in _records() or []), default=-1)

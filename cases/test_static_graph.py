@@ -8,7 +8,7 @@ from torch.utils.data import DataLoader
 
 from harness import PRECISIONS, Diagnosis, case, grid
 from harness.rank.models import regression_loss
-from harness.rank.schedule import MicroStep
+from harness.rank.oracle.schedule import MicroStep
 
 EPOCHS = 2
 BATCHES = 5

@@ -6,7 +6,7 @@ from torch.utils.data import DataLoader
 
 from harness import PRECISIONS, Diagnosis, case, grid
 from harness.rank.models import mse
-from harness.rank.schedule import windows
+from harness.rank.oracle.schedule import windows
 
 EPOCHS = 2
 BATCHES = 5

@@ -22,18 +22,18 @@ from harness.decorator import (
     compiled,
     grid,
 )
-from harness.rank.schedule import MicroStep
+from harness.rank.oracle.schedule import MicroStep
 
 if TYPE_CHECKING:
     from harness.rank.context import RankContext
-    from harness.rank.oracle import Oracle
+    from harness.rank.oracle.core import Oracle
 
 __version__ = "0.1.0"
 
 __all__ = ["ALL_PRECISIONS", "PRECISIONS", "Diagnosis", "MicroStep", "Oracle", "RankContext", "SkipCell",
            "Unsupported", "Variant", "case", "compiled", "grid", "__version__"]
 
-_LAZY = {"RankContext": "harness.rank.context", "Oracle": "harness.rank.oracle"}
+_LAZY = {"RankContext": "harness.rank.context", "Oracle": "harness.rank.oracle.core"}
 
 
 def __getattr__(name: str) -> Any:

@@ -108,7 +108,7 @@ class Diagnosis:
 
 
 # Defects of the installed torch or backend that the ranks find by probing it (one collective at a rank's
-# start-up: harness/rank/backend_defects.py), never by reading a version number: a cell one of them
+# start-up: harness/rank/numerics/backend_defects.py), never by reading a version number: a cell one of them
 # touches is judged as a canary of it, ``detected`` naming where it is reported and the release that
 # fixed it, and every other cell as usual (docs/wrappers.md, "Known defects declared as such").
 

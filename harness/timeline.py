@@ -1,7 +1,7 @@
 """A cell's timeline: every check on every rank by micro-step, with the schedule's sync points and
 optimizer steps, so that a report can draw where and when the ranks parted from the oracle.
 
-Plain data, no torch: a rank records its own checks (``TimelineRecorder``, in harness/rank/checks.py's
+Plain data, no torch: a rank records its own checks (``TimelineRecorder``, in harness/rank/judging/checks.py's
 Recorder), the controller joins the ranks' into one ``Timeline`` (harness/controller/verdict.py), and the
 matrix keeps it for a cell with failures (the ``timeline`` field of a cell in matrix.json).
 

@@ -15,7 +15,7 @@ from harness.records import CAUSES, CHECK_TITLES, Failure, FaultKind, RankFault,
 if TYPE_CHECKING:
     from harness.matrix.schema import Cell
     from harness.messages import RankResult
-    from harness.rank.closeness import Difference
+    from harness.rank.numerics.closeness import Difference
 
 KIND_TEXT = {
     "not_synced": "not synced (the rank's local gradient where the average of all ranks was due)",

@@ -1,4 +1,4 @@
-"""The backend's probed defects (``PROBED`` in harness/decorator.py; harness/rank/backend_defects.py):
+"""The backend's probed defects (``PROBED`` in harness/decorator.py; harness/rank/numerics/backend_defects.py):
 the ranks' start-up probe finds gloo's AVG reduce-scatter that sums (pytorch/pytorch#162338) where it
 is planted, and nothing on a gloo that averages; and on such a gloo every FSDP2 cell whose syncs go
 through it is ``detected`` naming it, while every other cell is judged as usual."""
@@ -24,7 +24,7 @@ def _probe(rank: int, world_size: int, plant: bool) -> tuple[list[str], float]:
     import torch
     import torch.distributed as dist
 
-    from harness.rank import backend_defects
+    from harness.rank.numerics import backend_defects
 
     if plant:
         runpy.run_path(str(SUMMING_GLOO / "sitecustomize.py"))
@@ -51,7 +51,7 @@ def _refusing_avg(rank: int, world_size: int, plant: bool) -> str:
     torch 2.8 refuses it (planted) or not."""
     import torch.distributed as dist
 
-    from harness.rank import backend_defects
+    from harness.rank.numerics import backend_defects
 
     if plant:
         real = dist.all_reduce
@@ -71,7 +71,7 @@ def test_a_backend_that_refuses_an_avg_all_reduce_is_found_and_an_hsdp_cell_is_s
     refused = run_on_ranks(_refusing_avg, 2, True)
     assert all("gloo refuses it (Cannot use ReduceOp.AVG with Gloo)" in why for why in refused), refused
     from harness.decorator import SkipCell
-    from harness.rank import backend_defects
+    from harness.rank.numerics import backend_defects
     from harness.wrappers.mesh import accelerator_kwargs, shape
 
     monkeypatch.setattr(backend_defects, "_lacks", {backend_defects.AVG_ALL_REDUCE: refused[0]})
@@ -82,7 +82,7 @@ def test_a_backend_that_refuses_an_avg_all_reduce_is_found_and_an_hsdp_cell_is_s
 
 
 def test_one_process_has_nothing_to_average_and_the_probe_finds_nothing():
-    from harness.rank import backend_defects
+    from harness.rank.numerics import backend_defects
 
     backend_defects.probe()  # no process group: one rank
     assert backend_defects.found() == frozenset()

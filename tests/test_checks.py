@@ -2,8 +2,8 @@
 
 import torch
 
-from harness.rank.closeness import Expectation, difference
-from harness.rank.recorder import make_failure
+from harness.rank.judging.recorder import make_failure
+from harness.rank.numerics.closeness import Expectation, difference
 
 
 def exact(values):

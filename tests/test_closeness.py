@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from harness.rank.closeness import (
+from harness.rank.numerics.closeness import (
     Expectation,
     difference,
     distinguishable,
@@ -140,7 +140,7 @@ def test_the_clip_coefficient_bound_holds_for_norms_summed_in_any_order_and_shar
 # values at their allowance's edge, non-finite ones, zero (0-dim) allowances and tensors of more than a chunk.
 
 def _as_float64(pairs):
-    from harness.rank.closeness import _abs_diff
+    from harness.rank.numerics.closeness import _abs_diff
 
     diffs = [_abs_diff(a.double(), e.value.double()) for a, e in pairs]
     close = all(not bool((d > e.allowed.double().expand_as(d)).any()) for d, (_, e) in zip(diffs, pairs))
@@ -154,7 +154,7 @@ def _edge(generator, n, allowed):
 
 @pytest.mark.parametrize("seed", range(12))
 def test_fp32_comparisons_decide_as_float64_ones_do(seed):
-    from harness.rank.closeness import all_close, no_allowance
+    from harness.rank.numerics.closeness import all_close, no_allowance
 
     generator = torch.Generator().manual_seed(seed)
     pairs = []
@@ -171,7 +171,7 @@ def test_fp32_comparisons_decide_as_float64_ones_do(seed):
 
 @pytest.mark.parametrize("seed", range(8))
 def test_fp32_update_comparisons_decide_as_float64_ones_do(seed):
-    from harness.rank.closeness import _abs_diff, all_close_updates
+    from harness.rank.numerics.closeness import _abs_diff, all_close_updates
 
     generator = torch.Generator().manual_seed(seed)
     triples = []
@@ -188,7 +188,7 @@ def test_fp32_update_comparisons_decide_as_float64_ones_do(seed):
 
 @pytest.mark.parametrize("seed", range(8))
 def test_telling_hypotheses_apart_in_fp32_decides_as_float64_does(seed):
-    from harness.rank.closeness import any_distinguishable
+    from harness.rank.numerics.closeness import any_distinguishable
 
     generator = torch.Generator().manual_seed(seed)
     pairs = []
@@ -204,7 +204,7 @@ def test_telling_hypotheses_apart_in_fp32_decides_as_float64_does(seed):
 
 
 def test_a_zero_allowance_is_one_number_for_every_element():
-    from harness.rank.closeness import all_close, no_allowance
+    from harness.rank.numerics.closeness import all_close, no_allowance
 
     zero = Expectation(torch.tensor([1.0, -2.0]), no_allowance())
     assert zero.allowed.dim() == 0 and zero.allowed.dtype == torch.float32
@@ -216,7 +216,7 @@ def test_a_zero_allowance_is_one_number_for_every_element():
 def test_an_element_whose_fp32_difference_rounds_onto_its_allowance_is_measured_in_float64():
     """1 - 2^-24 minus -2^-30 is 1 - 2^-24 + 2^-30 exactly, over an allowance of 1 - 2^-24, but rounds
     to the allowance in fp32: only the margin the fp32 test keeps sends it to float64, where it fails."""
-    from harness.rank.closeness import all_close
+    from harness.rank.numerics.closeness import all_close
 
     allowance = torch.tensor([1 - 2.0 ** -24])
     actual, value = torch.tensor([1 - 2.0 ** -24]), torch.tensor([-2.0 ** -30])

@@ -1,7 +1,7 @@
-"""The oracle's collectives (harness/rank/collectives.py) on real gloo ranks: one all-reduce carries several
+"""The oracle's collectives (harness/rank/numerics/collectives.py) on real gloo ranks: one all-reduce carries several
 reductions and rank 0's waiting copies, bit for bit what they would be alone; a copy waits for the
 next all-reduce of its dtype or for ``finish``; digests name the ranks that differ. And the flight
-recorder's reading of a backward (harness/rank/accounting.py) from its records' own times."""
+recorder's reading of a backward (harness/rank/numerics/accounting.py) from its records' own times."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from distributed import run_on_ranks
 
-from harness.rank.accounting import _issued_since
+from harness.rank.numerics.accounting import _issued_since
 
 
 def _issued() -> int:
@@ -25,7 +25,7 @@ def _tensors(rank: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.T
 
 
 def _reductions(rank: int, world_size: int) -> dict[str, object]:
-    from harness.rank.collectives import Collectives, Reduction
+    from harness.rank.numerics.collectives import Collectives, Reduction
 
     collectives = Collectives(rank=rank, world_size=world_size)
     a, b = _tensors(rank), _tensors(rank + 10)
@@ -50,7 +50,7 @@ def test_one_all_reduce_per_dtype_carries_several_reductions_each_bit_for_bit_as
 
 
 def _waiting(rank: int, world_size: int) -> dict[str, object]:
-    from harness.rank.collectives import Collectives, Reduction
+    from harness.rank.numerics.collectives import Collectives, Reduction
 
     collectives = Collectives(rank=rank, world_size=world_size)
     got: dict[str, dict] = {}
@@ -80,7 +80,7 @@ def test_rank0_copies_wait_for_the_next_all_reduce_of_their_dtype_or_finish_and_
 
 
 def _at_once(rank: int, world_size: int) -> bool:
-    from harness.rank.collectives import Collectives
+    from harness.rank.numerics.collectives import Collectives
 
     got = []
     Collectives(rank=rank, world_size=world_size).later(_tensors(rank), got.append, wait=False)
@@ -92,7 +92,7 @@ def test_a_copy_that_need_not_wait_comes_at_once():
 
 
 def _digests(rank: int, world_size: int) -> tuple[list[int], list[int]]:
-    from harness.rank.collectives import Collectives
+    from harness.rank.numerics.collectives import Collectives
 
     collectives = Collectives(rank=rank, world_size=world_size)
     alike = [torch.arange(6.0).reshape(2, 3), torch.ones(2, dtype=torch.bfloat16)]
@@ -107,7 +107,7 @@ def test_digests_name_every_rank_that_differs_from_rank0_on_every_rank():
 
 
 def _rank0_values(rank: int, world_size: int) -> tuple[bool, list[float], bool]:
-    from harness.rank.collectives import Collectives
+    from harness.rank.numerics.collectives import Collectives
 
     collectives = Collectives(rank=rank, world_size=world_size)
     alike = {"w": torch.arange(6.0).reshape(2, 3)}
@@ -165,8 +165,8 @@ def _fsdp2_reduce_scatter(rank, world_size, dtype_name):
     import torch
     import torch.distributed as dist
 
-    from harness.rank.collectives import Collectives, Reduction
-    from harness.rank.ring_order import ring_order_holds, ring_segments
+    from harness.rank.numerics.collectives import Collectives, Reduction
+    from harness.rank.numerics.ring_order import ring_order_holds, ring_segments
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
     shapes = [(5, 3), (2, 2), (5,), (world_size * 3, 1)]  # chunks of odd size at 2, 3 and 4 ranks
@@ -233,8 +233,8 @@ def _fsdp1_reduce_scatter(rank, world_size):
     import torch.distributed as dist
     from torch.distributed.algorithms._comm_hooks.default_hooks import DefaultState
 
-    from harness.rank.collectives import Collectives
-    from harness.rank.ring_order import flat_segments, ring_order_holds
+    from harness.rank.numerics.collectives import Collectives
+    from harness.rank.numerics.ring_order import flat_segments, ring_order_holds
 
     dtype = torch.bfloat16
     pre = float(DefaultState._get_gradient_predivide_factor(world_size))
@@ -281,7 +281,7 @@ def test_gloos_reduce_scatter_of_fsdp1s_flat_gradient_with_its_divide_factors_is
 
 def _ddp_all_reduce(rank, world_size):
     """A real DDP model (the C++ reducer's buckets) on gloo: each rank's local gradients, reproduced as the
-    oracle reproduces DDP's sync (harness/rank/averaging.py: the layout read off the wrapper after the
+    oracle reproduces DDP's sync (harness/rank/oracle/averaging.py: the layout read off the wrapper after the
     backward, ``ring_average``), against DDP's own synced gradients, over three steps (DDP rebuilds its
     buckets after the first); and against the plain sum-then-divide, which rounds apart somewhere at
     three ranks and more (the test is not vacuous)."""
@@ -290,8 +290,8 @@ def _ddp_all_reduce(rank, world_size):
     import torch
     from torch import nn
 
-    from harness.rank.collectives import Collectives
-    from harness.rank.ring_order import all_reduce_order_holds, flat_segments
+    from harness.rank.numerics.collectives import Collectives
+    from harness.rank.numerics.ring_order import all_reduce_order_holds, flat_segments
     from harness.wrappers import prepared, sharding
 
     torch.manual_seed(0)
@@ -342,7 +342,7 @@ def _all_reduce_sizes(rank, world_size):
     import torch
     import torch.distributed as dist
 
-    from harness.rank.ring_order import flat_segments, ring_sum
+    from harness.rank.numerics.ring_order import flat_segments, ring_sum
 
     differ = {}
     for total in (1, 7, 37, 1001, 65537, (1 << 20) + 3):

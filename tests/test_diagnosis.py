@@ -6,8 +6,8 @@ import contextlib
 import pytest
 import torch
 
-from harness.rank.closeness import Expectation
-from harness.rank.diagnosis import Hypotheses, Reweighing, Scaling, diagnose, diagnose_with, fitted_scale
+from harness.rank.judging.diagnosis import Hypotheses, Reweighing, Scaling, diagnose, diagnose_with, fitted_scale
+from harness.rank.numerics.closeness import Expectation
 
 
 def exact(values):
@@ -62,7 +62,7 @@ def test_fitted_scale():
     assert fitted_scale(e, torch.zeros(2)) is None
 
 
-# The scale-shaped hypotheses fitted to a model's whole gradient (harness/rank/diagnosis.py): one
+# The scale-shaped hypotheses fitted to a model's whole gradient (harness/rank/judging/diagnosis.py): one
 # factor for the model, the weights of each contribution since the last check, and those with the
 # gradient held before them.
 
@@ -185,7 +185,7 @@ def test_the_weights_of_several_micro_batches_since_the_last_check_are_each_fitt
 
 
 def test_a_misweighted_message_names_each_micro_batchs_weights_and_the_gradient_held_before_them():
-    from harness.rank.closeness import difference
+    from harness.rank.numerics.closeness import difference
     from harness.wording import mismatch_text
 
     e = Expectation.rounded(torch.tensor([1.0, 2.0]))

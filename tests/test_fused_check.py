@@ -1,4 +1,4 @@
-"""A large model's gradient check fused with its sync's average (harness/rank/fused_check.py): on real
+"""A large model's gradient check fused with its sync's average (harness/rank/numerics/fused_check.py): on real
 gloo ranks it passes the average bit for bit, fails every rank together when one rank is off, decides
 in a second pass what the average alone cannot (cancellation, alike ranks); and on the catalogue's
 own DDP cells, run through it (GRADSYNC_HARNESS_FUSED_FROM=0), every cell clean and under every
@@ -11,7 +11,7 @@ import pytest
 import torch
 from distributed import run_on_ranks
 
-from harness.rank.averaging import FUSED_FROM_VARIABLE
+from harness.rank.oracle.averaging import FUSED_FROM_VARIABLE
 
 SHAPES = {"w": (64, 33), "b": (64,)}
 
@@ -28,9 +28,9 @@ def _grads(rank: int, scenario: str) -> dict[str, torch.Tensor]:
 def _fused_job(rank: int, world_size: int, scenario: str) -> dict[str, object]:
     import torch.distributed as dist
 
-    from harness.rank.closeness import no_allowance
-    from harness.rank.collectives import Collectives
-    from harness.rank.fused_check import check_synced
+    from harness.rank.numerics.closeness import no_allowance
+    from harness.rank.numerics.collectives import Collectives
+    from harness.rank.numerics.fused_check import check_synced
 
     grads = _grads(rank, scenario)
     summed = {k: g.clone() for k, g in grads.items()}

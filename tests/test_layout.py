@@ -7,6 +7,14 @@
 self-check). Each may import only what ``MAY_IMPORT`` says, no module takes part in an import circle
 (imports inside functions counted, ``TYPE_CHECKING`` ones not), the rank side imports nothing of the
 controller, the records depend on nothing, and fault injection stays off the path of a real cell.
+
+The rank side is layered, each layer importing only those below it (``RANK_LAYERS``, bottom first):
+``rank.numerics`` (closeness, gloo's ring order, the oracle's collectives and the recording of the
+wrapper's) <- ``wrappers`` <- ``rank.oracle`` (the replicas, the schedule, the reductions, the token
+weights: what every rank must hold) <- ``rank.judging`` (the checks, the diagnoses, the recorder, the
+judging of the reductions) <- ``rank`` (the case's side: the context, the watch, the Trainer, the
+models and data, a script's watch) <- ``rank.process`` (the runner a rank calls per cell, and what it
+preloads).
 """
 
 from __future__ import annotations
@@ -28,6 +36,11 @@ ENTRY = {"harness", "harness.__main__", "harness.cli", "harness.plugin"}
 CORE = {"harness.records", "harness.messages", "harness.timeline", "harness.text", "harness.wording",
         "harness.versions", "harness.decorator", "harness.catalogue"}
 SUBPACKAGES = ("rank", "wrappers", "controller", "launch", "matrix", "render", "selfcheck")
+# The rank side's layers, bottom first: each may import those before it, none after it.
+RANK_LAYERS = ("rank.numerics", "wrappers", "rank.oracle", "rank.judging", "rank", "rank.process")
+LAYER_PACKAGES = ("numerics", "oracle", "judging")  # harness/rank/<layer>/
+# Directly in harness/rank/, the rank's process: what a pool's or a launcher's rank runs per cell.
+RANK_PROCESS = {"harness.rank.runner", "harness.rank.preload", "harness.rank.raises", "harness.rank.script_cells"}
 # The planted faults run inside the ranks (the self-check's ``run`` is the controller's).
 FAULT_MODULES = {"harness.selfcheck.planted", "harness.selfcheck.faults", "harness.selfcheck.faults_deepspeed",
                  "harness.selfcheck.faults_fsdp", "harness.selfcheck.faults_tokens",
@@ -39,25 +52,34 @@ def side(name: str) -> str:
     if name in FAULT_MODULES:
         return "faults"
     parts = name.split(".")
+    if name in RANK_PROCESS:
+        return "rank.process"
+    if len(parts) >= 3 and parts[1] == "rank" and parts[2] in LAYER_PACKAGES:
+        return f"rank.{parts[2]}"
     if len(parts) >= 2 and parts[1] in SUBPACKAGES:
         return parts[1]
     return "entry" if name in ENTRY else "core"
 
 
+def below(layer: str) -> set[str]:
+    """The rank side's layers under ``layer``."""
+    return set(RANK_LAYERS[:RANK_LAYERS.index(layer)])
+
+
 # What each side may import besides itself (by side; a few single modules by name).
 MAY_IMPORT = {
     "core": {"harness.wrappers.names"},  # the decorator checks wrapper names; names imports nothing
-    "rank": {"core", "wrappers", "harness.selfcheck.faults"},  # the runner plants a cell's fault
-    "wrappers": {"core", "rank"},
-    "faults": {"core", "rank", "wrappers"},
+    **{layer: {"core"} | below(layer) for layer in RANK_LAYERS},
+    "faults": {"core", *RANK_LAYERS},
     "matrix": {"core"},
     "render": {"core", "matrix", "selfcheck", "faults"},  # the self-check's report
     "controller": {"core", "matrix", "harness.wrappers.names", "harness.rank", "harness.rank.runner"},  # a pool's ranks
     "selfcheck": {"core", "controller", "matrix", "faults", "harness.wrappers.names", "harness.wrappers.prepare"},
-    "launch": {"core", "controller", "rank", "harness.plugin"},
-    "entry": {"core", "rank", "wrappers", "faults", "matrix", "render", "controller", "launch", "selfcheck", "entry"},
+    "launch": {"core", "controller", "harness.rank", "rank.process", "harness.rank.oracle.schedule", "harness.plugin"},
+    "entry": {"core", *RANK_LAYERS, "faults", "matrix", "render", "controller", "launch", "selfcheck", "entry"},
 }
-RANK_SIDE_SIDES = {"core", "rank", "wrappers", "faults"}
+MAY_IMPORT["rank.process"].add("harness.selfcheck.faults")  # the runner plants a cell's fault
+RANK_SIDE_SIDES = {"core", *RANK_LAYERS, "faults"}
 
 
 def _module_name(path: Path) -> str:
@@ -86,10 +108,11 @@ def harness_imports(path: Path) -> set[str]:
 
 
 MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+PACKAGES = {f"harness.{p}" for p in SUBPACKAGES} | {f"harness.rank.{p}" for p in LAYER_PACKAGES}
 
 
 def allowed(importer: str, imported: str) -> bool:
-    if imported.count(".") == 1 and imported.split(".")[1] in SUBPACKAGES:
+    if imported in PACKAGES:
         return True  # a subpackage's __init__, which imports nothing (test below): a name for its modules
     rules = MAY_IMPORT[side(importer)]
     return side(imported) in (rules | {side(importer)}) or imported in rules
@@ -177,8 +200,8 @@ def test_the_circle_finder_finds_a_planted_circle():
 def test_the_subpackages_import_nothing_when_imported():
     """A subpackage's __init__ holds its rules, no code: importing harness.wrappers.names (from the
     decorator, torch-free) must not pull in the rest of the package."""
-    for package in SUBPACKAGES:
-        assert harness_imports(PACKAGE / package / "__init__.py") == set(), package
+    for package in PACKAGES:
+        assert harness_imports(MODULES[package]) == set(), package
 
 
 def test_the_records_depend_on_nothing():

@@ -19,7 +19,8 @@ from conftest import Session, start_pytest
 from test_launch import two_torchrun_agents
 
 from harness.decorator import SkipCell, Variant
-from harness.rank.accounting import Backward, judge
+from harness.rank.judging.reductions import judge
+from harness.rank.numerics.accounting import Backward
 from harness.wrappers.mesh import shape
 from harness.wrappers.names import parse_meshes
 from harness.wrappers.prepare import cell_variants

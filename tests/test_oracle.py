@@ -8,11 +8,12 @@ import torch
 import torch.distributed as dist
 from distributed import run_on_ranks
 
+from harness.rank.judging.checks import checked
+from harness.rank.judging.recorder import Recorder
 from harness.rank.models import make_model, regression_loss
-from harness.rank.oracle import Oracle
-from harness.rank.recorder import Recorder
-from harness.rank.replica import MixedPrecisionReplica
-from harness.rank.schedule import accumulation_schedule
+from harness.rank.oracle.core import Oracle
+from harness.rank.oracle.replica import MixedPrecisionReplica
+from harness.rank.oracle.schedule import accumulation_schedule
 
 
 def sgd(params):
@@ -31,8 +32,8 @@ def batch(i):
 def make(num_steps=1, precision="fp32", optimizer=sgd, rank=0, world_size=1):
     model = make_model("regressor", 7)
     recorder = Recorder(rank=rank)
-    oracle = Oracle({"model": model}, recorder=recorder, rank=rank, world_size=world_size, precision=precision,
-                    num_steps=num_steps, optimizer=optimizer)
+    oracle = checked(Oracle({"model": model}, recorder=recorder, rank=rank, world_size=world_size, precision=precision,
+                    num_steps=num_steps, optimizer=optimizer))
     return model, oracle, recorder
 
 
@@ -147,8 +148,8 @@ def test_learning_rate_checks_follow_the_schedulers_steps():
     model = make_model("regressor", 7)
     recorder = Recorder(rank=0)
     decay = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 0.5**n)  # noqa: E731
-    oracle = Oracle({"model": model}, recorder=recorder, rank=0, world_size=1, precision="fp32",
-                    optimizer=sgd, scheduler=decay, scheduler_steps=2)
+    oracle = checked(Oracle({"model": model}, recorder=recorder, rank=0, world_size=1, precision="fp32",
+                    optimizer=sgd, scheduler=decay, scheduler_steps=2))
     optimizer = sgd(model.parameters())
     scheduler = decay(optimizer)
     oracle.step(True)  # the contract: two scheduler steps per optimizer step here
@@ -309,15 +310,15 @@ def test_two_ranks_with_the_same_data_every_check_is_vacuous(two_ranks):
 
 @pytest.mark.parametrize("divide_by_window", [True, False], ids=["window-mean", "divided-by-the-steps"])
 def test_full_batch_contract_weighs_a_short_window_by_its_micro_batches(divide_by_window):
-    from harness.rank.schedule import window_lengths
+    from harness.rank.oracle.schedule import window_lengths
 
     schedule = accumulation_schedule(5, epochs=1, num_steps=3)  # windows of 3 and 2
     lengths = window_lengths(schedule)
     at = {"point": schedule[0]}
     model = make_model("regressor", 7)
     recorder = Recorder(rank=0)
-    oracle = Oracle({"model": model}, recorder=recorder, rank=0, world_size=1, precision="fp32", num_steps=3,
-                    optimizer=sgd, contract="full_batch", window_length=lambda: lengths[at["point"].index])
+    oracle = checked(Oracle({"model": model}, recorder=recorder, rank=0, world_size=1, precision="fp32", num_steps=3,
+                    optimizer=sgd, contract="full_batch", window_length=lambda: lengths[at["point"].index]))
     optimizer = sgd(model.parameters())
     for point in schedule:
         at["point"] = point

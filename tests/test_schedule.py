@@ -2,7 +2,7 @@
 
 import pytest
 
-from harness.rank.schedule import accumulation_schedule, batches_per_rank
+from harness.rank.oracle.schedule import accumulation_schedule, batches_per_rank
 
 
 def marks(points, attr):
@@ -71,21 +71,21 @@ def test_batches_per_rank(samples, batch_size, world_size, split, expected):
     [(19, 4, 1, False, 5), (39, 4, 2, False, 5), (41, 4, 2, False, 6), (19, 8, 2, True, 3), (16, 8, 4, True, 2)],
 )
 def test_dispatched_batches_per_rank(samples, batch_size, world_size, split, expected):
-    from harness.rank.schedule import dispatched_batches_per_rank
+    from harness.rank.oracle.schedule import dispatched_batches_per_rank
 
     assert dispatched_batches_per_rank(samples, batch_size=batch_size, world_size=world_size,
                                        split_batches=split) == expected
 
 
 def test_windows_end_at_optimizer_steps():
-    from harness.rank.schedule import windows
+    from harness.rank.oracle.schedule import windows
 
     points = accumulation_schedule(5, epochs=1, num_steps=2)  # steps at 2, 4, 5
     assert windows(points) == [0, 0, 1, 1, 2]
 
 
 def test_window_lengths_give_each_micro_step_its_windows_count_short_last_windows_included():
-    from harness.rank.schedule import window_lengths
+    from harness.rank.oracle.schedule import window_lengths
 
     lengths = window_lengths(accumulation_schedule(5, epochs=2, num_steps=3))
     assert [lengths[i] for i in range(1, 11)] == [3, 3, 3, 2, 2, 3, 3, 3, 2, 2]
@@ -94,7 +94,7 @@ def test_window_lengths_give_each_micro_step_its_windows_count_short_last_window
 
 
 def test_a_dataloaders_count_other_than_the_contracts_is_a_schedule_failure_and_the_same_count_is_none():
-    from harness.rank.recorder import Recorder
+    from harness.rank.judging.recorder import Recorder
 
     recorder = Recorder(rank=1)
     assert recorder.batch_count(what="the prepared dataloader", epoch=0, seen=4, expected=4)

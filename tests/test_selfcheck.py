@@ -333,7 +333,7 @@ def sweep_false_alarms(catalogue, world_size: int, seeds, wrappers=("ddp",)) -> 
 def test_no_false_alarm_over_seeds(catalogue, world_size, seeds):
     """The clean catalogue passes for every seed. A fail here is a false alarm of the harness (or a
     real accelerate bug that only some seeds show): report it with its data, and do not loosen the
-    tolerances in harness/rank/closeness.py to make it pass. A case that errors fails this test too."""
+    tolerances in harness/rank/numerics/closeness.py to make it pass. A case that errors fails this test too."""
     started = time.monotonic()
     cells, failed, errored = sweep_false_alarms(catalogue, world_size, seeds)
     elapsed = time.monotonic() - started

@@ -11,8 +11,8 @@ import pytest
 from harness.catalogue import load_case_file
 from harness.matrix.file import parse_matrix
 from harness.matrix.schema import Cell, Matrix, MatrixError
-from harness.rank.recorder import Recorder
-from harness.rank.schedule import MicroStep
+from harness.rank.judging.recorder import Recorder
+from harness.rank.oracle.schedule import MicroStep
 from harness.records import Failure
 from harness.render.reports import render_json
 from harness.selfcheck.run import Runner, Target
@@ -90,7 +90,7 @@ def test_a_malformed_timeline_is_refused_in_one_line_naming_the_field(timeline, 
 
 def test_a_microstep_gives_the_whole_schedule_point():
     recorder = Recorder(rank=0)
-    from harness.rank.recorder import mark_point
+    from harness.rank.judging.recorder import mark_point
 
     mark_point(recorder, MicroStep(index=5, epoch=1, batch=0, sync=False, optimizer_step=False, end_of_dataloader=False))
     mark_point(recorder, 6, sync=True)

@@ -1,6 +1,6 @@
 """Token-weighted losses: the token data, the oracle's full-batch token mean on real ranks, the
 misweighted diagnosis planted and quiet, and the token cases on a real pool (harness/rank/tokens.py,
-Oracle.token_window, harness/rank/diagnosis.py Reweighing)."""
+Oracle.token_window, harness/rank/judging/diagnosis.py Reweighing)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,14 @@ from distributed import run_on_ranks
 
 from harness import catalogue as case_catalogue
 from harness.decorator import Diagnosis, Variant
-from harness.rank.closeness import Expectation, rounding_allowance
-from harness.rank.diagnosis import Hypotheses, diagnose, fitted_weights
+from harness.rank.judging.checks import checked
+from harness.rank.judging.diagnosis import Hypotheses, diagnose, fitted_weights
+from harness.rank.judging.recorder import Recorder
 from harness.rank.models import TinyLM, derive_seed, seeded
-from harness.rank.oracle import Oracle
-from harness.rank.recorder import Recorder
+from harness.rank.numerics.closeness import Expectation, rounding_allowance
+from harness.rank.oracle.core import Oracle
+from harness.rank.oracle.weighting import token_seeds
 from harness.rank.tokens import IGNORE_INDEX, TokenDataset, pad_tokens, token_loss_sum, valid_tokens
-from harness.rank.weighting import token_seeds
 from harness.records import FailureKind, Status
 from harness.selfcheck.run import Runner, Target
 from harness.wording import canary_unobservable_summary
@@ -51,8 +52,8 @@ def _rank_batches(rank: int) -> list[dict[str, torch.Tensor]]:
 def _oracle_token_grads(rank: int, world_size: int) -> dict[str, list]:
     with seeded(derive_seed(1, "tiny_lm")):
         model = TinyLM()
-    oracle = Oracle({"m": model}, recorder=Recorder(rank=rank), rank=rank, world_size=world_size,
-                    precision="fp32", num_steps=2)
+    oracle = checked(Oracle({"m": model}, recorder=Recorder(rank=rank), rank=rank, world_size=world_size,
+                    precision="fp32", num_steps=2))
     batches = _rank_batches(rank)
     oracle.token_window(b["labels"] for b in batches)
     for i, batch in enumerate(batches):

@@ -7,7 +7,8 @@ import pytest
 from distributed import run_on_ranks
 
 from harness import Variant, compiled, grid
-from harness.rank.accounting import Backward, judge
+from harness.rank.judging.reductions import judge
+from harness.rank.numerics.accounting import Backward
 from harness.wrappers.names import AUTO, WRAPPERS, parse
 from harness.wrappers.prepare import cell_variants
 
@@ -86,7 +87,7 @@ def _ddp_backwards(rank, world_size):
     import torch
     import torch.distributed as dist
 
-    from harness.rank.accounting import Accounting
+    from harness.rank.numerics.accounting import Accounting
 
     assert os.environ.get("TORCH_FR_BUFFER_SIZE")  # set before the group was made (below)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))

@@ -18,7 +18,7 @@ from harness.controller.script import SCRIPT_CELLS
 from harness.decorator import ALL_PRECISIONS as PRECISIONS
 from harness.launch.environment import LaunchError, detect
 from harness.messages import WATCH_ENVIRONMENT
-from harness.rank.schedule import CONTRACTS
+from harness.rank.oracle.schedule import CONTRACTS
 
 
 class WatchUsage(Exception):

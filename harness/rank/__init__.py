@@ -1,8 +1,17 @@
-"""What runs inside a rank: the cell's context, the oracle and the checks against it, the closeness
-rules, the diagnoses, the collectives and their accounting, the models, the schedules and the token
-weights, and the runner (``runner.run_cell``) that a pool's or a launcher's rank calls per cell.
+"""What runs inside a rank, in layers, each importing only those below it (tests/test_layout.py):
 
-May import: the core modules of ``harness`` (records, messages, timeline, text, wording, decorator,
-catalogue, versions), ``harness.rank`` and ``harness.wrappers``; ``harness.selfcheck``'s planted
-faults only for a cell that names one. Never the controller, the launch path, the reports.
+- ``numerics``: the closeness rules, gloo's summation order, the oracle's own collectives, the fused
+  check, the backend's probed defects, the recording of the wrapper's reductions;
+- ``harness.wrappers``: the wrapper a cell trains under;
+- ``oracle``: the replicas, the schedules, the token weights, the sharded wrappers' reductions, and
+  ``Oracle`` (``oracle.core``): what every rank must hold;
+- ``judging``: the checks against the oracle, the diagnoses, the recorder, the judging of the
+  wrapper's reductions;
+- the case's side, directly here: the cell's context, ``ctx.watch``, the Trainer, the models and
+  data, a script's watch;
+- the rank's process, directly here: the runner (``runner.run_cell``) that a pool's or a launcher's
+  rank calls per cell, what it preloads, and the cells of a watched script.
+
+Each also imports the core modules of ``harness``; the runner, ``harness.selfcheck``'s planted faults
+only for a cell that names one. Never the controller, the launch path, the reports.
 """

@@ -11,16 +11,17 @@ import torch
 from torch import nn
 
 from harness.decorator import SkipCell
-from harness.rank.accounting import Accounting
+from harness.rank.judging.checks import checked
+from harness.rank.judging.recorder import Recorder
 from harness.rank.models import derive_seed, seeded
-from harness.rank.oracle import ModelOptimizers, OptimizerFactory, Oracle, SchedulerFactory
-from harness.rank.rank_data import RankData
-from harness.rank.recorder import Recorder
-from harness.rank.schedule import (
+from harness.rank.numerics.accounting import Accounting
+from harness.rank.oracle.core import ModelOptimizers, OptimizerFactory, Oracle, SchedulerFactory
+from harness.rank.oracle.schedule import (
     MicroStep,
     accumulation_schedule,
     window_lengths,
 )
+from harness.rank.rank_data import RankData
 from harness.rank.watch import LoopRefused, Watch
 from harness.wrappers import prepare as wrappers
 from harness.wrappers import probe
@@ -123,7 +124,7 @@ class RankContext(RankData):
 
         The cell's wrapper (``wrapper=`` in the variant) and compile backend (``compile=``) are
         asked of accelerate here: its FSDP or DeepSpeed plugin, its ``dynamo_backend``. Each
-        ``accelerator.backward`` is watched for the collectives it issues (harness/rank/accounting.py)."""
+        ``accelerator.backward`` is watched for the collectives it issues (harness/rank/numerics/accounting.py)."""
         from accelerate import Accelerator
 
         kwargs = self._accelerator_kwargs(kwargs)
@@ -246,7 +247,7 @@ class RankContext(RankData):
         """The oracle of ``oracle`` and ``watch``: the accumulation steps resolved, and the RNG replay
         of the case's forwards (``replay_rng`` keys, or the watch's states of the loop's)."""
         scaler = self._scaler_kwargs if self.precision == "fp16" else None
-        oracle = Oracle(
+        oracle = checked(Oracle(
             models,
             recorder=self.recorder,
             rank=self.rank,
@@ -257,12 +258,11 @@ class RankContext(RankData):
             scaler_kwargs=scaler,
             wrapper=self.wrapper,
             **self._dtype_policy,
-            accounting=self.accounting,
             more_checks=self._more_checks,
             window_length=self._current_window_length,
             mesh=self.mesh,
             **options,
-        )
+        ), self.accounting)
         self._oracles.append(oracle)
         return oracle
 
@@ -331,7 +331,7 @@ class RankContext(RankData):
 
     def finish(self) -> None:
         """After the case returned, on every rank: the checks its oracles still hold for rank 0's
-        copies are judged (harness/rank/collectives.py). The harness calls it; a case never needs to."""
+        copies are judged (harness/rank/numerics/collectives.py). The harness calls it; a case never needs to."""
         for oracle in self._oracles:
             oracle.finish()
 
@@ -346,7 +346,7 @@ class RankContext(RankData):
     ) -> list[MicroStep]:
         """The micro-steps the accumulation contract gives for ``epochs`` epochs of
         ``batches_per_epoch`` batches: where gradients must sync and the optimizer must step
-        (``harness.rank.schedule.accumulation_schedule``). The accumulation settings come from
+        (``harness.rank.oracle.schedule.accumulation_schedule``). The accumulation settings come from
         ``accelerator`` when not given."""
         given = self._accumulation()
         schedule = accumulation_schedule(

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from harness.rank.models import derive_seed, make_model, rank_batch, regression_dataset, seeded
-from harness.rank.schedule import batches_per_rank, dispatched_batches_per_rank
+from harness.rank.oracle.schedule import batches_per_rank, dispatched_batches_per_rank
 
 ModelT = TypeVar("ModelT", bound=nn.Module)
 
@@ -125,7 +125,7 @@ class RankData:
 
     def _batches_per_rank(self, samples: int, batch_size: int, *, split_batches: bool, dispatch_batches: bool,
                           drop_last: bool = False) -> int:
-        """What each rank's prepared dataloader must yield per epoch (harness/rank/schedule.py)."""
+        """What each rank's prepared dataloader must yield per epoch (harness/rank/oracle/schedule.py)."""
         if split_batches and batch_size % self.data_world:
             # accelerate rejects this at prepare(): the cell does not apply at this world size
             self.skip(f"split_batches needs the batch size ({batch_size}) to be a multiple of the world size "

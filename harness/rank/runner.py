@@ -146,8 +146,8 @@ def keep_large_allocations() -> None:
 
 def record_collectives() -> None:
     """Have torch's flight recorder keep each collective this rank issues (before its process group
-    is made), for the collective accounting (harness/rank/accounting.py)."""
-    from harness.rank.accounting import enable
+    is made), for the collective accounting (harness/rank/numerics/accounting.py)."""
+    from harness.rank.numerics.accounting import enable
 
     enable()
 
@@ -340,7 +340,7 @@ def _warm_up(device: Any) -> None:
     dist.all_reduce(probe)
     if int(probe.item()) != dist.get_world_size():
         raise RuntimeError(f"all_reduce of ones gave {probe.item()}, expected the world size {dist.get_world_size()}")
-    from harness.rank import accounting, backend_defects
+    from harness.rank.numerics import accounting, backend_defects
 
     accounting.probe(str(dist.get_backend()))  # does the flight recorder hold that all-reduce?
     backend_defects.probe()  # does gloo's AVG reduce-scatter sum? (harness/decorator.py)

@@ -10,7 +10,7 @@ The expectation is what a Trainer user means, full-batch equivalence: each optim
 is the one the mean loss over every sample (every valid token, for a causal LM) of that step's
 global batch would give, all micro-batches on all ranks, clipped at ``max_grad_norm``,
 stepped by the optimizer and scheduler Trainer was configured with. The oracle computes it from the
-micro-batches the ranks really ran (harness/rank/oracle.py, in token mode: each micro-batch's summed
+micro-batches the ranks really ran (harness/rank/oracle/core.py, in token mode: each micro-batch's summed
 loss, weighed by the window's count on every rank); it never reads what Trainer divides by.
 """
 
@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 from harness import wording as text
-from harness.rank.checks import ClipNorm
 from harness.rank.hf_models import transformers_or_skip
-from harness.rank.schedule import MicroStep, batches_per_rank
+from harness.rank.oracle.core import ClipNorm
+from harness.rank.oracle.schedule import MicroStep, batches_per_rank
 from harness.rank.tokens import IGNORE_INDEX
 from harness.records import Failure, FailureKind
 from harness.wrappers.prepare import remember_wrappers
@@ -279,7 +279,7 @@ def checked_trainer(ctx: Any, model: nn.Module, *, train_dataset: Any, data_coll
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             watch.hook_optimizer(trainer.optimizer)
             # Trainer prepared the model with an Accelerator of its own: its wrapper, for the oracle to
-            # read how it reduces (DDP's buckets: harness/rank/averaging.py)
+            # read how it reduces (DDP's buckets: harness/rank/oracle/averaging.py)
             remember_wrappers(getattr(trainer, "model_wrapped", None))
 
         def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:

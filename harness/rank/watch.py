@@ -12,7 +12,7 @@ parameters are checked with the same checks as a hand-written case. What the wat
 these calls is refused in one line (``LoopRefused``) that says what to give instead.
 
 What a sync really did is not read from ``no_sync`` or ``trigger_sync_in_backward``: the collectives
-each backward issued are counted (harness/rank/accounting.py), and the gradients judged; nor are the
+each backward issued are counted (harness/rank/numerics/accounting.py), and the gradients judged; nor are the
 optimizers' ``step`` and ``zero_grad`` counted: their effect on every parameter is judged at every
 micro-step, which a step that changes nothing (an optimizer without gradients) does not fail.
 """
@@ -29,12 +29,12 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from harness.rank.models import rng_state, under_rng_state
-from harness.rank.replica import unwrap
-from harness.rank.schedule import MicroStep, accumulation_schedule, window_lengths
+from harness.rank.oracle.schedule import MicroStep, accumulation_schedule, window_lengths
+from harness.wrappers.prepared import unwrap
 
 if TYPE_CHECKING:
     from harness.rank.context import RankContext
-    from harness.rank.oracle import Oracle
+    from harness.rank.oracle.core import Oracle
 
 # the Accelerator's methods that prepare objects; each call's results are adopted once it returns
 PREPARE = ("prepare", "prepare_model", "prepare_data_loader", "prepare_optimizer", "prepare_scheduler")

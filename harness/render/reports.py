@@ -20,7 +20,7 @@ REPORT_NAMES = ("matrix.json", "matrix.md", "matrix.html")
 WRITE_BUFFER = 1 << 20
 
 # JSON has no infinity or NaN, and `diff` refuses a file that holds them: a difference that is
-# infinite (a NaN or an infinity in a gradient) is written as this, as a failure's ratios are (harness/rank/recorder.py).
+# infinite (a NaN or an infinity in a gradient) is written as this, as a failure's ratios are (harness/rank/judging/recorder.py).
 JSON_INFINITY = 1e308
 
 

@@ -212,7 +212,7 @@ def capture_boundary_gradients(engine: Any) -> None:
         return
     from deepspeed.utils import safe_get_full_grad
 
-    from harness.rank.accounting import uncounted
+    from harness.rank.numerics.accounting import uncounted
 
     backward, step = engine.backward, engine.step
     setattr(engine, _CAPTURED, None)
@@ -348,7 +348,7 @@ def _scatter_back(flat: torch.Tensor, targets: list[torch.Tensor]) -> None:
         offset += target.numel()
 
 
-# DeepSpeed's bf16 reduction as the oracle reproduces it (harness/rank/sharded_reduce.py), as found on
+# DeepSpeed's bf16 reduction as the oracle reproduces it (harness/rank/oracle/sharded_reduce.py), as found on
 # deepspeed 0.19.8: gradients accumulated in bf16 (no ``data_types.grad_accum_dtype``, so no
 # BF16_Optimizer), each rank's divided by the world size in bf16 before a SUM in bf16
 # (stage_1_and_2.py:1688 ``average_tensor``, coalesced_collectives.py:124), nothing after; ZeRO-1/2 one

@@ -127,7 +127,7 @@ def accelerator_kwargs(mesh: Shape, *, device_type: str) -> dict[str, Any]:
     import accelerate
     import accelerate.utils
 
-    from harness.rank.backend_defects import AVG_ALL_REDUCE, lacks
+    from harness.rank.numerics.backend_defects import AVG_ALL_REDUCE, lacks
     from harness.wrappers import probe
 
     if mesh.size("dp_replicate") > 1 and lacks(AVG_ALL_REDUCE):

@@ -20,7 +20,7 @@ REDUCES_EVERY_MICRO_BATCH = frozenset({"deepspeed-z2", "deepspeed-z3"})
 # The precisions the oracle models under each wrapper. FSDP's and DeepSpeed's bf16 is not autocast:
 # accelerate gives FSDP2 ``param_dtype=reduce_dtype=output_dtype=bf16``, FSDP1 ``MixedPrecision(param_dtype=
 # reduce_dtype=buffer_dtype=bf16)`` and DeepSpeed bf16 weights over fp32 masters, which the oracle
-# models as such (harness/rank/replica.py, harness/rank/sharded_reduce.py). fp16 is modelled under DDP
+# models as such (harness/rank/oracle/replica.py, harness/rank/oracle/sharded_reduce.py). fp16 is modelled under DDP
 # only (its loss scaler).
 PRECISIONS = {DDP: ("fp32", "bf16", "fp16"), **{w: ("fp32", "bf16") for w in WRAPPERS if w != DDP}}
 # The bf16 cells a wrapper also runs with another dtype policy, as (variant parameter, its values):

@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from harness.rank.closeness import Expectation
+from harness.rank.numerics.closeness import Expectation
 
 Piece = Callable[[torch.Tensor], torch.Tensor]
 

@@ -3,7 +3,7 @@
 A cell under a wrapper other than DDP carries ``wrapper=<name>`` in its variant (docs/wrappers.md).
 Here: which cells each wrapper gets (``--wrappers``), how accelerate is asked for it, how a cell
 makes sure that the prepared model really is it, and what the wrapper may communicate between sync
-points (harness/rank/accounting.py judges that). The names themselves: harness/wrappers/names.py.
+points (harness/rank/numerics/accounting.py judges that). The names themselves: harness/wrappers/names.py.
 """
 
 from __future__ import annotations

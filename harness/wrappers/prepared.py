@@ -1,9 +1,10 @@
-"""The wrapper ``prepare`` put around each of the user's modules, by the module.
+"""The wrapper ``prepare`` put around each of the user's modules, by the module, and the user's module
+inside a wrapper (``unwrap``).
 
 FSDP1 and DeepSpeed wrap the user's module (``FullyShardedDataParallel``, ``DeepSpeedEngine``) and
 leave it no way back to its wrapper; the oracle, made before ``prepare``, holds the user's module, and
 its bf16 reductions are laid out and configured by the wrapper (harness/wrappers/sharding.py,
-harness/rank/sharded_reduce.py). The harness's wrappers of ``accelerator.prepare``
+harness/rank/oracle/sharded_reduce.py). The harness's wrappers of ``accelerator.prepare``
 (harness/wrappers/prepare.py, harness/wrappers/deepspeed_cpu.py) record each wrapper they see here.
 Weak: a cell's modules go when the cell does.
 """
@@ -13,7 +14,21 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from harness.rank.replica import unwrap
+from torch import nn
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside a DistributedDataParallel (or similar) wrapper and torch.compile's.
+    FSDP2 wraps nothing: the prepared module is the user's, its parameters made DTensors."""
+    while True:
+        compiled = vars(model).get("_modules", {}).get("_orig_mod")
+        if isinstance(compiled, nn.Module):
+            model = compiled
+        elif hasattr(model, "module") and isinstance(model.module, nn.Module):
+            model = model.module
+        else:
+            return model
+
 
 _WRAPPERS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 

@@ -18,8 +18,8 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from harness.rank.replica import unwrap
 from harness.wrappers.observed import Observed, Piece, _identity
+from harness.wrappers.prepared import unwrap
 
 
 def dtensor_class() -> Any:

@@ -9,7 +9,7 @@ collective rides along with it:
 - ``reduce_all``: several reductions (each a set of tensors and the allowances
   carried into them) in one all-reduce per dtype. Elements are summed one by one, so each reduces
   exactly as it would alone at world size 2; at 3 and more ranks the backend may order an element's
-  additions by its place in the buffer, which the reduction's allowance covers (harness/rank/closeness.py).
+  additions by its place in the buffer, which the reduction's allowance covers (harness/rank/numerics/closeness.py).
 - ``later``: rank 0's copy of a tensor, wanted for a check whose verdict can wait because another
   check is sure to follow: every rank adds it to the next all-reduce of its dtype (rank 0 gives its
   values, the others zeros: x + 0 is exact), and the check is judged when it comes. The checks that
@@ -20,7 +20,7 @@ collective rides along with it:
 - ``same_everywhere``: whether every rank holds the same bytes, from one all-reduce of digests
   (``digest``); ``rank0_values``, rank 0's copy only where they are not.
 - ``ring_average``: a wrapper's reduction on gloo reproduced bit for bit from every rank's values
-  (one all-gather) in gloo's summation order over the wrapper's layout (harness/rank/ring_order.py:
+  (one all-gather) in gloo's summation order over the wrapper's layout (harness/rank/numerics/ring_order.py:
   ``ring_segments``, ``flat_segments``): FSDP's and ZeRO's reduce-scatters and all-reduces in bf16 and fp32, DDP's bucket
   all-reduces, where no bound could see as far (a 1e-6 error on one rank moves a four-rank average
   by 2.5e-7, below the bound of an unknown order). ``ring_order_holds`` and ``all_reduce_order_holds``
@@ -36,8 +36,8 @@ from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from harness.rank.closeness import REDUCTION_FACTOR, Expectation, allowance_dtype, eps, floor
-from harness.rank.ring_order import ring_sum
+from harness.rank.numerics.closeness import REDUCTION_FACTOR, Expectation, allowance_dtype, eps, floor
+from harness.rank.numerics.ring_order import ring_sum
 
 
 def flat(tensors: Iterable[torch.Tensor]) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """FSDP's and DeepSpeed's gradient reduction in bf16 and fp32, reproduced on one rank for the oracle.
 
 FSDP2, FSDP1 and DeepSpeed in bf16 differentiate bf16 copies of the fp32 masters
-(harness/rank/replica.py, ``ShardedMixedReplica``), so each backward's unsharded gradient is bf16; in
+(harness/rank/oracle/replica.py, ``ShardedMixedReplica``), so each backward's unsharded gradient is bf16; in
 fp32 they differentiate the unsharded fp32 parameters, and every cast below is a no-op (FSDP1's one
 difference: in fp32 autograd sums a backward's forwards' contributions to its flat parameter before
 adding them to its gradient, ``adds_contributions_once``).
@@ -18,7 +18,7 @@ repeats it (DeepSpeed's: ``ShardedReduce._deepspeed_layout`` and docs/wrappers.m
 - the reduced shard, cast to fp32, is added to the sharded gradient held (FSDP2's ``sharded_param.grad``,
   FSDP1's ``_saved_grad_shard``): the fp32 add the oracle does on the whole gradient, bit for bit.
 
-On gloo the reduce-scatter is reproduced bit for bit (harness/rank/collectives.py, ``ring_average``)
+On gloo the reduce-scatter is reproduced bit for bit (harness/rank/numerics/collectives.py, ``ring_average``)
 from the wrapper's layout: FSDP2's per-group ``_chunk_cat`` of dim-0 shards, FSDP1's flat parameter
 with its alignment padding. Where the order is not known (another backend, another divide, a layout
 that cannot be read), the reduction is allowed its dtype's sum bound and the cell says so.
@@ -32,13 +32,14 @@ import torch
 from torch import nn
 
 from harness.decorator import GLOO_AVG_SUMS
-from harness.rank.backend_defects import found
-from harness.rank.closeness import Expectation, no_allowance, rounding_allowance
-from harness.rank.collectives import Collectives, Reduction
-from harness.rank.replica import AUTOCAST_DTYPES, unwrap
-from harness.rank.ring_order import flat_segments, ring_order_holds, ring_segments
+from harness.rank.numerics.backend_defects import found
+from harness.rank.numerics.closeness import Expectation, no_allowance, rounding_allowance
+from harness.rank.numerics.collectives import Collectives, Reduction
+from harness.rank.numerics.ring_order import flat_segments, ring_order_holds, ring_segments
+from harness.rank.oracle.replica import AUTOCAST_DTYPES
 from harness.wrappers import sharding
 from harness.wrappers.names import DEEPSPEED, REDUCES_EVERY_MICRO_BATCH
+from harness.wrappers.prepared import unwrap
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # the precisions whose reduction under a sharded wrapper is reproduced here, and the dtype the wrapper
@@ -81,7 +82,7 @@ class ShardedReduce:
         self.taking_part: set[Key] = set()
         self.reduced: dict[Key, Expectation] = {}
         # each model's parameters in the order the last backward gave them their gradients
-        # (harness/rank/replica.py): ZeRO-2's bucket order
+        # (harness/rank/oracle/replica.py): ZeRO-2's bucket order
         self.order: dict[str, list[str]] = {}
         # the backend's probed defects (``PROBED``, harness/decorator.py) the wrapper's syncs went through
         self.defects: set[str] = set()
@@ -189,7 +190,7 @@ class ShardedReduce:
     def _note_defects(self) -> None:
         """FSDP2 reduce-scatters with ReduceOp.AVG over its shard group (the world, or under a mesh the
         ranks differing in dp_shard and cp): where the rank's start-up probe found gloo's AVG to sum
-        (harness/rank/backend_defects.py), this sync goes through that defect. The oracle still averages."""
+        (harness/rank/numerics/backend_defects.py), this sync goes through that defect. The oracle still averages."""
         if self.wrapper != "fsdp2" or GLOO_AVG_SUMS not in found():
             return
         width = (len(self.mesh.peers(self.collectives.rank, ("dp_shard", "cp"))) if self.mesh is not None

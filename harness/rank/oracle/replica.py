@@ -1,4 +1,4 @@
-"""The oracle's replicas: the user's module out of its wrapper, run as the variant's precision documents."""
+"""The oracle's replicas, run as the variant's precision documents."""
 
 from __future__ import annotations
 
@@ -7,21 +7,12 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module inside a DistributedDataParallel (or similar) wrapper and torch.compile's.
-    FSDP2 wraps nothing: the prepared module is the user's, its parameters made DTensors."""
-    while True:
-        compiled = vars(model).get("_modules", {}).get("_orig_mod")
-        if isinstance(compiled, nn.Module):
-            model = compiled
-        elif hasattr(model, "module") and isinstance(model.module, nn.Module):
-            model = model.module
-        else:
-            return model
-
-
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def as_optimizers(value: Any) -> tuple[Any, ...]:
+    """One optimizer, or a list or tuple of them, as a tuple."""
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
 
 
 class MixedPrecisionReplica(nn.Module):
@@ -191,7 +182,7 @@ def _cast_floating(value: Any, dtype: torch.dtype, *, low_only: bool = False) ->
     return value
 
 
-# The wrappers whose bf16 is not autocast over fp32 parameters (harness/rank/sharded_reduce.py
+# The wrappers whose bf16 is not autocast over fp32 parameters (harness/rank/oracle/sharded_reduce.py
 # reduces as they do), and how each runs the forward: whether it casts the floating buffers, and the
 # output dtype of accelerate's own policy (no ``reduce`` in the variant; an explicit
 # MixedPrecisionPolicy leaves the outputs as computed). FSDP2: accelerate's policy has

@@ -1,4 +1,4 @@
-"""Gloo's summation order on CPU, as the oracle reproduces it (harness/rank/collectives.py,
+"""Gloo's summation order on CPU, as the oracle reproduces it (harness/rank/numerics/collectives.py,
 ``ring_average``): gloo's ring all-reduce and reduce-scatter cut a flat buffer into ``world_size``
 segments and sum each segment's elements in one order down the ring (``ring_sum``); where each element
 of a wrapper's gradients falls in the buffer it reduces (``ring_segments``: FSDP2's and ZeRO-3's
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from harness.decorator import GLOO_AVG_SUMS
-from harness.rank.backend_defects import found
+from harness.rank.numerics.backend_defects import found
 
 
 def ring_segments(sizes: Sequence[torch.Size], world_size: int) -> list[torch.Tensor]:

@@ -1,6 +1,6 @@
 """Token weighting for the oracle (``Oracle.token_window``): a window weighed by its valid tokens on
 all ranks, the weight as the documented loops round it; and the contributions since the last check
-that the ``misweighted`` diagnosis refits (harness/rank/diagnosis.py, ``Reweighing``), kept in every
+that the ``misweighted`` diagnosis refits (harness/rank/judging/diagnosis.py, ``Reweighing``), kept in every
 window of a model below ``REFIT_BELOW`` elements (and in every weighed window): after a sync, every
 rank's, which takes an all-gather of the model's contributions at each sync, the cost a large
 model's check does without (bench/README.md, "Against model size")."""
@@ -12,7 +12,7 @@ from typing import Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from harness.rank.closeness import CHUNK
+from harness.rank.numerics.closeness import CHUNK
 
 # A model of fewer elements keeps its contributions since the last check in every window, for a
 # diagnosis that refits them (a larger one only in a window weighed by tokens or micro-batches)

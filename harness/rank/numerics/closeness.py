@@ -11,10 +11,10 @@ import torch
 
 # What may legitimately differ, and so what a check allows (per element, never a fixed rtol):
 #
-# The oracle is anchored to the rank's real state after every check (harness/rank/checks.py), so a check
+# The oracle is anchored to the rank's real state after every check (harness/rank/judging/checks.py), so a check
 # judges only the arithmetic since the last one: one backward, one reduction, one optimizer step.
 # - A reduction whose order is reproduced (gloo: DDP's buckets, the sharded wrappers' layouts;
-#   harness/rank/averaging.py, harness/rank/sharded_reduce.py): the same additions in the same order on
+#   harness/rank/oracle/averaging.py, harness/rank/oracle/sharded_reduce.py): the same additions in the same order on
 #   the same values, so nothing beyond the floor (``Reduction.reproduced``).
 # - A reduction whose order is not known (nccl, a communication hook): DDP divides each rank's gradient
 #   by N and sums (the backend picks the order);
@@ -29,7 +29,7 @@ import torch
 # - A local backward, an accumulation, a clip or an optimizer step: the same operations on the same
 #   inputs on both sides; ROUNDING_ULPS ulps of the result allow a kernel that orders them
 #   differently (a vectorised or fused path), nothing more. Under a sharded wrapper (fp32 or bf16)
-#   the replica takes each backward's gradients as the wrapper takes them (harness/rank/replica.py,
+#   the replica takes each backward's gradients as the wrapper takes them (harness/rank/oracle/replica.py,
 #   ``ShardedMixedReplica``): the same kernels on the same values, so nothing for the backward.
 # - Exact zeros: below the dtype's smallest normal number rounding is absolute, not relative, so
 #   that much is allowed everywhere (FLOOR).

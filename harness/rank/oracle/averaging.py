@@ -1,8 +1,8 @@
-"""The oracle's sync (a part of ``Oracle``, harness/rank/oracle.py): every rank's gradients averaged by
+"""The oracle's sync (a part of ``Oracle``, harness/rank/oracle/core.py): every rank's gradients averaged by
 an explicit all-reduce, with their allowances, and the gradients and allowances the oracle holds
 between syncs. A small model's sync is averaged when its backward ends; a large model's under DDP is
 left pending for the gradient check that follows, which makes it as it judges the rank's gradients
-(harness/rank/fused_check.py). Kept apart from the contract's steps (oracle.py) and from what the
+(harness/rank/numerics/fused_check.py). Kept apart from the contract's steps (oracle.py) and from what the
 checks read (anchoring.py): the reductions change with the wrappers' arithmetic, not with the API."""
 
 from __future__ import annotations
@@ -13,17 +13,17 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import torch
 
-from harness.rank.closeness import CHUNK, Expectation, no_allowance, rounding_allowance
-from harness.rank.collectives import Collectives, Reduction
-from harness.rank.fused_check import FusedOutcome, check_synced, fusable
-from harness.rank.ring_order import all_reduce_order_holds, flat_segments
+from harness.rank.numerics.closeness import CHUNK, Expectation, no_allowance, rounding_allowance
+from harness.rank.numerics.collectives import Collectives, Reduction
+from harness.rank.numerics.fused_check import FusedOutcome, check_synced, fusable
+from harness.rank.numerics.ring_order import all_reduce_order_holds, flat_segments
 from harness.wrappers import sharding
 from harness.wrappers.names import DDP
 
 if TYPE_CHECKING:
-    from harness.rank.checks import Checks
-    from harness.rank.sharded_reduce import ShardedReduce
-    from harness.rank.weighting import TokenWeighting
+    from harness.rank.oracle.core import Notes
+    from harness.rank.oracle.sharded_reduce import ShardedReduce
+    from harness.rank.oracle.weighting import TokenWeighting
 
 FUSED_FROM_VARIABLE = "GRADSYNC_HARNESS_FUSED_FROM"
 
@@ -31,11 +31,11 @@ FUSED_FROM_VARIABLE = "GRADSYNC_HARNESS_FUSED_FROM"
 class Averaging:
     """How ``Oracle`` averages its gradients at a sync, and holds them and their allowances between."""
 
-    # a model of this many elements or more is checked at a sync as it is averaged (harness/rank/fused_check.py);
+    # a model of this many elements or more is checked at a sync as it is averaged (harness/rank/numerics/fused_check.py);
     # the variable FUSED_FROM_VARIABLE overrides it for a run (tests: 0, the pass on the catalogue's small models)
     FUSED_FROM = CHUNK
 
-    # the oracle's state (harness/rank/oracle.py, Oracle.__init__)
+    # the oracle's state (harness/rank/oracle/core.py, Oracle.__init__)
     params: dict[str, dict[str, torch.Tensor]]
     user_models: dict[str, torch.nn.Module]
     local: dict[str, dict[str, torch.Tensor | None]]
@@ -45,7 +45,7 @@ class Averaging:
     sharded: ShardedReduce | None
     collectives: Collectives
     weighting: TokenWeighting
-    checks: Checks
+    recorder: Notes
     world_size: int
     mesh: Any
     wrapper: str
@@ -92,7 +92,7 @@ class Averaging:
     def _average_grads(self) -> None:
         """Every model's gradients averaged, and the average of its local gradients (the synced
         hypothesis a check asks for next), in one all-reduce; for a large model under DDP, left for
-        the gradient check that follows to make as it judges (harness/rank/fused_check.py)."""
+        the gradient check that follows to make as it judges (harness/rank/numerics/fused_check.py)."""
         if self.sharded is not None:
             self._average_pending()
             return
@@ -144,9 +144,9 @@ class Averaging:
         DDP put it in: ``sharding.ddp_reduce_layout``, confirmed by ``all_reduce_order_holds``); or None
         at one or two ranks, where the plain average is DDP's already (one rank: nothing to add; two:
         each gradient halved exactly, two terms summed, one rounding in either order). Where DDP's order
-        or arithmetic is not known, its reduction is judged within the bound (harness/rank/closeness.py)
+        or arithmetic is not known, its reduction is judged within the bound (harness/rank/numerics/closeness.py)
         and the cell says why (``NOT CHECKED: exact reduction order``). The sharded wrappers reduce as
-        harness/rank/sharded_reduce.py reproduces them (``_average_pending``); a mesh is FSDP2's. A
+        harness/rank/oracle/sharded_reduce.py reproduces them (``_average_pending``); a mesh is FSDP2's. A
         collective where it probes the order (once per process): every rank calls it alike."""
         if self.wrapper != DDP or self.mesh is not None:
             return {}
@@ -175,7 +175,7 @@ class Averaging:
                 pname: flat_segments([layout[pname][:2]], layout[pname][2], self.world_size)[0] if pname in layout
                 else torch.zeros(t.numel(), dtype=torch.long) for pname, t in self.params[name].items()})
         if why:
-            self.checks.recorder.unchecked["exact reduction order"] = why
+            self.recorder.unchecked["exact reduction order"] = why
         return ordered
 
     def _fused_reproduced(self, name: str) -> bool:
@@ -189,9 +189,9 @@ class Averaging:
             return False
         read = sharding.ddp_reduce_layout(self.user_models[name], self.world_size) if self.world_size == 2 else (
             "a large model's average is made by the fused pass's all-reduce, in an order not reproduced "
-            "from three ranks on (harness/rank/fused_check.py)")
+            "from three ranks on (harness/rank/numerics/fused_check.py)")
         if isinstance(read, str):
-            self.checks.recorder.unchecked["exact reduction order"] = f"{name!r}: {read}"
+            self.recorder.unchecked["exact reduction order"] = f"{name!r}: {read}"
             return False
         return True
 
@@ -220,7 +220,7 @@ class Averaging:
 
     def _average_pending(self) -> None:
         """FSDP and DeepSpeed (fp32 and bf16): what accumulated since the last sync, reduced as the wrapper
-        reduces it (harness/rank/sharded_reduce.py), added to the gradient the last sync left as the
+        reduces it (harness/rank/oracle/sharded_reduce.py), added to the gradient the last sync left as the
         wrapper adds it to the gradient it holds (FSDP in fp32, DeepSpeed in bf16): the same add, so
         nothing more to allow. Where the window ran backwards with two token seeds (``uncertain``),
         each rank carries an allowance of its own into the sync: the average holds their average, the
@@ -234,8 +234,8 @@ class Averaging:
         reduced = self.collectives.reduce_all(reductions)
         averaged, why = self.sharded.average(uncertain=uncertain)  # type: ignore[union-attr]
         if why:
-            self.checks.recorder.unchecked["exact reduction order"] = why
-        self.checks.recorder.defects.update(self.sharded.defects)  # type: ignore[union-attr]
+            self.recorder.unchecked["exact reduction order"] = why
+        self.recorder.defects.update(self.sharded.defects)  # type: ignore[union-attr]
         for index, (name, ps) in enumerate(self.params.items()):
             self._synced[name] = reduced[index]  # type: ignore[assignment]
             carried = reduced[len(names) + index] if uncertain else None
@@ -253,7 +253,7 @@ class Averaging:
 
     def fused_grads(self, name: str, actual: Mapping[str, torch.Tensor]) -> FusedOutcome:
         """A large model's sync made as its gradient check judges the rank's ``actual`` gradients
-        (harness/rank/fused_check.py). Where every rank's passed, the oracle carries on from the rank's
+        (harness/rank/numerics/fused_check.py). Where every rank's passed, the oracle carries on from the rank's
         gradients, adopted into the average's tensors; where any rank's failed, the average is made
         as a small model's is, for the check to run as it always does (every rank does either)."""
         ps = self.params[name]

@@ -4,23 +4,22 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Callable, ContextManager, Hashable, Iterable, Mapping, Sequence, Union
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Hashable, Iterable, Mapping, Protocol, Sequence, Union
 
 import torch
 from torch import nn
 
 from harness.decorator import ALL_PRECISIONS
-from harness.rank.accounting import Accounting
-from harness.rank.anchoring import Anchored
-from harness.rank.averaging import Averaging
-from harness.rank.checks import Checks, ClipNorm, as_optimizers
-from harness.rank.closeness import Expectation, norm_rounding, rounding_allowance
-from harness.rank.collectives import Collectives, flat
-from harness.rank.recorder import Recorder
-from harness.rank.replica import SHARDED_MIXED, autocast_of, forward_as, unsharded_grads, unwrap
-from harness.rank.schedule import CONTRACTS, MicroStep
-from harness.rank.sharded_reduce import SHARDED_PRECISIONS, ShardedReduce
-from harness.rank.weighting import TokenWeighting, token_seeds
+from harness.rank.numerics.closeness import Expectation, norm_rounding, rounding_allowance
+from harness.rank.numerics.collectives import Collectives, flat
+from harness.rank.oracle.anchoring import Anchored
+from harness.rank.oracle.averaging import Averaging
+from harness.rank.oracle.replica import SHARDED_MIXED, as_optimizers, autocast_of, forward_as, unsharded_grads
+from harness.rank.oracle.schedule import CONTRACTS, MicroStep
+from harness.rank.oracle.sharded_reduce import SHARDED_PRECISIONS, ShardedReduce
+from harness.rank.oracle.weighting import TokenWeighting, token_seeds
+from harness.wrappers.prepared import unwrap
 
 # ``optimizer=``: called with a replica's parameters, as ``torch.optim.SGD(params, lr=...)`` is.
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
@@ -31,6 +30,37 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 RngReplay = Callable[[Hashable], ContextManager[None]]
 
 
+class Notes(Protocol):
+    """Where the oracle says what it could not check exactly, and the backend's defects its
+    reductions went through: the cell's recorder (harness/rank/judging/recorder.py)."""
+
+    unchecked: dict[str, str]
+    defects: set[str]
+
+
+class OracleChecks(Protocol):
+    """The checks a case calls through the oracle, judged above it (harness/rank/judging/checks.py,
+    attached by ``checked``)."""
+
+    def grads(self, step: MicroStep | int, models: Mapping[str, nn.Module]) -> None: ...
+    def params(self, step: MicroStep | int, models: Mapping[str, nn.Module],
+               optimizers: Mapping[str, Any] | None) -> None: ...
+    def grad_norm(self, step: MicroStep | int, name: str, reported: float, norm: ClipNorm) -> None: ...
+    def sync_flag(self, step: MicroStep, flag: bool) -> None: ...
+    def lr(self, step: MicroStep | int, optimizers: Mapping[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True)
+class ClipNorm:
+    """The oracle's total gradient norm of one model at a clip, before clipping: ``value``; ``carried``,
+    the norm of the gradients' allowances then; ``numel`` and ``dtype``, of the gradients summed."""
+
+    value: float
+    carried: float
+    numel: int
+    dtype: torch.dtype
+
+
 class Oracle(Averaging, Anchored):
     """Replicas of the user's models, with no DDP and no accelerate, on this rank.
 
@@ -38,8 +68,8 @@ class Oracle(Averaging, Anchored):
     contract of the API it used says that backward must average across ranks; the oracle then
     averages with an explicit ``all_reduce(SUM) / world_size``. It never reads accelerate's state.
 
-    Each replica gradient carries its allowance (harness/rank/closeness.py): how far the rank's may
-    legitimately be from it. The checks a case calls are judged in harness/rank/checks.py, which anchors
+    Each replica gradient carries its allowance (harness/rank/numerics/closeness.py): how far the rank's may
+    legitimately be from it. The checks a case calls are judged in harness/rank/judging/checks.py, which anchors
     the oracle to the rank's real state after each one through the ``adopt_*`` methods here.
     """
 
@@ -47,7 +77,7 @@ class Oracle(Averaging, Anchored):
         self,
         models: Mapping[str, nn.Module],
         *,
-        recorder: Recorder,
+        recorder: Notes,
         rank: int,
         world_size: int,
         precision: str,
@@ -61,7 +91,6 @@ class Oracle(Averaging, Anchored):
         wrapper: str = "ddp",
         reduce: str | None = None,
         grad_accum: str | None = None,
-        accounting: Accounting | None = None,
         more_checks: Callable[[MicroStep | int], bool] | None = None,
         contract: str = "accelerate",
         window_length: Callable[[], int] | None = None,
@@ -91,7 +120,7 @@ class Oracle(Averaging, Anchored):
         self.num_steps = num_steps
         self.replay_rng = replay_rng
         # ``more_checks(step)``: whether another check surely follows this step's: rank 0's copies
-        # then wait for the next all-reduce (harness/rank/collectives.py), and whoever made the oracle
+        # then wait for the next all-reduce (harness/rank/numerics/collectives.py), and whoever made the oracle
         # calls ``finish`` when the case ends (RankContext does); without it each is sent at once
         self.more_checks = more_checks
         self.collectives = Collectives(rank=rank, world_size=world_size)
@@ -99,7 +128,7 @@ class Oracle(Averaging, Anchored):
         # models sharded in place by prepare: harness/rank/script.py)
         self.replicas = {name: copy.deepcopy(unwrap(m)) for name, m in (weights or models).items()}
         # the user's modules, which prepare wraps: how their wrapper reduces is read off it at a sync
-        # (harness/rank/averaging.py; DDP's buckets, harness/wrappers/sharding.py)
+        # (harness/rank/oracle/averaging.py; DDP's buckets, harness/wrappers/sharding.py)
         self.user_models = {name: unwrap(m) for name, m in models.items()}
         if mesh is not None and mesh.size("tp") > 1:
             from harness.wrappers.mesh import split_like_tensor_parallel
@@ -114,9 +143,9 @@ class Oracle(Averaging, Anchored):
         # p.grad``): nothing changes either in place without parting them first (``_part_local``)
         self.local: dict[str, dict[str, torch.Tensor | None]] = {
             name: {p: None for p in ps} for name, ps in self.params.items()}
-        # FSDP2, FSDP1 and DeepSpeed in fp32 and bf16 (harness/rank/replica.py): each rank's unsharded gradients
+        # FSDP2, FSDP1 and DeepSpeed in fp32 and bf16 (harness/rank/oracle/replica.py): each rank's unsharded gradients
         # since the last sync accumulate apart, as the wrapper accumulates them, and are reduced as it
-        # reduces them; the result is added to the gradient held (harness/rank/sharded_reduce.py)
+        # reduces them; the result is added to the gradient held (harness/rank/oracle/sharded_reduce.py)
         # under a mesh (harness/wrappers/mesh.py) every rank's gradient is still the average over all
         # ranks: the ranks that average each other's are the data-parallel and context ones, and a
         # tensor-parallel peer draws the same batch as its rank, so its replica's gradient is the same
@@ -134,14 +163,14 @@ class Oracle(Averaging, Anchored):
         # the all-rank average of ``local`` as it is now, by model: made with a sync's average, in
         # the same all-reduce, and forgotten whenever ``local`` changes
         self._synced: dict[str, dict[str, Expectation]] = {}
-        # how far each replica gradient may legitimately be from the rank's (harness/rank/closeness.py)
+        # how far each replica gradient may legitimately be from the rank's (harness/rank/numerics/closeness.py)
         # the allowances held as their 0-dim part plus ``rounding_allowance(p.grad)``, made only when read
         # (``allowance_of``): after one backward from none, that is all of it, and a model's worth less
         self.rounded: set[tuple[str, str]] = set()
         # the models whose gradients since their allowances were last reset came of a backward run with
         # two seeds (a token window's weight, which the documented loops round apart): every rank's
         # inputs to a reduction are then known only within their allowance, so the reduction is judged
-        # within its bound, not reproduced (harness/rank/averaging.py); cleared with the allowances
+        # within its bound, not reproduced (harness/rank/oracle/averaging.py); cleared with the allowances
         self.uncertain: set[str] = set()
         self.allowed = {name: self._no_allowance(name) for name in self.params}
         self.previous: dict[str, dict[str, Expectation]] | None = None
@@ -169,7 +198,7 @@ class Oracle(Averaging, Anchored):
         self._unscaled = False  # this window's gradients were unscaled (by a clip)
         self.wrapper = wrapper
         # each backward since the last gradient check: whether it syncs, and how many gradient
-        # elements it produced (what a sync must reduce; harness/rank/accounting.py)
+        # elements it produced (what a sync must reduce; harness/rank/numerics/accounting.py)
         self.backward_syncs: list[tuple[bool, int]] = []
         # token weighting (token_window), and the contributions the misweighted diagnosis refits
         self.weighting = TokenWeighting(self.params, world_size=world_size, shards=None if mesh is None else [
@@ -180,7 +209,9 @@ class Oracle(Averaging, Anchored):
         # the local gradients a fused check left the oracle's own (p.grad holds the adopted ones): the
         # step copies the parameters before it into them rather than into a model's worth more
         self.reusable_local: set[tuple[str, str]] = set()
-        self.checks = Checks(self, recorder, accounting)
+        self.recorder = recorder
+        # the checks of ``check_*``, attached by harness/rank/judging/checks.py (``checked``)
+        self.checks: OracleChecks | None = None
         # each model's norm at the last clip_grad_norm, before clipping (what check_grad_norm judges)
         self.norms: dict[str, ClipNorm] = {}
 
@@ -305,7 +336,7 @@ class Oracle(Averaging, Anchored):
             why = self.sharded.after_backward({name: m.order for name, m in self.models.items()},
                                               uncertain=bool(self.uncertain))
             if why:
-                self.checks.recorder.unchecked["exact reduction order"] = why
+                self.recorder.unchecked["exact reduction order"] = why
         self.last_sync = sync
         if sync:
             self._average_grads()
@@ -370,7 +401,7 @@ class Oracle(Averaging, Anchored):
             coefficient = min(1.0, max_norm / (norm + 1e-6))
             # the norm is off by at most the norm of the allowances, and the coefficient with it; the
             # rank's norm sums the squares in another order (its shards, then across the ranks), which
-            # rounds the coefficient apart by up to norm_rounding (harness/rank/closeness.py), where it clips
+            # rounds the coefficient apart by up to norm_rounding (harness/rank/numerics/closeness.py), where it clips
             carried = float(torch.linalg.vector_norm(flat(self.allowance_of(name).values()), norm_type))
             # the gradients' dtype: of any that has one (a check may have adopted a rank that held none)
             dtype = next((p.grad.dtype for p in ps.values() if p.grad is not None), next(iter(ps.values())).dtype)
@@ -459,18 +490,24 @@ class Oracle(Averaging, Anchored):
             self.allowed[name] = self._no_allowance(name)
         self.weighting.end()
 
-    # the checks a case calls (judged in harness/rank/checks.py)
+    # the checks a case calls (judged in harness/rank/judging/checks.py)
+
+    def _checks(self) -> OracleChecks:
+        if self.checks is None:
+            raise RuntimeError("this oracle has no checks attached: make it with ctx.oracle(...), or attach them "
+                               "with harness.rank.judging.checks.checked(oracle)")
+        return self.checks
 
     def check_grads(self, step: MicroStep | int, models: Mapping[str, nn.Module]) -> None:
         """Compare every parameter's gradient on this rank with the oracle's (after a backward)."""
-        self.checks.grads(step, models)
+        self._checks().grads(step, models)
 
     def check_params(self, step: MicroStep | int, models: Mapping[str, nn.Module],
                      optimizers: Mapping[str, Any] | None = None) -> None:
         """Compare every parameter's update since the last optimizer step with the oracle's, and
         with rank 0's copy (after ``step``). ``optimizers``: the case's own, by model name (one
         optimizer or a list), whose state the oracle adopts after a mismatch."""
-        self.checks.params(step, models, optimizers)
+        self._checks().params(step, models, optimizers)
 
     def check_grad_norm(self, step: MicroStep | int, norms: Mapping[str, Any]) -> None:
         """Compare the total norm the library reported for each model (by name: what
@@ -479,16 +516,16 @@ class Oracle(Averaging, Anchored):
         for name, reported in norms.items():
             if name not in self.norms:
                 raise ValueError(f"check_grad_norm: no oracle.clip_grad_norm for {name!r} before it")
-            self.checks.grad_norm(step, name, _as_float(reported), self.norms[name])
+            self._checks().grad_norm(step, name, _as_float(reported), self.norms[name])
 
     def check_sync_flag(self, step: MicroStep, flag: bool) -> None:
         """Compare ``accelerator.sync_gradients`` with the schedule."""
-        self.checks.sync_flag(step, flag)
+        self._checks().sync_flag(step, flag)
 
     def check_lr(self, step: MicroStep | int, optimizers: Mapping[str, Any]) -> None:
         """Compare each optimizer's learning rates with the oracle's schedulers' (``optimizers`` by
         model name, one optimizer or a list)."""
-        self.checks.lr(step, optimizers)
+        self._checks().lr(step, optimizers)
 
 
 def _as_float(value: Any) -> float:

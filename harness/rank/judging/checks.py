@@ -1,11 +1,11 @@
 """How a rank's state is judged against the oracle: the checks a case calls, the diagnosis of a
-mismatch (the failures go to the rank's ``Recorder``, harness/rank/recorder.py), and the oracle
+mismatch (the failures go to the rank's ``Recorder``, harness/rank/judging/recorder.py), and the oracle
 anchored to the rank's real state afterwards.
 
 After every check the oracle carries on from the state the rank is really in (its parameters, and
 its gradients after a gradient check), so each check judges only the arithmetic since the last
 one: an error is reported where it happens, and the allowance stays at the floating-point limit of
-one step (harness/rank/closeness.py) instead of growing with every step the replicas run on their own.
+one step (harness/rank/numerics/closeness.py) instead of growing with every step the replicas run on their own.
 """
 
 from __future__ import annotations
@@ -19,9 +19,12 @@ import torch
 from torch import nn
 
 from harness import wording as text
-from harness.rank.accounting import CHECK, Accounting, judge
-from harness.rank.accounting import unavailable as accounting_unavailable
-from harness.rank.closeness import (
+from harness.rank.judging.diagnosis import REBASED, ModelFits, owned_cut
+from harness.rank.judging.recorder import Recorder, make_failure, mark_point, where
+from harness.rank.judging.reductions import judge
+from harness.rank.numerics.accounting import CHECK, Accounting
+from harness.rank.numerics.accounting import unavailable as accounting_unavailable
+from harness.rank.numerics.closeness import (
     CHUNK,
     Difference,
     Expectation,
@@ -32,10 +35,8 @@ from harness.rank.closeness import (
     norm_rounding,
     rounding_allowance,
 )
-from harness.rank.diagnosis import REBASED, ModelFits, owned_cut
-from harness.rank.recorder import Recorder, make_failure, mark_point, where
-from harness.rank.replica import AUTOCAST_DTYPES
-from harness.rank.schedule import MicroStep
+from harness.rank.oracle.replica import AUTOCAST_DTYPES, as_optimizers
+from harness.rank.oracle.schedule import MicroStep
 from harness.records import Failure, FailureKind
 from harness.wrappers.names import REDUCES_EVERY_MICRO_BATCH
 from harness.wrappers.observed import Observed
@@ -43,12 +44,7 @@ from harness.wrappers.prepare import verify
 from harness.wrappers.sharding import observe, tensor_parallel_share
 
 if TYPE_CHECKING:
-    from harness.rank.oracle import Oracle
-
-def as_optimizers(value: Any) -> tuple[Any, ...]:
-    """One optimizer, or a list or tuple of them, as a tuple."""
-    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
-
+    from harness.rank.oracle.core import ClipNorm, Oracle
 
 def _grad_or_zeros(observed: Observed, pname: str) -> torch.Tensor:
     grad = observed.grads[pname]
@@ -82,23 +78,18 @@ class WrongUpdate:
     due: bool
 
 
-@dataclass(frozen=True)
-class ClipNorm:
-    """The oracle's total gradient norm of one model at a clip, before clipping: ``value``; ``carried``,
-    the norm of the gradients' allowances then; ``numel`` and ``dtype``, of the gradients summed."""
-
-    value: float
-    carried: float
-    numel: int
-    dtype: torch.dtype
+def checked(oracle: Oracle, accounting: Accounting | None = None) -> Oracle:
+    """``oracle`` with the checks its ``check_*`` methods call attached, recorded in its recorder."""
+    oracle.checks = Checks(oracle, accounting)
+    return oracle
 
 
 class Checks:
-    """The checks of one rank's state against one oracle, recorded in ``recorder``."""
+    """The checks of one rank's state against one oracle, recorded in the oracle's recorder."""
 
-    def __init__(self, oracle: Oracle, recorder: Recorder, accounting: Accounting | None = None) -> None:
+    def __init__(self, oracle: Oracle, accounting: Accounting | None = None) -> None:
         self.oracle = oracle
-        self.recorder = recorder
+        self.recorder: Recorder = oracle.recorder  # type: ignore[assignment]
         self.accounting = accounting
         self.rank = oracle.rank
         self.diverged: set[tuple[str, str]] = set()
@@ -118,14 +109,14 @@ class Checks:
     def grads(self, step: MicroStep | int, models: Mapping[str, nn.Module]) -> None:
         """Compare every parameter's gradient on this rank with the oracle's (after a backward),
         then carry on from the rank's gradients; and the collectives of the backwards since the
-        last check with the contract (harness/rank/accounting.py)."""
+        last check with the contract (harness/rank/numerics/accounting.py)."""
         oracle = self.oracle
         index, at = where(step)
         mark_point(self.recorder, step, sync=oracle.last_sync)
         self._collectives(index, at, models)
         seen = {name: self._observe(name, model, sync=oracle.last_sync) for name, model in models.items()}
         shown = {name: not (o.hidden or o.sharded and not oracle.last_sync or o.shards_shown) for name, o in seen.items()}
-        # a large model's sync is made as its check judges it (harness/rank/fused_check.py); the others' now
+        # a large model's sync is made as its check judges it (harness/rank/numerics/fused_check.py); the others' now
         fused = {name for name in models if name in oracle.pending and shown[name] and seen[name].plain}
         oracle.settle(name for name in models if name not in fused)
         # what a sync now would give, the other hypothesis: every model's in one collective

@@ -1,5 +1,5 @@
 """What one rank records in one cell: its failures (each with the message a user reads first) and
-its check counts, and the marks of its timeline; harness/rank/checks.py judges, this keeps."""
+its check counts, and the marks of its timeline; harness/rank/judging/checks.py judges, this keeps."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from harness import wording as text
-from harness.rank.closeness import Difference
-from harness.rank.schedule import MicroStep
+from harness.rank.numerics.closeness import Difference
+from harness.rank.oracle.schedule import MicroStep
 from harness.records import Failure, FailureKind
 from harness.timeline import TimelineRecorder
 
@@ -27,7 +27,7 @@ class Recorder:
     checks: int = 0  # every comparison: gradients, parameters, flags, learning rates
     grad_checks: int = 0
     vacuous_checks: int = 0  # gradient checks where synced and local could not be told apart
-    comm_checks: int = 0  # backwards whose collectives were judged (harness/rank/accounting.py)
+    comm_checks: int = 0  # backwards whose collectives were judged (harness/rank/numerics/accounting.py)
     max_abs_diff: float = 0.0
     # the checks that could not run here, by name, each with its reason (docs/upgrade-checks.md):
     # recorded where one would have run, so that the cell says so

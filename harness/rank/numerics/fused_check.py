@@ -33,7 +33,7 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from harness.rank.closeness import (
+from harness.rank.numerics.closeness import (
     REDUCTION_FACTOR,
     ROUNDING_ULPS,
     Expectation,
@@ -44,7 +44,7 @@ from harness.rank.closeness import (
     floor,
     rounding_allowance,
 )
-from harness.rank.collectives import Collectives, batches
+from harness.rank.numerics.collectives import Collectives, batches
 
 # Elements of each parameter at which the first pass sends the allowance too (evenly spaced): where
 # local and synced hypotheses differ by more than MARGIN allowances at one of them, they can be told
@@ -123,7 +123,7 @@ def check_synced(collectives: Collectives, *, params: Mapping[str, torch.Tensor]
     allowance of their gradient, made a buffer at a time), and judge ``actual`` (the rank's gradients,
     None is zero) against the average within its allowance; ``local``: the local gradients (the same
     tensors as ``grads`` where nothing parted them). ``reproduced``: the all-reduce's average is the
-    wrapper's bit for bit (DDP at one or two ranks: harness/rank/averaging.py), so the allowance has no
+    wrapper's bit for bit (DDP at one or two ranks: harness/rank/oracle/averaging.py), so the allowance has no
     part for the reduction, only the carried one. Every rank calls it, for the same parameters.
 
     First the values alone: a rank's gradient equal to the average, or within the allowance's lower

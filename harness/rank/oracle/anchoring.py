@@ -1,6 +1,6 @@
-"""The oracle as its checks see it (harness/rank/checks.py): what the contract expects of the rank
+"""The oracle as its checks see it (harness/rank/judging/checks.py): what the contract expects of the rank
 now, and how the oracle carries on from the rank's real state after each check. A part of
-``Oracle`` (harness/rank/oracle.py), which holds the state these read and the contract's arithmetic
+``Oracle`` (harness/rank/oracle/core.py), which holds the state these read and the contract's arithmetic
 step by step; kept apart because the two change for different reasons."""
 
 from __future__ import annotations
@@ -10,22 +10,22 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import torch
 
-from harness.rank.checks import as_optimizers
-from harness.rank.closeness import Expectation, rounding_allowance
-from harness.rank.collectives import Reduction
+from harness.rank.numerics.closeness import Expectation, rounding_allowance
+from harness.rank.numerics.collectives import Reduction
+from harness.rank.oracle.replica import as_optimizers
 from harness.wrappers.sharding import dtensor_class
 
 if TYPE_CHECKING:
-    from harness.rank.collectives import Collectives
-    from harness.rank.schedule import MicroStep
-    from harness.rank.sharded_reduce import ShardedReduce
-    from harness.rank.weighting import TokenWeighting
+    from harness.rank.numerics.collectives import Collectives
+    from harness.rank.oracle.schedule import MicroStep
+    from harness.rank.oracle.sharded_reduce import ShardedReduce
+    from harness.rank.oracle.weighting import TokenWeighting
 
 
 class Anchored:
     """What ``Oracle`` shows its checks, and how they anchor it (the ``adopt_*`` methods)."""
 
-    # the oracle's state (harness/rank/oracle.py, Oracle.__init__)
+    # the oracle's state (harness/rank/oracle/core.py, Oracle.__init__)
     params: dict[str, dict[str, torch.Tensor]]
     local: dict[str, dict[str, torch.Tensor]]
     allowed: dict[str, dict[str, torch.Tensor]]
@@ -45,7 +45,7 @@ class Anchored:
     allowance_of: Callable[[str], dict[str, torch.Tensor]]
     reusable_local: set[tuple[str, str]]
 
-    # collectives and what the contract expects now (read by harness/rank/checks.py)
+    # collectives and what the contract expects now (read by harness/rank/judging/checks.py)
 
     def rank0_copy(self, step: MicroStep | int, name: str, actual_params: Mapping[str, torch.Tensor],
                    deliver: Callable[[dict[str, torch.Tensor]], None]) -> None:
@@ -107,7 +107,7 @@ class Anchored:
             return
         self.previous.pop(name, None)
 
-    # carrying on from the rank's real state (when: harness/rank/checks.py)
+    # carrying on from the rank's real state (when: harness/rank/judging/checks.py)
 
     def adopt_params(self, name: str, values: Mapping[str, torch.Tensor]) -> None:
         """The rank's parameters (whole), by name."""

@@ -10,7 +10,7 @@ sums anew, and where the terms cancel that rounding is bounded by the size of th
 result (which the allowances of the contract's expectation are made of). So a fitted hypothesis
 explains a gradient when it is within its allowance, or when it is MARGIN times closer to it, in the
 2-norm of the model, than the contract's expectation is (``explains``): the margin that telling any
-two hypotheses apart takes (harness/rank/closeness.py). A re-rounding leaves the fitted hypothesis a
+two hypotheses apart takes (harness/rank/numerics/closeness.py). A re-rounding leaves the fitted hypothesis a
 residual of the order of the unit roundoff times the terms (under autocast, bf16's or fp16's, of its
 low-precision intermediates), while the contract's expectation is off by the whole error, |c - 1|
 times the gradient for a scale: for any factor that is a large gap, which a difference the
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from harness.rank.closeness import (
+from harness.rank.numerics.closeness import (
     MARGIN,
     Expectation,
     any_distinguishable,
@@ -246,7 +246,7 @@ def _grad(grads: Mapping[str, torch.Tensor | None], pname: str, like: torch.Tens
 @dataclass(frozen=True)
 class Reweighing:
     """A gradient explained with other weights: the contributions since the last check
-    (``TokenWeighting.parts``, harness/rank/weighting.py: each micro-batch's apart, this rank's own, or
+    (``TokenWeighting.parts``, harness/rank/oracle/weighting.py: each micro-batch's apart, this rank's own, or
     after a sync every rank's share, by rank) fitted to the rank's whole gradient over the model, with the contract's weights
     all 1; ``free_base``: the gradient held before them (the expectation less them: the window's earlier
     micro-batches, as the last check found them) fitted too, its weight ``earlier`` (a clip or a
@@ -330,7 +330,7 @@ class Reweighing:
         return last[rank] if per > 1 else last[0]
 
 
-# The fits of one model at a failing check (harness/rank/checks.py), and the diagnosis of each of its tensors
+# The fits of one model at a failing check (harness/rank/judging/checks.py), and the diagnosis of each of its tensors
 
 Cut = Callable[[str, Expectation], Expectation]
 
