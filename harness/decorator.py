@@ -256,32 +256,13 @@ def case(
     if unknown or not applies:
         raise ValueError(f"case {name!r}: wrappers= takes names among {', '.join(WRAPPERS)}; "
                          f"got {unknown[0] if unknown else 'none'}")
-    known: dict[str, tuple[Diagnosis, ...]] = {}
-    for wrapper, diagnoses in (defects or {}).items():
-        if wrapper not in applies:
-            raise ValueError(f"case {name!r}: defects= names wrapper {wrapper!r}, which the case does not apply to")
-        known[wrapper] = (diagnoses,) if isinstance(diagnoses, Diagnosis) else tuple(diagnoses)
-        if not known[wrapper] or not all(isinstance(d, Diagnosis) for d in known[wrapper]):
-            raise TypeError(f"case {name!r}: defects[{wrapper!r}] takes Diagnosis(kind, model=...) objects")
+    known = _defects(name, defects or {}, applies)
     mesh_names = tuple(meshes)
     if any(m not in MESHES for m in mesh_names) or (mesh_names and MESH_WRAPPER not in applies):
         raise ValueError(f"case {name!r}: meshes= takes names among {', '.join(MESHES)}, for a case that "
                          f"applies to {MESH_WRAPPER}; got {list(mesh_names)}")
-    if canary is True:
-        raise TypeError(f"case {name!r}: a canary names the diagnoses it must produce, "
-                        "e.g. canary=Diagnosis('not_synced', model='gen'), not canary=True")
-    detects = (canary,) if isinstance(canary, Diagnosis) else tuple(canary or ())
-    if not all(isinstance(d, Diagnosis) for d in detects):
-        raise TypeError(f"case {name!r}: canary= takes Diagnosis(kind, model=...) objects, "
-                        f"not {[type(d).__name__ for d in detects if not isinstance(d, Diagnosis)][0]}")
-    variant_list = tuple(variants)
-    if not variant_list:
-        raise ValueError(f"case {name!r} has no variants")
-    seen = set()
-    for variant in variant_list:
-        if variant.name in seen:
-            raise ValueError(f"case {name!r} has the variant {variant.name!r} twice")
-        seen.add(variant.name)
+    detects = _canary(name, canary)
+    variant_list = _variants(name, variants)
 
     def decorate(body: Callable[..., None]) -> Callable[..., None]:
         if not body.__name__.startswith("test_"):
@@ -308,6 +289,44 @@ def case(
         return test
 
     return decorate
+
+
+def _defects(name: str, defects: Mapping[str, Diagnosis | Iterable[Diagnosis]],
+             applies: tuple[str, ...]) -> dict[str, tuple[Diagnosis, ...]]:
+    """``@case``'s ``defects=``, each wrapper's diagnoses as a tuple."""
+    known: dict[str, tuple[Diagnosis, ...]] = {}
+    for wrapper, diagnoses in defects.items():
+        if wrapper not in applies:
+            raise ValueError(f"case {name!r}: defects= names wrapper {wrapper!r}, which the case does not apply to")
+        known[wrapper] = (diagnoses,) if isinstance(diagnoses, Diagnosis) else tuple(diagnoses)
+        if not known[wrapper] or not all(isinstance(d, Diagnosis) for d in known[wrapper]):
+            raise TypeError(f"case {name!r}: defects[{wrapper!r}] takes Diagnosis(kind, model=...) objects")
+    return known
+
+
+def _canary(name: str, canary: Any) -> tuple[Diagnosis, ...]:
+    """``@case``'s ``canary=``, as a tuple of diagnoses."""
+    if canary is True:
+        raise TypeError(f"case {name!r}: a canary names the diagnoses it must produce, "
+                        "e.g. canary=Diagnosis('not_synced', model='gen'), not canary=True")
+    detects = (canary,) if isinstance(canary, Diagnosis) else tuple(canary or ())
+    if not all(isinstance(d, Diagnosis) for d in detects):
+        raise TypeError(f"case {name!r}: canary= takes Diagnosis(kind, model=...) objects, "
+                        f"not {[type(d).__name__ for d in detects if not isinstance(d, Diagnosis)][0]}")
+    return detects
+
+
+def _variants(name: str, variants: Iterable[Variant]) -> tuple[Variant, ...]:
+    """``@case``'s ``variants=``: at least one, each name once."""
+    variant_list = tuple(variants)
+    if not variant_list:
+        raise ValueError(f"case {name!r} has no variants")
+    seen = set()
+    for variant in variant_list:
+        if variant.name in seen:
+            raise ValueError(f"case {name!r} has the variant {variant.name!r} twice")
+        seen.add(variant.name)
+    return variant_list
 
 
 def case_info(function: Any) -> CaseInfo | None:

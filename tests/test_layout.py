@@ -127,6 +127,16 @@ def test_every_module_is_known_to_these_rules():
     assert packages == set(SUBPACKAGES), packages
 
 
+def test_the_distribution_ships_every_package():
+    """pyproject.toml lists the packages a wheel carries: one left out installs a harness that cannot
+    import itself (tests/test_example.py installs one)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]["packages"])
+    found = {_module_name(p / "__init__.py") for p in [PACKAGE, *PACKAGE.rglob("*")] if (p / "__init__.py").exists()}
+    assert listed - {"harness.cases"} == found
+
+
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_each_side_imports_only_what_its_rules_allow(name):
     wrong = sorted(m for m in harness_imports(MODULES[name]) if m != "harness" and not allowed(name, m))
@@ -202,6 +212,38 @@ def test_the_subpackages_import_nothing_when_imported():
     decorator, torch-free) must not pull in the rest of the package."""
     for package in PACKAGES:
         assert harness_imports(MODULES[package]) == set(), package
+
+
+# A module a newcomer can read in one sitting, a function on one screen (issue 57).
+MAX_MODULE_LINES = 450
+MAX_FUNCTION_LINES = 80
+
+
+def long_parts(path: Path) -> tuple[int, list[tuple[str, int]]]:
+    """A module's lines, and its functions (methods and nested ones too) of more than
+    MAX_FUNCTION_LINES lines, docstring and signature counted."""
+    source = path.read_text(encoding="utf-8")
+    functions = [(f"{node.name} (line {node.lineno})", node.end_lineno - node.lineno + 1)
+                 for node in ast.walk(ast.parse(source))
+                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    return len(source.splitlines()), functions
+
+
+def test_no_module_is_over_450_lines_and_no_function_over_80():
+    found = {name: long_parts(path) for name, path in MODULES.items()}
+    modules = {name: lines for name, (lines, _) in found.items() if lines > MAX_MODULE_LINES}
+    functions = {name: long for name, (_, long) in found.items() if long}
+    assert not modules, f"modules over {MAX_MODULE_LINES} lines: {modules}"
+    assert not functions, f"functions over {MAX_FUNCTION_LINES} lines: {functions}"
+
+
+def test_the_length_rule_finds_a_long_module_and_a_long_function(tmp_path):
+    planted = tmp_path / "long.py"
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    planted.write_text(f"def short():\n    return 1\n\n\ndef long():\n{body}\n" + "# a line\n" * MAX_MODULE_LINES)
+    lines, functions = long_parts(planted)
+    assert lines > MAX_MODULE_LINES and functions == [("long (line 5)", MAX_FUNCTION_LINES + 1)]
 
 
 def test_the_records_depend_on_nothing():

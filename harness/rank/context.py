@@ -15,7 +15,8 @@ from harness.rank.judging.checks import checked
 from harness.rank.judging.recorder import Recorder
 from harness.rank.models import derive_seed, seeded
 from harness.rank.numerics.accounting import Accounting
-from harness.rank.oracle.core import ModelOptimizers, OptimizerFactory, Oracle, SchedulerFactory
+from harness.rank.oracle.core import Oracle
+from harness.rank.oracle.interfaces import ModelOptimizers, OptimizerFactory, SchedulerFactory
 from harness.rank.oracle.schedule import (
     MicroStep,
     accumulation_schedule,

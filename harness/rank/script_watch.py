@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 import torch
 from torch import nn
 
-from harness.rank.watch import LoopRefused, Watch, _dataloader_options
+from harness.rank.loaders import dataloader_options
+from harness.rank.watch import LoopRefused, Watch
 from harness.wrappers.names import DDP
 
 if TYPE_CHECKING:
@@ -153,7 +154,7 @@ class ScriptWatch(Watch):
             made = schedulers[id(raw)]
             return copy.deepcopy(made, memo={id(raw): optimizer})
 
-        split, _ = _dataloader_options(self.accelerator)
+        split, _ = dataloader_options(self.accelerator)
         with_optimizer = bool(getattr(self.accelerator, "step_scheduler_with_optimizer", True))
         if schedulers and not with_optimizer:
             raise LoopRefused(f"{WHO}: the script's Accelerator steps its schedulers apart from the optimizers "

@@ -26,7 +26,7 @@ from torch import nn
 
 from harness import wording as text
 from harness.rank.hf_models import transformers_or_skip
-from harness.rank.oracle.core import ClipNorm
+from harness.rank.oracle.interfaces import ClipNorm
 from harness.rank.oracle.schedule import MicroStep, batches_per_rank
 from harness.rank.tokens import IGNORE_INDEX
 from harness.records import Failure, FailureKind

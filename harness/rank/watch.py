@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from harness.rank.loaders import WATCH_ATTRIBUTE, Loader, dataloader_options, follow_iteration
 from harness.rank.models import rng_state, under_rng_state
 from harness.rank.oracle.schedule import MicroStep, accumulation_schedule, window_lengths
 from harness.wrappers.prepared import unwrap
@@ -38,29 +38,10 @@ if TYPE_CHECKING:
 
 # the Accelerator's methods that prepare objects; each call's results are adopted once it returns
 PREPARE = ("prepare", "prepare_model", "prepare_data_loader", "prepare_optimizer", "prepare_scheduler")
-# the attribute a watched dataloader carries its watch in
-WATCH_ATTRIBUTE = "_gradsync_watch"
 
 
 class LoopRefused(ValueError):
     """What the watch cannot infer from the loop's calls: one line, with what to give instead."""
-
-
-@dataclass
-class _Loader:
-    """One dataloader the loop prepared, as the watch follows it."""
-
-    number: int  # 1-based, in the order the loop prepared them
-    expected: int  # the batches each rank's prepared loader must yield per epoch (the contract)
-    epochs: int = 0  # iterations begun
-    seen: int = 0  # batches drawn in the current iteration
-    pending: int = 0  # batches drawn since the last backward
-    batch: Any = None  # a copy of the last batch drawn, as drawn
-    rng: Any = None  # the RNG state when it was drawn (the loop's forward runs under it)
-    trained: bool = False  # a backward has taken one of its batches
-
-    def name(self) -> str:
-        return f"prepared dataloader {self.number}"
 
 
 class Watch:
@@ -93,10 +74,10 @@ class Watch:
         self.contract = dict(num_steps=num_steps, sync_with_dataloader=accumulation.sync_with_dataloader,
                              sync_each_batch=accumulation.sync_each_batch)
         self.schedule: list[list[MicroStep]] = []  # the contract's micro-steps, by epoch of the training loader
-        self.loaders: dict[int, _Loader] = {}  # by id of the prepared loader
-        self.last_drawn: _Loader | None = None
-        self.drawn_since_backward: list[_Loader] = []
-        self.training: _Loader | None = None  # the loader whose batches the backwards take
+        self.loaders: dict[int, Loader] = {}  # by id of the prepared loader
+        self.last_drawn: Loader | None = None
+        self.drawn_since_backward: list[Loader] = []
+        self.training: Loader | None = None  # the loader whose batches the backwards take
         self.unsettled: MicroStep | None = None  # backed, its optimizer step and parameters not yet judged
         self.clipped = False  # the oracle clipped this window
         self.backwards = 0
@@ -225,28 +206,13 @@ class Watch:
         base loader's, so their class cannot be swapped for one instance; others iterate as before)."""
         if vars(prepared).get(WATCH_ATTRIBUTE) is self:
             return
-        state = _Loader(number=len(self.loaders) + 1, expected=self._expected(raw))
+        state = Loader(number=len(self.loaders) + 1, expected=self._expected(raw))
         self.loaders[id(prepared)] = state
         vars(prepared)[WATCH_ATTRIBUTE] = self
         cls = type(prepared)
-        if cls in self._iterations:
-            return
-        self._iterations.add(cls)
-        own = "__iter__" in vars(cls)
-        before = vars(cls).get("__iter__")
-        iterate = cls.__iter__
-        if getattr(iterate, WATCH_ATTRIBUTE, False):  # inherited from a class the watch follows already
-            return
-
-        @functools.wraps(iterate)
-        def __iter__(loader: Any) -> Iterator[Any]:
-            batches = iterate(loader)
-            watch = vars(loader).get(WATCH_ATTRIBUTE)
-            return watch.iterate(loader, batches) if isinstance(watch, Watch) else batches
-
-        setattr(__iter__, WATCH_ATTRIBUTE, True)
-        cls.__iter__ = __iter__  # type: ignore[method-assign]
-        self._restore.append(lambda: setattr(cls, "__iter__", before) if own else delattr(cls, "__iter__"))
+        if cls not in self._iterations:
+            self._iterations.add(cls)
+            follow_iteration(cls, Watch, self._restore)
 
     def _expected(self, loader: Any) -> int:
         """The batches each rank's prepared loader must yield per epoch, from the loader the loop
@@ -259,7 +225,7 @@ class Watch:
         if loader.batch_size is None:
             raise LoopRefused(f"{self.who}: the loop prepares a DataLoader with a batch_sampler, whose batches per "
                               "rank the harness cannot know; give it batch_size= (and shuffle=, drop_last=) instead")
-        split, dispatch = _dataloader_options(self.accelerator)
+        split, dispatch = dataloader_options(self.accelerator)
         return self.ctx._batches_per_rank(len(loader.dataset), loader.batch_size, split_batches=split,
                                           dispatch_batches=dispatch, drop_last=loader.drop_last)
 
@@ -276,7 +242,7 @@ class Watch:
             yield batch
         self._ended(state)
 
-    def _drawn(self, state: _Loader, batch: Any) -> None:
+    def _drawn(self, state: Loader, batch: Any) -> None:
         """A batch drawn: the last micro-batch's step is over (the loop draws the next one after it)."""
         self._settle()
         state.seen += 1
@@ -291,7 +257,7 @@ class Watch:
         if state not in self.drawn_since_backward:
             self.drawn_since_backward.append(state)
 
-    def _ended(self, state: _Loader) -> None:
+    def _ended(self, state: Loader) -> None:
         """A watched loader's iteration ran to its end."""
         self._settle()
         if state in self.drawn_since_backward:
@@ -303,7 +269,7 @@ class Watch:
                                              expected=state.expected):
             self.stopped = "its dataloader yielded another number of batches than the contract's"
 
-    def _refuse_ahead(self, state: _Loader) -> None:
+    def _refuse_ahead(self, state: Loader) -> None:
         raise LoopRefused(f"{self.who}: the loop drew batch {state.seen} of epoch {state.epochs - 1} from its "
                           f"{state.name()} before the backward of the one before it; the watch pairs each backward "
                           "with the one batch drawn before it: for a loop that takes a window's batches first (to "
@@ -322,7 +288,7 @@ class Watch:
 
         return backward
 
-    def _micro_step(self) -> tuple[_Loader, MicroStep] | None:
+    def _micro_step(self) -> tuple[Loader, MicroStep] | None:
         """The micro-step of the backward about to run: the batch the loop drew last, where the
         contract puts it (None past the contract's count: nothing more is judged). What cannot be
         paired is refused before the backward runs."""
@@ -354,7 +320,7 @@ class Watch:
         point = self._point(state)
         return None if point is None else (state, point)
 
-    def _point(self, state: _Loader) -> MicroStep | None:
+    def _point(self, state: Loader) -> MicroStep | None:
         """The contract's micro-step for the ``seen``-th batch of the ``epochs``-th iteration (the
         schedule of that many epochs, so that windows run on across epochs where the contract says);
         None for a batch past the contract's count (the epoch's end reports it)."""
@@ -372,7 +338,7 @@ class Watch:
         ctx.at_step = point.index
         return point
 
-    def _after_backward(self, state: _Loader, point: MicroStep) -> None:
+    def _after_backward(self, state: Loader, point: MicroStep) -> None:
         oracle = self.oracle
         if self.accumulating:
             oracle.check_sync_flag(point, self.accelerator.sync_gradients)
@@ -466,10 +432,3 @@ class Watch:
         """The loop's models by name: the prepared ones, else as given (a loop that never prepared one)."""
         return {name: self.prepared.get(name, model) for name, model in self.originals.items()}
 
-
-def _dataloader_options(accelerator: Any) -> tuple[bool, bool]:
-    """The Accelerator's ``split_batches`` and ``dispatch_batches`` (its ``dataloader_config`` from
-    accelerate 0.28, its own attributes before)."""
-    config = getattr(accelerator, "dataloader_config", None)
-    source = config if config is not None else accelerator
-    return bool(getattr(source, "split_batches", False)), bool(getattr(source, "dispatch_batches", False))

@@ -44,7 +44,8 @@ from harness.wrappers.prepare import verify
 from harness.wrappers.sharding import observe, tensor_parallel_share
 
 if TYPE_CHECKING:
-    from harness.rank.oracle.core import ClipNorm, Oracle
+    from harness.rank.oracle.core import Oracle
+    from harness.rank.oracle.interfaces import ClipNorm
 
 def _grad_or_zeros(observed: Observed, pname: str) -> torch.Tensor:
     grad = observed.grads[pname]
@@ -164,29 +165,35 @@ class Checks:
                         expectations, grads, parts, low=AUTOCAST_DTYPES.get(oracle.precision),
                         backwards=oracle.weighting.backwards.get(name, 1), held=oracle.weighting.held(name),
                         partition=owned_cut(observed) if owned else None, owned=observed.owned)
-                fit_set = fits[owned]
-                previous = oracle.previous_grad(name, pname)
                 local = local if local is not None else oracle.local_grads(name)
-                kind, factor, which = fit_set.diagnose(
-                    pname, observed, actual, expected=expected, local=local[pname], synced=synced[pname],
-                    previous=previous, expected_sync=oracle.last_sync,
-                    weighed=oracle.weighting.tokens is not None or oracle.contract == "full_batch",
-                    rank=self.oracle.data_rank)
+                self._grad_failure(index, at, name, pname, observed, actual, expected, diff, fits[owned],
+                                   local=local[pname], synced=synced[pname])
                 failed = True
-                fit = fit_set.rebasing if which == REBASED else fit_set.reweighing
-                misweighted = kind is FailureKind.MISWEIGHTED and fit is not None
-                unit = "tokens" if oracle.weighting.tokens is not None else "micro-batches"
-                shards = None if oracle.mesh is None else oracle.mesh.shard_ranks()
-                self.recorder.add(make_failure(rank=self.rank, step=index, where=at, model=name, param=pname,
-                                               checked="grad", kind=kind, factor=factor, diff=diff,
-                                               weights=fit.weights if misweighted else None,
-                                               earlier=fit.earlier if misweighted else None,
-                                               backwards=fit.backwards if misweighted else 1,
-                                               unit=unit, shards=shards))
             del pairs, expectations, local, synced  # the oracle's gradients go as the rank's are adopted
             oracle.adopt_grads(name, grads)
             if failed:
                 oracle.restart_window(name, grads)
+
+    def _grad_failure(self, index: int, at: str, name: str, pname: str, observed: Observed, actual: torch.Tensor,
+                      expected: Expectation, diff: Difference, fit_set: ModelFits, *, local: Expectation,
+                      synced: Expectation) -> None:
+        """A parameter's gradient that is not the oracle's, recorded with its diagnosis: fitted to the
+        model's whole gradient (``fit_set``), with this rank's own and the synced hypotheses beside."""
+        oracle = self.oracle
+        kind, factor, which = fit_set.diagnose(
+            pname, observed, actual, expected=expected, local=local, synced=synced,
+            previous=oracle.previous_grad(name, pname), expected_sync=oracle.last_sync,
+            weighed=oracle.weighting.tokens is not None or oracle.contract == "full_batch", rank=oracle.data_rank)
+        fit = fit_set.rebasing if which == REBASED else fit_set.reweighing
+        misweighted = kind is FailureKind.MISWEIGHTED and fit is not None
+        unit = "tokens" if oracle.weighting.tokens is not None else "micro-batches"
+        shards = None if oracle.mesh is None else oracle.mesh.shard_ranks()
+        self.recorder.add(make_failure(rank=self.rank, step=index, where=at, model=name, param=pname,
+                                       checked="grad", kind=kind, factor=factor, diff=diff,
+                                       weights=fit.weights if misweighted else None,
+                                       earlier=fit.earlier if misweighted else None,
+                                       backwards=fit.backwards if misweighted else 1,
+                                       unit=unit, shards=shards))
 
     def grad_norm(self, step: MicroStep | int, name: str, reported: float, norm: ClipNorm, *,
                   who: str = "returned by accelerator.clip_grad_norm_") -> None:

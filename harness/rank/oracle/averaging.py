@@ -21,7 +21,7 @@ from harness.wrappers import sharding
 from harness.wrappers.names import DDP
 
 if TYPE_CHECKING:
-    from harness.rank.oracle.core import Notes
+    from harness.rank.oracle.interfaces import Notes
     from harness.rank.oracle.sharded_reduce import ShardedReduce
     from harness.rank.oracle.weighting import TokenWeighting
 
@@ -31,8 +31,9 @@ FUSED_FROM_VARIABLE = "GRADSYNC_HARNESS_FUSED_FROM"
 class Averaging:
     """How ``Oracle`` averages its gradients at a sync, and holds them and their allowances between."""
 
-    # a model of this many elements or more is checked at a sync as it is averaged (harness/rank/numerics/fused_check.py);
-    # the variable FUSED_FROM_VARIABLE overrides it for a run (tests: 0, the pass on the catalogue's small models)
+    # a model of this many elements or more is checked at a sync as it is averaged
+    # (harness/rank/numerics/fused_check.py); the variable FUSED_FROM_VARIABLE overrides it for a run
+    # (tests: 0, the pass on the catalogue's small models)
     FUSED_FROM = CHUNK
 
     # the oracle's state (harness/rank/oracle/core.py, Oracle.__init__)

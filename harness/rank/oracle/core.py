@@ -3,65 +3,38 @@
 from __future__ import annotations
 
 import contextlib
-import copy
-from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Hashable, Iterable, Mapping, Protocol, Sequence, Union
+from typing import Any, Callable, ContextManager, Hashable, Iterable, Mapping
 
 import torch
 from torch import nn
 
-from harness.decorator import ALL_PRECISIONS
 from harness.rank.numerics.closeness import Expectation, norm_rounding, rounding_allowance
 from harness.rank.numerics.collectives import Collectives, flat
 from harness.rank.oracle.anchoring import Anchored
 from harness.rank.oracle.averaging import Averaging
-from harness.rank.oracle.replica import SHARDED_MIXED, as_optimizers, autocast_of, forward_as, unsharded_grads
-from harness.rank.oracle.schedule import CONTRACTS, MicroStep
+from harness.rank.oracle.interfaces import (
+    CheckCalls,
+    ClipNorm,
+    ModelOptimizers,
+    Notes,
+    OptimizerFactory,
+    OracleChecks,
+    RngReplay,
+    SchedulerFactory,
+    make_optimizers,
+    refuse_options,
+    refuse_unequal_models,
+    replicate,
+    round_through,
+)
+from harness.rank.oracle.replica import SHARDED_MIXED, autocast_of, forward_as, gradients, unsharded_grads
+from harness.rank.oracle.schedule import MicroStep
 from harness.rank.oracle.sharded_reduce import SHARDED_PRECISIONS, ShardedReduce
 from harness.rank.oracle.weighting import TokenWeighting, token_seeds
 from harness.wrappers.prepared import unwrap
 
-# ``optimizer=``: called with a replica's parameters, as ``torch.optim.SGD(params, lr=...)`` is.
-OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
-# ``optimizers=``: the user's own factory, called with the replica module; one optimizer or several.
-ModelOptimizers = Callable[[nn.Module], Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]]
-SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
-# What ``backward(rng=key)`` replays: the RNG state the case's own forward ran under for that key.
-RngReplay = Callable[[Hashable], ContextManager[None]]
 
-
-class Notes(Protocol):
-    """Where the oracle says what it could not check exactly, and the backend's defects its
-    reductions went through: the cell's recorder (harness/rank/judging/recorder.py)."""
-
-    unchecked: dict[str, str]
-    defects: set[str]
-
-
-class OracleChecks(Protocol):
-    """The checks a case calls through the oracle, judged above it (harness/rank/judging/checks.py,
-    attached by ``checked``)."""
-
-    def grads(self, step: MicroStep | int, models: Mapping[str, nn.Module]) -> None: ...
-    def params(self, step: MicroStep | int, models: Mapping[str, nn.Module],
-               optimizers: Mapping[str, Any] | None) -> None: ...
-    def grad_norm(self, step: MicroStep | int, name: str, reported: float, norm: ClipNorm) -> None: ...
-    def sync_flag(self, step: MicroStep, flag: bool) -> None: ...
-    def lr(self, step: MicroStep | int, optimizers: Mapping[str, Any]) -> None: ...
-
-
-@dataclass(frozen=True)
-class ClipNorm:
-    """The oracle's total gradient norm of one model at a clip, before clipping: ``value``; ``carried``,
-    the norm of the gradients' allowances then; ``numel`` and ``dtype``, of the gradients summed."""
-
-    value: float
-    carried: float
-    numel: int
-    dtype: torch.dtype
-
-
-class Oracle(Averaging, Anchored):
+class Oracle(Averaging, Anchored, CheckCalls):
     """Replicas of the user's models, with no DDP and no accelerate, on this rank.
 
     The case tells the oracle each micro-batch (as a closure over the replicas) and whether the
@@ -97,20 +70,9 @@ class Oracle(Averaging, Anchored):
         mesh: Any = None,
         weights: Mapping[str, nn.Module] | None = None,
     ) -> None:
-        if not models:
-            raise ValueError("the oracle needs at least one model")
-        if precision not in ALL_PRECISIONS:
-            raise ValueError(f"unknown precision {precision!r}; known: {', '.join(ALL_PRECISIONS)}")
-        if optimizer is not None and optimizers is not None:
-            raise TypeError("give the oracle optimizer= (called with parameters) or optimizers= "
-                            "(called with the model), not both")
-        if num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-        if contract not in CONTRACTS:
-            raise ValueError(f"unknown contract {contract!r}; known: {', '.join(CONTRACTS)}")
-        if contract == "full_batch" and window_length is None:
-            raise ValueError("contract='full_batch' needs window_length (the micro-batches of the current "
-                             "backward's window); ctx.oracle gives it from the schedule")
+        refuse_options(models, precision=precision, both_optimizers=optimizer is not None and optimizers is not None,
+                       num_steps=num_steps, contract=contract, window_length=window_length,
+                       scheduler_steps=scheduler_steps)
         self.contract = contract
         # full_batch: how many micro-batches the window of the backward being run has
         self.window_length = window_length
@@ -126,23 +88,13 @@ class Oracle(Averaging, Anchored):
         self.collectives = Collectives(rank=rank, world_size=world_size)
         # ``weights``: the models to copy where ``models`` no longer hold their whole weights (a script's
         # models sharded in place by prepare: harness/rank/script.py)
-        self.replicas = {name: copy.deepcopy(unwrap(m)) for name, m in (weights or models).items()}
+        self.replicas = replicate(weights or models, mesh)
+        refuse_unequal_models(self.collectives, self.replicas)
         # the user's modules, which prepare wraps: how their wrapper reduces is read off it at a sync
         # (harness/rank/oracle/averaging.py; DDP's buckets, harness/wrappers/sharding.py)
         self.user_models = {name: unwrap(m) for name, m in models.items()}
-        if mesh is not None and mesh.size("tp") > 1:
-            from harness.wrappers.mesh import split_like_tensor_parallel
-
-            for replica in self.replicas.values():
-                split_like_tensor_parallel(replica, mesh.size("tp"))
-        self._require_equal_on_every_rank()
         self.models = forward_as(self.replicas, precision, wrapper=wrapper, reduce=reduce)
         self.params = {name: dict(r.named_parameters()) for name, r in self.replicas.items()}
-        # this rank's own gradient since the window began, by parameter; None is zero. Until a sync or
-        # a check's adoption parts them it is the replica's p.grad itself, the same tensor (``local is
-        # p.grad``): nothing changes either in place without parting them first (``_part_local``)
-        self.local: dict[str, dict[str, torch.Tensor | None]] = {
-            name: {p: None for p in ps} for name, ps in self.params.items()}
         # FSDP2, FSDP1 and DeepSpeed in fp32 and bf16 (harness/rank/oracle/replica.py): each rank's unsharded gradients
         # since the last sync accumulate apart, as the wrapper accumulates them, and are reduced as it
         # reduces them; the result is added to the gradient held (harness/rank/oracle/sharded_reduce.py)
@@ -156,10 +108,32 @@ class Oracle(Averaging, Anchored):
                         if wrapper in SHARDED_MIXED and precision in SHARDED_PRECISIONS else None)
         if self.sharded is not None and self.sharded.stage is not None:
             # DeepSpeed makes its fp32 masters from the module it cast to bf16: the weights' low bits go
-            with torch.no_grad():
-                for ps in self.params.values():
-                    for p in ps.values():
-                        p.copy_(p.to(self.sharded.param_dtype))
+            round_through(self.params, self.sharded.param_dtype)
+        self._start_state()
+        # each model's optimizers, in the order the case's own factory makes them
+        self.optimizers = make_optimizers(self.replicas, optimizer, optimizers)
+        self.schedulers = [scheduler(opt) for opts in self.optimizers.values() for opt in opts] if scheduler else []
+        self.scheduler_steps = scheduler_steps
+        # fp16 as accelerate documents it: the loss scaled by a GradScaler in backward, the
+        # gradients unscaled before a clip and by the prepared optimizer's step, which skips on inf
+        self.scaler = self._grad_scaler(scaler_kwargs or {}) if precision == "fp16" else None
+        self._unscaled = False  # this window's gradients were unscaled (by a clip)
+        self.wrapper = wrapper
+        # token weighting (token_window), and the contributions the misweighted diagnosis refits
+        self.weighting = TokenWeighting(self.params, world_size=world_size, shards=None if mesh is None else [
+            mesh.data_index(r) for r in range(world_size)])
+        self.data_rank = rank if mesh is None else mesh.data_index(rank)
+        self.recorder = recorder
+        # the checks of ``check_*``, attached by harness/rank/judging/checks.py (``checked``)
+        self.checks: OracleChecks | None = None
+
+    def _start_state(self) -> None:
+        """What the oracle holds between the calls of a case, from none."""
+        # this rank's own gradient since the window began, by parameter; None is zero. Until a sync or
+        # a check's adoption parts them it is the replica's p.grad itself, the same tensor (``local is
+        # p.grad``): nothing changes either in place without parting them first (``_part_local``)
+        self.local: dict[str, dict[str, torch.Tensor | None]] = {
+            name: {p: None for p in ps} for name, ps in self.params.items()}
         # the all-rank average of ``local`` as it is now, by model: made with a sync's average, in
         # the same all-reduce, and forgotten whenever ``local`` changes
         self._synced: dict[str, dict[str, Expectation]] = {}
@@ -177,64 +151,20 @@ class Oracle(Averaging, Anchored):
         self.last_sync = False
         self.stepped = False
         self.before_step: dict[str, dict[str, torch.Tensor]] | None = None
-        # each model's optimizers, in the order the case's own factory makes them
-        self.optimizers: dict[str, tuple[torch.optim.Optimizer, ...]] = {}
-        for name, replica in self.replicas.items():
-            if optimizer is not None:
-                factory = optimizer[name] if isinstance(optimizer, Mapping) else optimizer
-                self.optimizers[name] = (factory(replica.parameters()),)
-            elif optimizers is not None:
-                make = optimizers.get(name) if isinstance(optimizers, Mapping) else optimizers
-                if make is not None:
-                    self.optimizers[name] = as_optimizers(make(replica))
-        every = [opt for opts in self.optimizers.values() for opt in opts]
-        self.schedulers = [scheduler(opt) for opt in every] if scheduler else []
-        if scheduler_steps < 1:
-            raise ValueError(f"scheduler_steps must be >= 1, got {scheduler_steps}")
-        self.scheduler_steps = scheduler_steps
-        # fp16 as accelerate documents it: the loss scaled by a GradScaler in backward, the
-        # gradients unscaled before a clip and by the prepared optimizer's step, which skips on inf
-        self.scaler = self._grad_scaler(scaler_kwargs or {}) if precision == "fp16" else None
-        self._unscaled = False  # this window's gradients were unscaled (by a clip)
-        self.wrapper = wrapper
         # each backward since the last gradient check: whether it syncs, and how many gradient
         # elements it produced (what a sync must reduce; harness/rank/numerics/accounting.py)
         self.backward_syncs: list[tuple[bool, int]] = []
-        # token weighting (token_window), and the contributions the misweighted diagnosis refits
-        self.weighting = TokenWeighting(self.params, world_size=world_size, shards=None if mesh is None else [
-            mesh.data_index(r) for r in range(world_size)])
-        self.data_rank = rank if mesh is None else mesh.data_index(rank)
         # the models whose sync's average the next gradient check makes (``_average_grads``)
         self.pending: set[str] = set()
         # the local gradients a fused check left the oracle's own (p.grad holds the adopted ones): the
         # step copies the parameters before it into them rather than into a model's worth more
         self.reusable_local: set[tuple[str, str]] = set()
-        self.recorder = recorder
-        # the checks of ``check_*``, attached by harness/rank/judging/checks.py (``checked``)
-        self.checks: OracleChecks | None = None
         # each model's norm at the last clip_grad_norm, before clipping (what check_grad_norm judges)
         self.norms: dict[str, ClipNorm] = {}
 
     def _grad_scaler(self, kwargs: Mapping[str, Any]) -> Any:
         device_type = next(next(iter(self.replicas.values())).parameters()).device.type
         return torch.amp.GradScaler(device_type, **kwargs)
-
-    def _require_equal_on_every_rank(self) -> None:
-        """The replicas start from this rank's models; DDP starts from rank 0's. A model built
-        differently on each rank (``MyNet()`` under a per-rank seed) would fail every rank but 0
-        with no visible cause, so it is refused here, on every rank, with the remedy."""
-        # every rank learns which ranks differ, and says the same
-        ranks = self.collectives.same_everywhere(p for r in self.replicas.values() for p in r.parameters())
-        if ranks:
-            names = ", ".join(repr(n) for n in self.replicas)
-            raise ValueError(
-                f"the models ({names}) do not have the same weights on every rank when the oracle is made "
-                f"({'ranks' if len(ranks) > 1 else 'rank'} {', '.join(map(str, ranks))} "
-                f"{'differ' if len(ranks) > 1 else 'differs'} from rank 0); "
-                "DDP would start every rank from rank 0's weights and the oracle from each rank's own. "
-                "Build each model with ctx.model(YourModel, ...) (seeded the same on every rank), and make "
-                "the oracle before accelerator.prepare"
-            )
 
     # the contract, step by step
 
@@ -252,22 +182,64 @@ class Oracle(Averaging, Anchored):
         ``ctx.replay_rng(key)``; the closure runs under the same RNG state (the same dropout masks)."""
         self.settle()
         if self.sharded is not None:
-            for name, m in self.models.items():
-                prepared = unwrap(self.sharded.models[name])  # prepared by now
-                m.autocast = autocast_of(prepared)
-                if self.sharded.stage is not None:
-                    m.buffer_dtypes = {n: b.dtype for n, b in prepared.named_buffers()}
-                m.unshard(self.sharded.flat_groups(name))
+            self._as_prepared()
         with self._replayed(rng):
             loss = closure(self.models)
         self._synced.clear()
         flat = [(name, pname, p) for name, ps in self.params.items() for pname, p in ps.items() if p.requires_grad]
-        other: torch.Tensor | None = None
-        tokens = self.weighting.tokens
         # the contributions a misweighted diagnosis refits: a token window's, any window's held to the
         # full-batch mean, and any window's of a model small enough (``refitted``)
-        weighted = tokens is not None or self.contract == "full_batch"
+        weighted = self.weighting.tokens is not None or self.contract == "full_batch"
         refitted = self.params if weighted else self.weighting.refitted
+        loss, other = self._scaled(loss)
+        parts: list[list[torch.Tensor]] = []
+        if other is not None:  # the same on every rank (the window's global count): so is the set
+            self.uncertain.update(self.params)
+        if self.sharded is None:
+            for name in refitted:  # what this backward adds to, on every rank alike
+                self.weighting.hold(name, {pname: p.grad for pname, p in self.params[name].items()})
+            grads = gradients(loss, flat, retain_graph=other is not None)
+            others = gradients(other, flat) if other is not None else [None] * len(grads)
+        else:  # the gradients of the unsharded parameters (bf16 ones upcast exactly), as the wrapper adds them
+            keys = [(name, pname) for name, pname, _ in flat]
+            parts = [[c.float() for c in cs] for cs in unsharded_grads(loss, self.models, keys,
+                                                                       retain_graph=other is not None)]
+            grads = [sum(cs[1:], cs[0]) if cs else None for cs in parts]
+            others = ([sum(cs[1:], cs[0]) if cs else None for cs in unsharded_grads(other, self.models, keys)]
+                      if other is not None else [None] * len(grads))
+        self.backward_syncs.append((sync, sum(g.numel() for g in grads if g is not None)))
+        for index, ((name, pname, p), g, g_other) in enumerate(zip(flat, grads, others)):
+            if g is None:
+                continue
+            self._add(name, pname, p, g, g_other, parts[index] if parts else [])
+            if name in refitted:
+                self.weighting.add(name, pname, g.detach())
+        if refitted:
+            self.weighting.after_backward(sync=sync, models=refitted)
+        if self.sharded is not None:
+            why = self.sharded.after_backward({name: m.order for name, m in self.models.items()},
+                                              uncertain=bool(self.uncertain))
+            if why:
+                self.recorder.unchecked["exact reduction order"] = why
+        self.last_sync = sync
+        if sync:
+            self._average_grads()
+
+    def _as_prepared(self) -> None:
+        """Under FSDP and DeepSpeed: each replica's forward as the prepared model runs it now (its
+        autocast, ZeRO-3's buffer dtypes), over the unsharded parameters."""
+        for name, m in self.models.items():
+            prepared = unwrap(self.sharded.models[name])  # type: ignore[union-attr]  # prepared by now
+            m.autocast = autocast_of(prepared)
+            if self.sharded.stage is not None:  # type: ignore[union-attr]
+                m.buffer_dtypes = {n: b.dtype for n, b in prepared.named_buffers()}
+            m.unshard(self.sharded.flat_groups(name))  # type: ignore[union-attr]
+
+    def _scaled(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A micro-batch's loss as the contract weighs it in its window (and the gradient scaler under
+        fp16); and, where a token window's weight rounds two ways, the loss under the other."""
+        other: torch.Tensor | None = None
+        tokens = self.weighting.tokens
         if tokens is not None:
             # the token mean's weight, world_size / N, as the two documented loops round it (each
             # backward seeded exactly so); where they differ the oracle runs both and allows each
@@ -283,78 +255,38 @@ class Oracle(Averaging, Anchored):
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
             other = None if other is None else self.scaler.scale(other)
-        parts: list[list[torch.Tensor]] = []
-        if other is not None:  # the same on every rank (the window's global count): so is the set
-            self.uncertain.update(self.params)
-        if self.sharded is None:
-            for name in refitted:  # what this backward adds to, on every rank alike
-                self.weighting.hold(name, {pname: p.grad for pname, p in self.params[name].items()})
-            grads = self._gradients(loss, flat, retain_graph=other is not None)
-            others = self._gradients(other, flat) if other is not None else [None] * len(grads)
-        else:  # the gradients of the unsharded parameters (bf16 ones upcast exactly), as the wrapper adds them
-            keys = [(name, pname) for name, pname, _ in flat]
-            parts = [[c.float() for c in cs] for cs in unsharded_grads(loss, self.models, keys,
-                                                                       retain_graph=other is not None)]
-            grads = [sum(cs[1:], cs[0]) if cs else None for cs in parts]
-            others = ([sum(cs[1:], cs[0]) if cs else None for cs in unsharded_grads(other, self.models, keys)]
-                      if other is not None else [None] * len(grads))
-        self.backward_syncs.append((sync, sum(g.numel() for g in grads if g is not None)))
-        for index, ((name, pname, p), g, g_other) in enumerate(zip(flat, grads, others)):
-            if g is None:
-                continue
-            if self.sharded is not None:
-                # held apart until the sync; the sharded gradient (p.grad) is what the last sync left;
-                # the rank's own since the window began, as the wrapper would hold it unsynced
-                for part in [g] if self.sharded.adds_contributions_once else parts[index]:
-                    self.sharded.add(name, pname, part)
-                    local = self.local[name][pname]
-                    self.local[name][pname] = self.sharded.round(part if local is None else local + part)
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            else:
-                self.reusable_local.discard((name, pname))
-                self._materialize(name, pname)  # of p.grad as it is, before this backward adds to it
-                local, g = self.local[name][pname], g.detach()
-                grad = g if p.grad is None else p.grad + g
-                # the local gradient is p.grad's own tensor while they hold the same (None: both zero)
-                self.local[name][pname] = grad if local is p.grad else g if local is None else local + g
-                p.grad = grad
-            if self.sharded is None:
-                # (under FSDP and DeepSpeed the same kernels run on the same values: the same bits)
-                if self.allowed[name][pname].dim() == 0 and g_other is None:
-                    self.rounded.add((name, pname))  # the same for every element, plus p.grad's rounding
-                else:
-                    self.allowed[name][pname] = self.allowed[name][pname] + rounding_allowance(p.grad)
-            if g_other is not None:
-                held = self.allowed[name][pname]
-                self.allowed[name][pname] = held + (g.double() - g_other.detach().double()).abs().to(held.dtype)
-            if name in refitted:
-                self.weighting.add(name, pname, g.detach())
-        if refitted:
-            self.weighting.after_backward(sync=sync, models=refitted)
-        if self.sharded is not None:
-            why = self.sharded.after_backward({name: m.order for name, m in self.models.items()},
-                                              uncertain=bool(self.uncertain))
-            if why:
-                self.recorder.unchecked["exact reduction order"] = why
-        self.last_sync = sync
-        if sync:
-            self._average_grads()
+        return loss, other
 
-    def _gradients(self, loss: torch.Tensor, flat: list[tuple[str, str, nn.Parameter]], *,
-                   retain_graph: bool = False) -> list[torch.Tensor | None]:
-        """Each parameter's gradient of ``loss`` alone (None where it has none), leaving p.grad as it was:
-        torch's own accumulation into the leaves (as the case's backward adds a model's several uses),
-        from none, so that torch hands over the tensor it summed into rather than adding it to another."""
-        saved = [p.grad for _, _, p in flat]
-        for _, _, p in flat:
-            p.grad = None
-        torch.autograd.backward(loss, inputs=[p for _, _, p in flat], retain_graph=retain_graph)
-        grads = []
-        for (_, _, p), held in zip(flat, saved):
-            grads.append(p.grad)
-            p.grad = held
-        return grads
+    def _add(self, name: str, pname: str, p: torch.Tensor, g: torch.Tensor, g_other: torch.Tensor | None,
+             parts: list[torch.Tensor]) -> None:
+        """One backward's gradient ``g`` of a parameter added to the replica's and to this rank's own,
+        with its allowance (``g_other``: the gradient under a token weight's other rounding; ``parts``:
+        its contributions apart, as a sharded wrapper adds them)."""
+        if self.sharded is not None:
+            # held apart until the sync; the sharded gradient (p.grad) is what the last sync left;
+            # the rank's own since the window began, as the wrapper would hold it unsynced
+            for part in [g] if self.sharded.adds_contributions_once else parts:
+                self.sharded.add(name, pname, part)
+                local = self.local[name][pname]
+                self.local[name][pname] = self.sharded.round(part if local is None else local + part)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        else:
+            self.reusable_local.discard((name, pname))
+            self._materialize(name, pname)  # of p.grad as it is, before this backward adds to it
+            local, g = self.local[name][pname], g.detach()
+            grad = g if p.grad is None else p.grad + g
+            # the local gradient is p.grad's own tensor while they hold the same (None: both zero)
+            self.local[name][pname] = grad if local is p.grad else g if local is None else local + g
+            p.grad = grad
+            # (under FSDP and DeepSpeed the same kernels run on the same values: the same bits)
+            if self.allowed[name][pname].dim() == 0 and g_other is None:
+                self.rounded.add((name, pname))  # the same for every element, plus p.grad's rounding
+            else:
+                self.allowed[name][pname] = self.allowed[name][pname] + rounding_allowance(p.grad)
+        if g_other is not None:
+            held = self.allowed[name][pname]
+            self.allowed[name][pname] = held + (g.double() - g_other.detach().double()).abs().to(held.dtype)
 
     def token_window(self, labels: Iterable[torch.Tensor], *, ignore_index: int = -100) -> int:
         """Weigh the backwards of this accumulation window (until the next optimizer step) by tokens,
@@ -489,49 +421,3 @@ class Oracle(Averaging, Anchored):
                 self.local[name][pname] = None
             self.allowed[name] = self._no_allowance(name)
         self.weighting.end()
-
-    # the checks a case calls (judged in harness/rank/judging/checks.py)
-
-    def _checks(self) -> OracleChecks:
-        if self.checks is None:
-            raise RuntimeError("this oracle has no checks attached: make it with ctx.oracle(...), or attach them "
-                               "with harness.rank.judging.checks.checked(oracle)")
-        return self.checks
-
-    def check_grads(self, step: MicroStep | int, models: Mapping[str, nn.Module]) -> None:
-        """Compare every parameter's gradient on this rank with the oracle's (after a backward)."""
-        self._checks().grads(step, models)
-
-    def check_params(self, step: MicroStep | int, models: Mapping[str, nn.Module],
-                     optimizers: Mapping[str, Any] | None = None) -> None:
-        """Compare every parameter's update since the last optimizer step with the oracle's, and
-        with rank 0's copy (after ``step``). ``optimizers``: the case's own, by model name (one
-        optimizer or a list), whose state the oracle adopts after a mismatch."""
-        self._checks().params(step, models, optimizers)
-
-    def check_grad_norm(self, step: MicroStep | int, norms: Mapping[str, Any]) -> None:
-        """Compare the total norm the library reported for each model (by name: what
-        ``accelerator.clip_grad_norm_`` returned, a tensor, a DTensor or a number) with the oracle's at
-        its last ``clip_grad_norm``, before the clip."""
-        for name, reported in norms.items():
-            if name not in self.norms:
-                raise ValueError(f"check_grad_norm: no oracle.clip_grad_norm for {name!r} before it")
-            self._checks().grad_norm(step, name, _as_float(reported), self.norms[name])
-
-    def check_sync_flag(self, step: MicroStep, flag: bool) -> None:
-        """Compare ``accelerator.sync_gradients`` with the schedule."""
-        self._checks().sync_flag(step, flag)
-
-    def check_lr(self, step: MicroStep | int, optimizers: Mapping[str, Any]) -> None:
-        """Compare each optimizer's learning rates with the oracle's schedulers' (``optimizers`` by
-        model name, one optimizer or a list)."""
-        self._checks().lr(step, optimizers)
-
-
-def _as_float(value: Any) -> float:
-    """A reported norm as a number: a DTensor's full value (a replicated norm is the same on every
-    rank; a Partial one is reduced), a tensor's item, or the number itself."""
-    full = getattr(value, "full_tensor", None)
-    if callable(full):
-        value = full()
-    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)

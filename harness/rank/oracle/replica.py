@@ -218,3 +218,19 @@ def forward_as(replicas: Mapping[str, nn.Module], precision: str, *, wrapper: st
                                           cast_inputs=how["cast_inputs"])
                 for name, r in replicas.items()}
     return {name: MixedPrecisionReplica(r, device_type, dtype) for name, r in replicas.items()}
+
+
+def gradients(loss: torch.Tensor, flat: list[tuple[str, str, nn.Parameter]], *,
+          retain_graph: bool = False) -> list[torch.Tensor | None]:
+    """Each parameter's gradient of ``loss`` alone (None where it has none), leaving p.grad as it was:
+    torch's own accumulation into the leaves (as the case's backward adds a model's several uses),
+    from none, so that torch hands over the tensor it summed into rather than adding it to another."""
+    saved = [p.grad for _, _, p in flat]
+    for _, _, p in flat:
+        p.grad = None
+    torch.autograd.backward(loss, inputs=[p for _, _, p in flat], retain_graph=retain_graph)
+    grads = []
+    for (_, _, p), held in zip(flat, saved):
+        grads.append(p.grad)
+        p.grad = held
+    return grads
