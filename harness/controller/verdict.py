@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable, Sequence
 
-from harness import wording as text
+from harness import wording
 from harness.decorator import Diagnosis, probed
 from harness.matrix.schema import Cell
 from harness.records import UNCHECKED_KINDS, CellOutcome, Failure, FailureKind, RankOutcome, Status
@@ -20,22 +20,23 @@ def _judge_canary(cell: Cell, detects: Sequence[Diagnosis], omitted: int) -> Cel
     required = [d for d in detects if d.observable(cell.world_size)]
     if not required:
         cell.status = Status.SKIP
-        cell.summary = text.canary_unobservable_summary(detects, cell.world_size)
+        cell.summary = wording.canary_unobservable_summary(detects, cell.world_size)
         return cell
     blind = {check: reason for check, reason in cell.unchecked.items()
              if any(d.kind in UNCHECKED_KINDS.get(check, ()) for d in required)}
     if blind:
         cell.status = Status.SKIP
-        cell.summary = text.canary_unchecked_summary(required, blind)
+        cell.summary = wording.canary_unchecked_summary(required, blind)
         return cell
     found = [d for d in required if any(d.matches(f.kind, f.model) for f in cell.failures)]
     if len(found) == len(required):
         cell.status = Status.DETECTED
-        cell.summary = text.canary_detected_summary(required, cell.failures, omitted) + text.unchecked_suffix(cell.unchecked)
+        cell.summary = (wording.canary_detected_summary(required, cell.failures, omitted)
+                        + wording.unchecked_suffix(cell.unchecked))
         return cell
     cell.status = Status.MISSED
-    cell.summary = (text.canary_missed_summary([d for d in required if d not in found], cell.failures, omitted)
-                    + text.unchecked_suffix(cell.unchecked))
+    cell.summary = (wording.canary_missed_summary([d for d in required if d not in found], cell.failures, omitted)
+                    + wording.unchecked_suffix(cell.unchecked))
     return cell
 
 
@@ -59,27 +60,27 @@ def judge(
     cell = Cell(case=case, variant=variant, world_size=world_size, status=Status.ERROR,
                 duration_s=round(duration_s, 4), nodeid=nodeid, rerun=rerun)
     if controller_error:
-        cell.summary = text.controller_error_summary(controller_error)
+        cell.summary = wording.controller_error_summary(controller_error)
         cell.detail = controller_error
         return cell
     if outcome is None:
-        cell.summary = text.start_error_summary(world_size, start_error)
+        cell.summary = wording.start_error_summary(world_size, start_error)
         cell.detail = start_error
         return cell
     if outcome.faults:
-        cell.summary = text.faults_summary(outcome.faults, timeout_s=timeout_s)
-        cell.detail = text.faults_detail(outcome.faults, timeout_s=timeout_s)
+        cell.summary = wording.faults_summary(outcome.faults, timeout_s=timeout_s)
+        cell.detail = wording.faults_detail(outcome.faults, timeout_s=timeout_s)
         # what the ranks that reported had judged before the fault: kept, and said after it
         judged, omitted = _failures(outcome.results.values())
         if judged:
             cell.failures = judged
-            cell.summary += "; before it, " + text.failures_summary(judged, omitted)
+            cell.summary += "; before it, " + wording.failures_summary(judged, omitted)
         return cell
     results = [outcome.results[r] for r in sorted(outcome.results)]
     outcomes = {r.outcome for r in results}
     if len(outcomes) > 1:
         # one rank skipping while another ran (and maybe failed) would hide that failure
-        cell.summary = text.disagreement_summary(results)
+        cell.summary = wording.disagreement_summary(results)
         return cell
     if outcomes == {RankOutcome.UNSUPPORTED}:
         cell.status = Status.UNSUPPORTED
@@ -93,7 +94,7 @@ def judge(
     cell.forced = dict(sorted({k: v for r in results for k, v in r.forced.items()}.items()))
     cell.wrapper = results[0].wrapper
     cell = _judge_checks(cell, results, detects)
-    cell.summary += text.wrapper_suffix(cell.wrapper) + text.forced_suffix(cell.forced)
+    cell.summary += wording.wrapper_suffix(cell.wrapper) + wording.forced_suffix(cell.forced)
     return cell
 
 
@@ -122,10 +123,10 @@ def _judge_checks(cell: Cell, results: Sequence[RankResult], detects: Sequence[D
     raised = any(f.kind == FailureKind.RAISED for f in failures)
     if cell.grad_checks == 0 and not raised:
         cell.status = Status.MISSED if detects else Status.ERROR
-        cell.summary = text.NO_GRADIENT_CHECK
+        cell.summary = wording.NO_GRADIENT_CHECK
         return cell
     if world_size >= 2 and cell.vacuous_checks == cell.grad_checks and not raised:
-        cell.summary = text.all_vacuous_summary(cell)
+        cell.summary = wording.all_vacuous_summary(cell)
         return cell
     # a probed defect of the backend the cell went through (``PROBED``, harness/decorator.py), declared as
     # the case's own are
@@ -134,8 +135,8 @@ def _judge_checks(cell: Cell, results: Sequence[RankResult], detects: Sequence[D
         return _judge_canary(cell, detects, omitted)
     if failures:
         cell.status = Status.FAIL
-        cell.summary = text.failures_summary(failures, omitted) + text.unchecked_suffix(cell.unchecked)
+        cell.summary = wording.failures_summary(failures, omitted) + wording.unchecked_suffix(cell.unchecked)
         return cell
     cell.status = Status.PASS
-    cell.summary = text.evidence_summary(cell)
+    cell.summary = wording.evidence_summary(cell)
     return cell

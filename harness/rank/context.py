@@ -24,7 +24,7 @@ from harness.rank.oracle.schedule import (
 )
 from harness.rank.rank_data import RankData
 from harness.rank.watch import LoopRefused, Watch
-from harness.wrappers import prepare as wrappers
+from harness.wrappers import prepare
 from harness.wrappers import probe
 from harness.wrappers.mesh import shape as mesh_shape
 from harness.wrappers.names import DDP, DEEPSPEED, WRAPPERS
@@ -142,7 +142,7 @@ class RankContext(RankData):
         kwargs.setdefault("cpu", self.device.type == "cpu")
         self.accumulation = _accumulation_of(kwargs)
         self._scaler_kwargs = _scaler_kwargs_of(kwargs)
-        kwargs.update(wrappers.accelerator_kwargs(self.wrapper, kwargs, device_type=self.device.type,
+        kwargs.update(prepare.accelerator_kwargs(self.wrapper, kwargs, device_type=self.device.type,
                                                   world_size=self.world_size, num_steps=self.accumulation.num_steps,
                                                   mesh=self.mesh, **self._dtype_policy))
         if self.compile is not None:
@@ -168,7 +168,7 @@ class RankContext(RankData):
         if kwargs["mixed_precision"] == "fp16" and getattr(accelerator, "scaler", None) is None:
             self.skip(f"accelerate makes no fp16 gradient scaler on {self.device.type} "
                       "(it runs fp16 mixed precision on an accelerator device only)")
-        wrappers.after_construction(self.wrapper, accelerator, kwargs, self.mesh)
+        prepare.after_construction(self.wrapper, accelerator, kwargs, self.mesh)
         self.accounting.watch(accelerator)
         self._made = accelerator
         return accelerator

@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-from harness import wording as text
+from harness import wording
 from harness.rank.hf_models import transformers_or_skip
 from harness.rank.oracle.interfaces import ClipNorm
 from harness.rank.oracle.schedule import MicroStep, batches_per_rank
@@ -162,8 +162,9 @@ class TrainerWatch:
             recorder.add(Failure(
                 rank=recorder.rank, step=planned[-1].index, model="trainer", param="window",
                 kind=FailureKind.SCHEDULE, max_abs_diff=float(abs(planned[-1].index - end.index)), checked="schedule",
-                message=text.trainer_window_text(rank=recorder.rank, first=planned[0].where(),
-                                                 last=planned[-1].where(), due=end.where(), steps=self.trainer.args.gradient_accumulation_steps),
+                message=wording.trainer_window_text(rank=recorder.rank, first=planned[0].where(),
+                                                    last=planned[-1].where(), due=end.where(),
+                                                    steps=self.trainer.args.gradient_accumulation_steps),
             ))
         if self.max_grad_norm > 0:
             oracle.clip_grad_norm(self.max_grad_norm)
@@ -208,7 +209,7 @@ class TrainerWatch:
                 recorder.add(Failure(
                     rank=recorder.rank, step=0, model="trainer", param=what.split()[0], kind=FailureKind.SCHEDULE,
                     max_abs_diff=float(abs(seen - expected)), checked="schedule",
-                    message=text.trainer_count_text(rank=recorder.rank, what=what, seen=seen, expected=expected),
+                    message=wording.trainer_count_text(rank=recorder.rank, what=what, seen=seen, expected=expected),
                 ))
 
     def _judge_norm(self, n: int, logged: float) -> None:

@@ -172,7 +172,7 @@ def after_construction(wrapper: str, accelerator: Any, kwargs: Mapping[str, Any]
             from harness.wrappers import mesh as meshes
 
             meshes.after_construction(mesh, accelerator)
-        _prepare_says_what_it_cannot_do(accelerator, wrapper, mesh)
+        _patch_prepare(accelerator, wrapper, mesh)
     elif wrapper in DEEPSPEED:
         from harness.wrappers import deepspeed_cpu
 
@@ -181,10 +181,11 @@ def after_construction(wrapper: str, accelerator: Any, kwargs: Mapping[str, Any]
         _remember_ddp(accelerator)
 
 
-def _prepare_says_what_it_cannot_do(accelerator: Any, wrapper: str, mesh: Any = None) -> None:
-    """What an accelerate release's FSDP ``prepare`` cannot do, asked by trying, named in the cell
-    instead of a harness error (an instance attribute: the class and every other Accelerator are
-    untouched):
+def _patch_prepare(accelerator: Any, wrapper: str, mesh: Any = None) -> None:
+    """Replace ``accelerator.prepare`` (an instance attribute: the class and every other Accelerator
+    are untouched) with one that records the wrappers it made, shards a tp mesh's models first, and
+    names what an accelerate release's FSDP ``prepare`` cannot do in the cell instead of a harness
+    error:
 
     - Old releases call torch's FSDP1 with arguments a later torch no longer takes (0.21.0:
       ``FullyShardedDataParallel(ignored_parameters=...)``; 0.22.0 remakes the optimizer as
@@ -243,16 +244,16 @@ def remember_wrappers(prepared: Any) -> None:
     model: the oracle reads how they reduce (harness/wrappers/sharding.py)."""
     from torch import nn
 
-    from harness.wrappers import prepared as wrappers
+    from harness.wrappers.prepared import remember
 
     # accelerate returns a tuple (FSDP2's prepare: a list) for several objects, the object for one
     for obj in prepared if isinstance(prepared, (tuple, list)) else (prepared,):
         if not isinstance(obj, nn.Module):
             continue
         if prepared_as(peel_compiled(obj)) in ("fsdp1", DDP):
-            wrappers.remember(peel_compiled(obj))
+            remember(peel_compiled(obj))
         elif prepared_as(obj) == "fsdp2" and peel_compiled(obj) is not obj:
-            wrappers.remember(obj)
+            remember(obj)
 
 
 def _remember_ddp(accelerator: Any) -> None:

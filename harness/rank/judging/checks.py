@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 from torch import nn
 
-from harness import wording as text
+from harness import wording
 from harness.rank.judging.diagnosis import REBASED, ModelFits, owned_cut
 from harness.rank.judging.recorder import Recorder, make_failure, mark_point, where
 from harness.rank.judging.reductions import judge
@@ -214,8 +214,8 @@ class Checks:
             kind=FailureKind.WRONG_SCALE if factor is not None else FailureKind.MISMATCH,
             max_abs_diff=abs(reported - norm.value) if math.isfinite(reported) else math.inf,
             checked="grad_norm", factor=factor,
-            message=text.grad_norm_text(who=f"grad_norm {who}", rank=self.rank, where=at, logged=reported,
-                                        expected=norm.value, allowed=allowed),
+            message=wording.grad_norm_text(who=f"grad_norm {who}", rank=self.rank, where=at, logged=reported,
+                                           expected=norm.value, allowed=allowed),
         ))
 
     def _hidden(self, index: int, at: str, name: str, observed: Observed) -> None:
@@ -232,7 +232,7 @@ class Checks:
         self.recorder.add(Failure(
             rank=self.rank, step=index, model=name, param=shown[0], kind=FailureKind.SYNCED_EARLY,
             max_abs_diff=0.0, checked="grad",
-            message=text.hidden_grad_text(rank=self.rank, where=at, what=f"{name}.{shown[0]}", shown=len(shown)),
+            message=wording.hidden_grad_text(rank=self.rank, where=at, what=f"{name}.{shown[0]}", shown=len(shown)),
         ))
 
     def _collectives(self, index: int, at: str, models: Mapping[str, nn.Module]) -> None:
@@ -258,8 +258,8 @@ class Checks:
             self.recorder.add(Failure(
                 rank=self.rank, step=index, model="+".join(models), param="collectives", kind=verdict.kind,
                 max_abs_diff=float(len(verdict.backward.reductions)), checked="comm",
-                message=text.comm_text(rank=self.rank, where=at, issued=verdict.backward.describe(),
-                                       syncs=verdict.syncs, needed=verdict.needed, why=verdict.why),
+                message=wording.comm_text(rank=self.rank, where=at, issued=verdict.backward.describe(),
+                                          syncs=verdict.syncs, needed=verdict.needed, why=verdict.why),
             ))
 
     def params(self, step: MicroStep | int, models: Mapping[str, nn.Module],
@@ -370,7 +370,8 @@ class Checks:
         self.recorder.add(Failure(
             rank=self.rank, step=step.index, model="accelerator", param="sync_gradients",
             kind=FailureKind.SYNC_FLAG, max_abs_diff=0.0, checked="flag",
-            message=text.sync_flag_text(rank=self.rank, where=step.where(), flag=bool(flag), due=step.optimizer_step),
+            message=wording.sync_flag_text(rank=self.rank, where=step.where(), flag=bool(flag),
+                                           due=step.optimizer_step),
         ))
 
     def lr(self, step: MicroStep | int, optimizers: Mapping[str, Any]) -> None:
@@ -390,7 +391,7 @@ class Checks:
                 self.recorder.add(Failure(
                     rank=self.rank, step=index, model=name, param=f"param_groups[{group}].lr",
                     kind=FailureKind.MISMATCH, max_abs_diff=gap, checked="lr",
-                    message=text.lr_text(rank=self.rank, where=at, optimizer=name, group=group,
-                                         actual=float(actual["lr"]), expected=float(expected["lr"])),
+                    message=wording.lr_text(rank=self.rank, where=at, optimizer=name, group=group,
+                                            actual=float(actual["lr"]), expected=float(expected["lr"])),
                 ))
 

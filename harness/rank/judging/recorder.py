@@ -7,7 +7,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from harness import wording as text
+from harness import wording
 from harness.rank.numerics.closeness import Difference
 from harness.rank.oracle.schedule import MicroStep
 from harness.records import Failure, FailureKind
@@ -63,7 +63,7 @@ class Recorder:
         self.add(Failure(
             rank=self.rank, step=0, model="dataloader", param="len", kind=FailureKind.SCHEDULE,
             max_abs_diff=float(abs(seen - expected)), checked="schedule",
-            message=text.batch_count_text(rank=self.rank, what=what, epoch=epoch, seen=seen, expected=expected),
+            message=wording.batch_count_text(rank=self.rank, what=what, epoch=epoch, seen=seen, expected=expected),
         ))
         return False
 
@@ -127,7 +127,7 @@ def make_failure(
         numel=diff.numel,
         atol=diff.allowed_abs,
         rtol=diff.allowed_rel if math.isfinite(diff.allowed_rel) else 1e308,
-        message=text.mismatch_text(what=what, where=f"on rank {rank} at {where}", kind=kind, factor=factor, diff=diff,
-                                   weights=weights, earlier=earlier, backwards=backwards,
-                                   unit=unit, shards=shards),
+        message=wording.mismatch_text(what=what, where=f"on rank {rank} at {where}", kind=kind, factor=factor,
+                                      diff=diff, weights=weights, earlier=earlier, backwards=backwards,
+                                      unit=unit, shards=shards),
     )
