@@ -195,15 +195,19 @@ SUITE_WORKERS = 2
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
     """`pytest tests/` (the whole suite, or `-m quick` of it) runs on SUITE_WORKERS xdist workers,
-    file by file, unless the command says otherwise (`-n 0` for one process, `-n 4`, `--dist`).
+    file by file, unless the command says otherwise (`-n 0` for one process, `-n 4`, `--dist`); on
+    any number of workers a file stays whole on one unless `--dist` says otherwise (xdist's default,
+    load, ran a file's module fixture once on each worker that took one of its tests: two sessions
+    writing tests/test_report_pages.py's fixed report folder at once under `pytest -n auto tests/`).
     A run of some files or tests stays in one process, as does a worker itself."""
     if not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput"):
         return
-    if config.option.numprocesses is not None or config.option.collectonly or config.option.usepdb:
+    if config.option.collectonly or config.option.usepdb:
         return
     if not any(Path(arg).resolve() == TESTS_DIR for arg in config.args):
         return
-    config.option.numprocesses = SUITE_WORKERS
+    if config.option.numprocesses is None:
+        config.option.numprocesses = SUITE_WORKERS
     if config.option.dist == "no":
         config.option.dist = "loadfile"
 
