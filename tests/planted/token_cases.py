@@ -1,6 +1,6 @@
 """Planted token-weighted loops at 3 accumulation steps, in the two documented orders of arithmetic:
 at world size 3 and 3 steps neither the weight nor its parts are powers of two, so each order rounds
-the weight its own way (harness.rank.oracle.token_seeds)."""
+the weight its own way (harness.rank.oracle.weighting.token_seeds)."""
 
 import torch
 from torch.utils.data import DataLoader
