@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from harness.rank.oracle.core import Oracle
     from harness.rank.oracle.interfaces import ClipNorm
 
+
 def _grad_or_zeros(observed: Observed, pname: str) -> torch.Tensor:
     grad = observed.grads[pname]
     return grad if grad is not None else torch.zeros_like(observed.params[pname])
