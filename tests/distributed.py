@@ -1,9 +1,14 @@
-"""Run a function on N real ranks (spawned processes in one gloo group) and collect what each returns:
-for unit tests of rank-side code that needs real collectives."""
+"""Run a function on N real ranks (processes in one gloo group) and collect what each returns: for unit
+tests of rank-side code that needs real collectives.
+
+The ranks are started as the harness's pools start theirs (``harness.controller.pool.rank_context``):
+forked from the fork server that has imported torch, accelerate and the rank side, where the platform
+has one, else spawned. Spawned, each rank imported torch anew: about 2 s of CPU a rank, most of what
+a test of a few collectives costs. A forked rank takes this process's environment as it is when the
+ranks start (the server's is the one it started with)."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import queue as queue_module
 import tempfile
@@ -13,7 +18,9 @@ from typing import Any, Callable
 
 
 def _entry(rank: int, world_size: int, store_path: str, function: Callable[..., Any], args: tuple,
-           results: Any) -> None:
+           results: Any, environment: dict[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(environment)
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
@@ -33,11 +40,15 @@ def _entry(rank: int, world_size: int, store_path: str, function: Callable[..., 
 def run_on_ranks(function: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
     """``function(rank, world_size, *args)`` on every rank; its return values, by rank. A rank that
     raises fails the caller with that rank's traceback. ``function`` must be importable (module level)."""
-    ctx = multiprocessing.get_context("spawn")
+    from harness.controller.pool import rank_context, start_rank_server
+
+    start_rank_server()
+    ctx = rank_context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="harness-test-ranks-") as folder:
         store = os.path.join(folder, "store")
-        processes = [ctx.Process(target=_entry, args=(r, world_size, store, function, args, results), daemon=True)
+        processes = [ctx.Process(target=_entry, args=(r, world_size, store, function, args, results,
+                                                                   dict(os.environ)), daemon=True)
                      for r in range(world_size)]
         for process in processes:
             process.start()
