@@ -9,7 +9,8 @@ from distributed import run_on_ranks
 from harness import Variant, compiled, grid
 from harness.rank.judging.reductions import judge
 from harness.rank.numerics.accounting import Backward
-from harness.wrappers.names import AUTO, WRAPPERS, parse
+from harness.wrappers import names
+from harness.wrappers.names import AUTO, SPECS, WRAPPERS, WrapperSpec, parse
 from harness.wrappers.prepare import cell_variants
 
 PLANTED = "tests/planted/wrapper_cases.py"
@@ -61,6 +62,65 @@ def test_an_unknown_wrapper_is_a_one_line_usage_error(run_pytest):
     assert session.returncode == 4
     assert "--wrappers: unknown wrapper 'fsdp3'; known: ddp, fsdp2, fsdp1" in session.stderr
     assert "Traceback" not in session.stderr
+
+
+# the registry: one spec a wrapper
+
+
+def test_every_public_wrapper_name_has_its_spec_in_report_order():
+    assert tuple(s.name for s in SPECS) == WRAPPERS
+    assert all(names.spec(name).name == name for name in WRAPPERS)
+    with pytest.raises(ValueError, match="unknown wrapper 'fsdp3'; known: ddp, fsdp2"):
+        names.spec("fsdp3")
+
+
+def test_a_spec_refuses_an_accumulation_dtype_it_does_not_know_and_a_family_without_its_level():
+    with pytest.raises(ValueError, match="accumulates_in='output'"):
+        WrapperSpec("x", "ddp", ("fp32",), accumulates_in="output")
+    with pytest.raises(ValueError, match="an fsdp_version for FSDP"):
+        WrapperSpec("x", "fsdp", ("fp32",))
+    with pytest.raises(ValueError, match="family 'megatron'"):
+        WrapperSpec("x", "megatron", ("fp32",))
+
+
+def test_each_identity_names_one_spec_and_back():
+    assert len({s.identity for s in SPECS}) == len(SPECS)
+    for s in SPECS:
+        assert names.of_identity(*s.identity) is s
+    assert names.spec("fsdp1").identity == ("fsdp", 1) and names.spec("deepspeed-z3").identity == ("deepspeed", 3)
+    assert names.of_identity("deepspeed", 0) is None and names.of_identity("fsdp") is None
+
+
+def test_of_family_and_the_mesh_wrappers_in_report_order():
+    assert [s.name for s in names.of_family("deepspeed")] == ["deepspeed-z1", "deepspeed-z2", "deepspeed-z3"]
+    assert [s.name for s in names.of_family("fsdp")] == ["fsdp2", "fsdp1"]
+    assert [s.name for s in names.of_family("ddp")] == ["ddp"]
+    assert [s.name for s in names.mesh_wrappers()] == ["fsdp2"]
+    assert [s.name for s in SPECS if not s.sharded] == ["ddp"]
+    assert [s.name for s in SPECS if s.flat_parameters] == ["fsdp1"]
+
+
+def test_a_prepared_model_is_verified_by_its_identity_and_a_plain_one_passes_under_ddp_only():
+    from torch import nn
+
+    from harness.wrappers.prepare import prepared_as, verify
+
+    class DeepSpeedEngine(nn.Module):  # told apart by its class name and stage, as deepspeed's is
+        def __init__(self, stage: int) -> None:
+            super().__init__()
+            self.stage = stage
+
+        def zero_optimization_stage(self) -> int:
+            return self.stage
+
+    plain = nn.Linear(2, 2)
+    verify("ddp", plain, name="m", world_size=1)
+    with pytest.raises(names.WrongWrapper, match=r"model 'm' was prepared as none \(Linear\), but the cell is wrapper=fsdp1"):
+        verify("fsdp1", plain, name="m", world_size=2)
+    verify("deepspeed-z2", DeepSpeedEngine(2), name="m", world_size=2)
+    with pytest.raises(names.WrongWrapper, match="prepared as deepspeed-z2 .*wrapper=deepspeed-z1"):
+        verify("deepspeed-z1", DeepSpeedEngine(2), name="m", world_size=2)
+    assert prepared_as(DeepSpeedEngine(0)) == "deepspeed-z0"  # no spec: named by its stage still
 
 
 # the collective accounting's judgement

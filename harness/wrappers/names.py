@@ -1,45 +1,166 @@
-"""The wrapper names and what each wrapper does between sync points, as data (imports nothing).
+"""The wrappers a cell can train under, one spec a wrapper, as data (imports nothing).
 
-A cell under a wrapper other than DDP carries ``wrapper=<name>`` in its variant (docs/wrappers.md).
-``--wrappers`` selects them (``parse``). How a cell gets its wrapper from accelerate and makes sure it
-has it: harness/wrappers/prepare.py.
+A cell under a wrapper other than DDP carries ``wrapper=<name>`` in its variant (docs/wrappers.md,
+"One spec a wrapper", whose table tests/test_docs.py holds to ``SPECS``). ``--wrappers`` selects them
+(``parse``). How a cell gets its wrapper from accelerate and makes sure it has it:
+harness/wrappers/prepare.py, which asks the spec, as the oracle and the checks do.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 DDP = "ddp"
-# The public names, in report order (docs/wrappers.md).
-WRAPPERS = (DDP, "fsdp2", "fsdp1", "deepspeed-z1", "deepspeed-z2", "deepspeed-z3")
-FSDP = ("fsdp2", "fsdp1")
-DEEPSPEED = {"deepspeed-z1": 1, "deepspeed-z2": 2, "deepspeed-z3": 3}
 AUTO = "auto"
-# ZeRO >= 2 partitions gradients: it reduces them after every micro-batch by design, and accelerate
-# skips ``no_sync`` for it (accelerate PR #3656). Every other wrapper issues no gradient reduction
-# between sync points.
-REDUCES_EVERY_MICRO_BATCH = frozenset({"deepspeed-z2", "deepspeed-z3"})
-# The precisions the oracle models under each wrapper. FSDP's and DeepSpeed's bf16 is not autocast:
-# accelerate gives FSDP2 ``param_dtype=reduce_dtype=output_dtype=bf16``, FSDP1 ``MixedPrecision(param_dtype=
-# reduce_dtype=buffer_dtype=bf16)`` and DeepSpeed bf16 weights over fp32 masters, which the oracle
-# models as such (harness/rank/oracle/replica.py, harness/rank/oracle/sharded_reduce.py). fp16 is modelled under DDP
-# only (its loss scaler).
-PRECISIONS = {DDP: ("fp32", "bf16", "fp16"), **{w: ("fp32", "bf16") for w in WRAPPERS if w != DDP}}
-# The bf16 cells a wrapper also runs with another dtype policy, as (variant parameter, its values):
-# FSDP2 with an explicit MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) (``reduce=fp32``;
-# without it, accelerate's own policy: param, reduce and output dtype bf16); ZeRO-1 with DeepSpeed's
-# ``data_types.grad_accum_dtype: fp32`` (``grad_accum=fp32``), the one configuration that builds
-# DeepSpeed's BF16_Optimizer under ZeRO (fp32 accumulation, the reduction still bf16), where
-# DeepSpeed PR #7985's defect lived.
-MIXED_AXES = {"fsdp2": ("reduce", ("fp32",)), "deepspeed-z1": ("grad_accum", ("fp32",))}
-DEFAULT_PRECISIONS = ("fp32",)
-# The wrappers compiled variants run under: DDP, where compiled no_sync has had real bugs (pytorch
-# #109774), and FSDP2, which torch.compile is built to trace.
-COMPILED = frozenset({DDP, "fsdp2"})
+FAMILIES = ("ddp", "fsdp", "deepspeed")
+# what the wrapper adds each backward's unsharded gradient up in between syncs: the dtype it
+# differentiates in (``param``), or the dtype it reduces in (``reduce``: FSDP2's
+# ``FSDPParam.unsharded_accumulated_grad``)
+ACCUMULATES_IN = ("param", "reduce")
+
+
+@dataclass(frozen=True)
+class ShardedForward:
+    """How a sharded wrapper runs a forward in bf16, which is not autocast over fp32 parameters: the
+    oracle's replica runs it so (harness/rank/oracle/replica.py, ``forward_as``). ``casts_buffers``:
+    the floating buffers are cast too (FSDP1: accelerate's ``MixedPrecision(buffer_dtype=bf16)``);
+    ``casts_inputs``: the floating inputs are cast to bf16 (FSDP; DeepSpeed casts nothing but the
+    module's parameters); ``outputs_low``: accelerate's own policy (no ``reduce`` in the variant)
+    leaves the outputs in bf16 (FSDP2's ``output_dtype=bf16``; an explicit MixedPrecisionPolicy leaves
+    them as computed)."""
+
+    casts_buffers: bool
+    casts_inputs: bool
+    outputs_low: bool
+
+
+@dataclass(frozen=True)
+class WrapperSpec:
+    """One wrapper: what it is, what the oracle models of it, and how it is told apart once prepared.
+
+    ``family``: how accelerate is asked for it (``ddp``; ``fsdp``, its ``fsdp_version``; ``deepspeed``,
+    its ``zero_stage``). ``precisions``: those the oracle models under it: FSDP's and DeepSpeed's
+    bf16 is not autocast (accelerate gives FSDP2 ``param_dtype=reduce_dtype=output_dtype=bf16``, FSDP1
+    ``MixedPrecision(param_dtype=reduce_dtype=buffer_dtype=bf16)``, DeepSpeed bf16 weights over fp32
+    masters), fp16 is modelled under DDP only (its loss scaler). ``mixed_axis``: the variant parameter
+    and its values with which its bf16 cells also run under another dtype policy: FSDP2 with an
+    explicit ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (``reduce=fp32``), ZeRO-1
+    with DeepSpeed's ``data_types.grad_accum_dtype: fp32`` (``grad_accum=fp32``), the one configuration
+    that builds DeepSpeed's BF16_Optimizer under ZeRO, where DeepSpeed PR #7985's defect lived.
+    ``compiled``: compiled variants run under it (DDP, where compiled no_sync has had real bugs,
+    pytorch #109774; FSDP2, which torch.compile is built to trace). ``meshes``: accelerate applies a
+    ``ParallelismConfig``'s mesh with it (``MESHES``). ``reduces_every_micro_batch``: ZeRO >= 2
+    partitions gradients and reduces them after every micro-batch by design (accelerate skips
+    ``no_sync`` for it, PR #3656); every other wrapper reduces nothing between sync points.
+    ``wraps_module``: ``prepare`` returns a module around the user's (FSDP2 swaps the class of the
+    user's own). ``accumulates_in``: ``ACCUMULATES_IN``. ``sharded_forward``: how its bf16 forward
+    runs (``ShardedForward``); None for DDP, whose bf16 is autocast."""
+
+    name: str
+    family: str
+    precisions: tuple[str, ...]
+    fsdp_version: int | None = None
+    zero_stage: int | None = None
+    mixed_axis: tuple[str, tuple[str, ...]] | None = None
+    compiled: bool = False
+    meshes: bool = False
+    reduces_every_micro_batch: bool = False
+    wraps_module: bool = True
+    accumulates_in: str = "param"
+    sharded_forward: ShardedForward | None = None
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"wrapper {self.name!r}: family {self.family!r}; known: {', '.join(FAMILIES)}")
+        if self.accumulates_in not in ACCUMULATES_IN:
+            raise ValueError(f"wrapper {self.name!r}: accumulates_in={self.accumulates_in!r}; "
+                             f"known: {', '.join(ACCUMULATES_IN)}")
+        if (self.fsdp_version is None) == (self.family == "fsdp"):
+            raise ValueError(f"wrapper {self.name!r}: an fsdp_version for FSDP, none for another family")
+        if (self.zero_stage is None) == (self.family == "deepspeed"):
+            raise ValueError(f"wrapper {self.name!r}: a zero_stage for DeepSpeed, none for another family")
+        if (self.sharded_forward is None) == self.sharded:
+            raise ValueError(f"wrapper {self.name!r}: a sharded_forward for a sharded wrapper, none for DDP")
+
+    @property
+    def identity(self) -> tuple[str, int | None]:
+        """What a prepared model shows of it: its family and FSDP version or ZeRO stage
+        (harness/wrappers/prepare.py, ``identify``)."""
+        return (self.family, self.fsdp_version if self.family == "fsdp" else self.zero_stage)
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP and DeepSpeed: the rank holds a part of each gradient, reduced as the wrapper reduces it
+        (harness/rank/oracle/sharded_reduce.py); DDP holds the whole, all-reduced."""
+        return self.family != "ddp"
+
+    @property
+    def flat_parameters(self) -> bool:
+        """FSDP1: the user's parameters are views into flat parameters, which autograd differentiates
+        and which are reduce-scattered whole (their layout: harness/wrappers/sharding.py)."""
+        return self.fsdp_version == 1
+
+
+_FSDP_BF16 = ("fp32", "bf16")
+_DEEPSPEED_FORWARD = ShardedForward(casts_buffers=False, casts_inputs=False, outputs_low=False)
+# in report order (docs/wrappers.md)
+SPECS = (
+    WrapperSpec(DDP, "ddp", ("fp32", "bf16", "fp16"), compiled=True),
+    WrapperSpec("fsdp2", "fsdp", _FSDP_BF16, fsdp_version=2, mixed_axis=("reduce", ("fp32",)), compiled=True,
+                meshes=True, wraps_module=False, accumulates_in="reduce",
+                sharded_forward=ShardedForward(casts_buffers=False, casts_inputs=True, outputs_low=True)),
+    WrapperSpec("fsdp1", "fsdp", _FSDP_BF16, fsdp_version=1,
+                sharded_forward=ShardedForward(casts_buffers=True, casts_inputs=True, outputs_low=False)),
+    WrapperSpec("deepspeed-z1", "deepspeed", _FSDP_BF16, zero_stage=1, mixed_axis=("grad_accum", ("fp32",)),
+                sharded_forward=_DEEPSPEED_FORWARD),
+    WrapperSpec("deepspeed-z2", "deepspeed", _FSDP_BF16, zero_stage=2, reduces_every_micro_batch=True,
+                sharded_forward=_DEEPSPEED_FORWARD),
+    WrapperSpec("deepspeed-z3", "deepspeed", _FSDP_BF16, zero_stage=3, reduces_every_micro_batch=True,
+                sharded_forward=_DEEPSPEED_FORWARD),
+)
+# The public names, in report order (docs/wrappers.md).
+WRAPPERS = tuple(s.name for s in SPECS)
+_BY_NAME = {s.name: s for s in SPECS}
+_BY_IDENTITY = {s.identity: s for s in SPECS}
 # The meshes a case can run on (``@case(meshes=...)``), from accelerate's ``ParallelismConfig``, under
-# FSDP2 (the wrapper accelerate applies a mesh with): each names the data-parallel and the other
-# dimensions of a world of 4 (2 x 2) or more (harness/wrappers/mesh.py gives the shape at each size).
-# ``hsdp``: dp_replicate=2 x dp_shard=world/2; ``tp``: dp_shard=world/2 x tp=2; ``cp``: dp_shard=world/2 x cp=2.
+# the wrapper accelerate applies a mesh with (``mesh_wrappers``): each names the data-parallel and the
+# other dimensions of a world of 4 (2 x 2) or more (harness/wrappers/mesh.py gives the shape at each
+# size). ``hsdp``: dp_replicate=2 x dp_shard=world/2; ``tp``: dp_shard=world/2 x tp=2; ``cp``:
+# dp_shard=world/2 x cp=2.
 MESHES = ("hsdp", "tp", "cp")
+
+
+# the tables these specs replace, until every user asks the spec (removed once none does)
+FSDP = tuple(s.name for s in SPECS if s.family == "fsdp")
+DEEPSPEED = {s.name: s.zero_stage for s in SPECS if s.family == "deepspeed"}
+REDUCES_EVERY_MICRO_BATCH = frozenset(s.name for s in SPECS if s.reduces_every_micro_batch)
+PRECISIONS = {s.name: s.precisions for s in SPECS}
+MIXED_AXES = {s.name: s.mixed_axis for s in SPECS if s.mixed_axis}
+COMPILED = frozenset(s.name for s in SPECS if s.compiled)
 MESH_WRAPPER = "fsdp2"
+
+
+def spec(name: str) -> WrapperSpec:
+    """The spec of the wrapper ``name``; ValueError names the known ones."""
+    found = _BY_NAME.get(name)
+    if found is None:
+        raise ValueError(f"unknown wrapper {name!r}; known: {', '.join(WRAPPERS)}")
+    return found
+
+
+def of_identity(family: str, level: int | None = None) -> WrapperSpec | None:
+    """The spec whose ``identity`` is ``(family, level)`` (an FSDP version, a ZeRO stage), or None."""
+    return _BY_IDENTITY.get((family, level))
+
+
+def of_family(family: str) -> tuple[WrapperSpec, ...]:
+    """The specs of ``family``, in report order."""
+    return tuple(s for s in SPECS if s.family == family)
+
+
+def mesh_wrappers() -> tuple[WrapperSpec, ...]:
+    """The wrappers accelerate applies a mesh with (FSDP2)."""
+    return tuple(s for s in SPECS if s.meshes)
 
 
 class WrongWrapper(Exception):

@@ -12,19 +12,7 @@ import traceback
 from typing import Any, Iterable, Mapping
 
 from harness.decorator import SkipCell, Unsupported, Variant
-from harness.wrappers.names import (
-    AUTO,
-    COMPILED,
-    DDP,
-    DEEPSPEED,
-    DEFAULT_PRECISIONS,
-    FSDP,
-    MESH_WRAPPER,
-    MIXED_AXES,
-    PRECISIONS,
-    WRAPPERS,
-    WrongWrapper,
-)
+from harness.wrappers.names import AUTO, DDP, WRAPPERS, WrapperSpec, WrongWrapper, mesh_wrappers, of_identity, spec
 
 
 def cell_variants(variants: Iterable[Variant], applies: Iterable[str], selection: tuple[str, ...] | str,
@@ -45,23 +33,23 @@ def cell_variants(variants: Iterable[Variant], applies: Iterable[str], selection
     for wrapper in chosen:
         if wrapper not in applies:
             continue
-        if wrapper == DDP:
+        if wrapper == DDP:  # the default wrapper: the case's own variants, their ids unchanged
             out.extend(variants)
             continue
-        precisions = PRECISIONS.get(wrapper, DEFAULT_PRECISIONS)
+        its = spec(wrapper)
         # compiled variants in fp32 only: the mixed-precision model is of the eager kernels
-        eligible = [v for v in variants if str(v.params.get("precision", "fp32")) in precisions
-                    and ("compile" not in v.params or wrapper in COMPILED and v.params.get("precision", "fp32") == "fp32")]
+        eligible = [v for v in variants if str(v.params.get("precision", "fp32")) in its.precisions
+                    and ("compile" not in v.params or its.compiled and v.params.get("precision", "fp32") == "fp32")]
         if selection == AUTO:
             eligible = _lead(eligible)
         for v in eligible:
             out.append(Variant(f"{v.name}-wrapper={wrapper}", {**v.params, "wrapper": wrapper}))
-            if v.params.get("precision", "fp32") != "fp32" and wrapper in MIXED_AXES:
-                key, values = MIXED_AXES[wrapper]
+            if v.params.get("precision", "fp32") != "fp32" and its.mixed_axis is not None:
+                key, values = its.mixed_axis
                 out.extend(Variant(f"{v.name}-{key}={value}-wrapper={wrapper}",
                                    {**v.params, key: value, "wrapper": wrapper})
                            for value in values)
-        if wrapper == MESH_WRAPPER:
+        if its.meshes:
             leads = [v for v in _lead(eligible) if "compile" not in v.params]
             out.extend(Variant(f"{v.name}-mesh={mesh}-wrapper={wrapper}", {**v.params, "mesh": mesh, "wrapper": wrapper})
                        for mesh in meshes for v in leads)
@@ -84,9 +72,11 @@ def accelerator_kwargs(wrapper: str, kwargs: Mapping[str, Any], *, device_type: 
                        mesh: Any = None) -> dict[str, Any]:
     """The ``Accelerator`` keyword arguments that ask for ``wrapper`` (and, under FSDP2, for ``mesh``:
     a harness/wrappers/mesh.py ``Shape``); SkipCell when it cannot run here."""
+    its = spec(wrapper)
     if mesh is not None:
-        if wrapper != MESH_WRAPPER:
-            raise ValueError(f"mesh={mesh.name} runs under wrapper={MESH_WRAPPER}, not {wrapper}")
+        if not its.meshes:
+            raise ValueError(f"mesh={mesh.name} runs under wrapper={' or '.join(s.name for s in mesh_wrappers())}, "
+                             f"not {wrapper}")
         if kwargs.get("parallelism_config") is not None:
             raise ValueError(f"mesh={mesh.name}: the harness makes the ParallelismConfig; the case gave one")
         from harness.wrappers import mesh as meshes
@@ -94,9 +84,9 @@ def accelerator_kwargs(wrapper: str, kwargs: Mapping[str, Any], *, device_type: 
         made = accelerator_kwargs(wrapper, kwargs, device_type=device_type, num_steps=num_steps,
                                   world_size=world_size, reduce=reduce, grad_accum=grad_accum)
         return {**made, **meshes.accelerator_kwargs(mesh, device_type=device_type)}
-    if wrapper == DDP:
+    if its.family == "ddp":
         return {}
-    if wrapper in FSDP and world_size < 2:
+    if its.family == "fsdp" and world_size < 2:
         # a local pool of one rank is a plain process (no launcher): accelerate wraps nothing there,
         # as it wraps nothing in DDP, and one rank has nothing to shard or reduce
         raise SkipCell(f"wrapper={wrapper} runs at world size 2 and more: at world size 1 accelerate "
@@ -104,80 +94,92 @@ def accelerator_kwargs(wrapper: str, kwargs: Mapping[str, Any], *, device_type: 
     given = [k for k in ("fsdp_plugin", "deepspeed_plugin", "deepspeed_plugins") if kwargs.get(k) is not None]
     if given:
         raise ValueError(f"wrapper={wrapper}: the harness makes the {wrapper} plugin; the case gave {given[0]}=")
-    if wrapper in FSDP:
-        import accelerate.utils
-
-        from harness.wrappers import probe
-
-        plugin = probe.require(accelerate.utils, "FullyShardedDataParallelPlugin", "FullyShardedDataParallelPlugin")
-        if wrapper == "fsdp2":
-            probe.require_parameter(plugin, "fsdp_version", "FullyShardedDataParallelPlugin(fsdp_version=2)")
-            from harness.wrappers import capabilities
-
-            missing = capabilities.fsdp2_missing(device_type)
-            if missing:
-                raise SkipCell(f"wrapper=fsdp2 cannot run here: {missing}")
-            options: dict[str, Any] = {"fsdp_version": 2}
-            if reduce is not None:
-                import torch
-                from torch.distributed.fsdp import MixedPrecisionPolicy
-
-                options["mixed_precision_policy"] = MixedPrecisionPolicy(
-                    param_dtype=torch.bfloat16, reduce_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[reduce])
-            try:
-                return {"fsdp_plugin": plugin(**options)}
-            except ImportError as exc:  # accelerate's own word on this torch ("FSDP2 requires PyTorch >= 2.6.0")
-                raise SkipCell(f"wrapper=fsdp2 cannot run here: accelerate refuses it: {exc}") from None
-        # FSDP1 with the user's parameters kept (their names, and full gradients when summoned);
-        # releases before FSDP2 have no fsdp_version and are FSDP1. sync_module_states=False: the
-        # harness builds the same weights on every rank (and checks so at start-up), so the sync is
-        # not needed; releases before 1.x default it to True and then insist on a GPU for it ("There
-        # are currently no available devices found", 0.31; FSDP1's "CPU parameters or buffers when
-        # sync_module_states=True", 0.22). From 1.x it is False by default: the same FSDP1 as before.
-        # Older releases (0.22.0 and 0.31.0 here) overwrite these fields from the environment whatever
-        # the plugin is given (FSDP_USE_ORIG_PARAMS, FSDP_SYNC_MODULE_STATES, as `accelerate launch` sets them):
-        # the same values are set there too, for this cell only (harness/rank/runner.py puts the
-        # environment back after each cell).
-        options: dict[str, Any] = {"use_orig_params": True}
-        if "fsdp_version" in probe.parameters(plugin):
-            options["fsdp_version"] = 1
-        if "sync_module_states" in probe.parameters(plugin):
-            options["sync_module_states"] = False
-        import os
-
-        os.environ["FSDP_USE_ORIG_PARAMS"] = "true"
-        os.environ["FSDP_SYNC_MODULE_STATES"] = "false"
-        made = plugin(**options)
-        if getattr(made, "use_orig_params", None) is not True:
-            raise Unsupported("FullyShardedDataParallelPlugin(use_orig_params=True)",
-                              f"the plugin made has use_orig_params={getattr(made, 'use_orig_params', None)!r}")
-        return {"fsdp_plugin": made}
-    return _deepspeed_kwargs(wrapper, device_type=device_type, num_steps=num_steps, grad_accum=grad_accum)
+    if its.family == "fsdp":
+        return _fsdp_kwargs(its, device_type=device_type, reduce=reduce)
+    return _deepspeed_kwargs(its, device_type=device_type, num_steps=num_steps, grad_accum=grad_accum)
 
 
-def _deepspeed_kwargs(wrapper: str, *, device_type: str, num_steps: int, grad_accum: str | None) -> dict[str, Any]:
+def _fsdp_kwargs(its: WrapperSpec, *, device_type: str, reduce: str | None) -> dict[str, Any]:
+    """The FSDP plugin of the wrapper's FSDP version; SkipCell when it cannot run here."""
+    import accelerate.utils
+
+    from harness.wrappers import probe
+
+    plugin = probe.require(accelerate.utils, "FullyShardedDataParallelPlugin", "FullyShardedDataParallelPlugin")
+    if its.fsdp_version == 2:
+        probe.require_parameter(plugin, "fsdp_version", "FullyShardedDataParallelPlugin(fsdp_version=2)")
+        from harness.wrappers import capabilities
+
+        missing = capabilities.fsdp2_missing(device_type)
+        if missing:
+            raise SkipCell(f"wrapper={its.name} cannot run here: {missing}")
+        options: dict[str, Any] = {"fsdp_version": 2}
+        if reduce is not None:
+            import torch
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            options["mixed_precision_policy"] = MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[reduce])
+        try:
+            return {"fsdp_plugin": plugin(**options)}
+        except ImportError as exc:  # accelerate's own word on this torch ("FSDP2 requires PyTorch >= 2.6.0")
+            raise SkipCell(f"wrapper={its.name} cannot run here: accelerate refuses it: {exc}") from None
+    return _fsdp1_plugin(plugin)
+
+
+def _fsdp1_plugin(plugin: Any) -> dict[str, Any]:
+    """FSDP1 with the user's parameters kept (their names, and full gradients when summoned);
+    releases before FSDP2 have no fsdp_version and are FSDP1. sync_module_states=False: the
+    harness builds the same weights on every rank (and checks so at start-up), so the sync is
+    not needed; releases before 1.x default it to True and then insist on a GPU for it ("There
+    are currently no available devices found", 0.31; FSDP1's "CPU parameters or buffers when
+    sync_module_states=True", 0.22). From 1.x it is False by default: the same FSDP1 as before.
+    Older releases (0.22.0 and 0.31.0 here) overwrite these fields from the environment whatever
+    the plugin is given (FSDP_USE_ORIG_PARAMS, FSDP_SYNC_MODULE_STATES, as `accelerate launch` sets them):
+    the same values are set there too, for this cell only (harness/rank/runner.py puts the
+    environment back after each cell)."""
+    from harness.wrappers import probe
+
+    options: dict[str, Any] = {"use_orig_params": True}
+    if "fsdp_version" in probe.parameters(plugin):
+        options["fsdp_version"] = 1
+    if "sync_module_states" in probe.parameters(plugin):
+        options["sync_module_states"] = False
+    import os
+
+    os.environ["FSDP_USE_ORIG_PARAMS"] = "true"
+    os.environ["FSDP_SYNC_MODULE_STATES"] = "false"
+    made = plugin(**options)
+    if getattr(made, "use_orig_params", None) is not True:
+        raise Unsupported("FullyShardedDataParallelPlugin(use_orig_params=True)",
+                          f"the plugin made has use_orig_params={getattr(made, 'use_orig_params', None)!r}")
+    return {"fsdp_plugin": made}
+
+
+def _deepspeed_kwargs(its: WrapperSpec, *, device_type: str, num_steps: int, grad_accum: str | None) -> dict[str, Any]:
     """The DeepSpeed plugin (and ``cpu=False``, which accelerate needs to select DeepSpeed at all);
     harness/wrappers/deepspeed_cpu.py says why each setting is what it is."""
     from harness.wrappers import deepspeed_cpu
 
-    return deepspeed_cpu.accelerator_kwargs(wrapper, DEEPSPEED[wrapper], device_type=device_type, num_steps=num_steps,
+    return deepspeed_cpu.accelerator_kwargs(its.name, its.zero_stage, device_type=device_type, num_steps=num_steps,
                                             grad_accum=grad_accum)
 
 
 def after_construction(wrapper: str, accelerator: Any, kwargs: Mapping[str, Any], mesh: Any = None) -> None:
     """What the Accelerator needs once built for ``wrapper`` (and ``mesh``) to be what ``prepare`` applies."""
-    if wrapper in FSDP:
+    family = spec(wrapper).family
+    if family == "fsdp":
         fsdp_on_cpu(accelerator, kwargs["fsdp_plugin"])
         if mesh is not None:
             from harness.wrappers import mesh as meshes
 
             meshes.after_construction(mesh, accelerator)
         _patch_prepare(accelerator, wrapper, mesh)
-    elif wrapper in DEEPSPEED:
+    elif family == "deepspeed":
         from harness.wrappers import deepspeed_cpu
 
-        deepspeed_cpu.after_construction(accelerator, stage=DEEPSPEED[wrapper])
-    elif wrapper == DDP:
+        deepspeed_cpu.after_construction(accelerator, stage=spec(wrapper).zero_stage)
+    else:
         _remember_ddp(accelerator)
 
 
@@ -238,10 +240,11 @@ def _patch_prepare(accelerator: Any, wrapper: str, mesh: Any = None) -> None:
 
 
 def remember_wrappers(prepared: Any) -> None:
-    """Record the FSDP1 and DDP wrappers among what ``prepare`` returned (or, for an Accelerator the
-    harness did not make, such as Trainer's, what it prepared: harness/rank/trainer.py), by the user's
-    module (harness/wrappers/prepared.py), and the compiled module FSDP2 made its root of a compiled
-    model: the oracle reads how they reduce (harness/wrappers/sharding.py)."""
+    """Record the wrappers around the user's module (a spec's ``wraps_module``: DDP, FSDP1) among what
+    ``prepare`` returned (or, for an Accelerator the harness did not make, such as Trainer's, what it
+    prepared: harness/rank/trainer.py), by the user's module (harness/wrappers/prepared.py), and the
+    compiled module FSDP2 made its root of a compiled model: the oracle reads how they reduce
+    (harness/wrappers/sharding.py)."""
     from torch import nn
 
     from harness.wrappers.prepared import remember
@@ -250,9 +253,12 @@ def remember_wrappers(prepared: Any) -> None:
     for obj in prepared if isinstance(prepared, (tuple, list)) else (prepared,):
         if not isinstance(obj, nn.Module):
             continue
-        if prepared_as(peel_compiled(obj)) in ("fsdp1", DDP):
+        its = prepared_spec(obj)
+        if its is None:
+            continue
+        if its.wraps_module:
             remember(peel_compiled(obj))
-        elif prepared_as(obj) == "fsdp2" and peel_compiled(obj) is not obj:
+        elif peel_compiled(obj) is not obj:
             remember(obj)
 
 
@@ -317,14 +323,14 @@ def refusal(wrapper: str, exc: BaseException) -> Unsupported | None:
     ``accumulate``, and DeepSpeed (0.19.8 here) refuses it: under ZeRO-2/3 ("no_sync context manager
     is incompatible with gradient partitioning"), under ZeRO-1 at the engine's step inside it ("It is
     illegal to call Engine.step() inside no_sync context manager"). A user's loop fails as loudly."""
-    if wrapper not in DEEPSPEED or not isinstance(exc, AssertionError) or "no_sync" not in str(exc):
+    if spec(wrapper).family != "deepspeed" or not isinstance(exc, AssertionError) or "no_sync" not in str(exc):
         return None
     if _raised_in(exc) != "deepspeed":
         return None
     import accelerate
     import deepspeed
 
-    return Unsupported(f"accumulate under ZeRO-{DEEPSPEED[wrapper]} with deepspeed {deepspeed.__version__}",
+    return Unsupported(f"accumulate under ZeRO-{spec(wrapper).zero_stage} with deepspeed {deepspeed.__version__}",
                        f"accelerate {accelerate.__version__} enters the engine's no_sync, which it refuses: {exc}")
 
 
@@ -360,9 +366,10 @@ def peel_compiled(model: Any) -> Any:
     return getattr(model, "_orig_mod", model)
 
 
-def prepared_as(model: Any) -> str:
-    """The wrapper a prepared model is, by its type: ``ddp``, ``fsdp2``, ``fsdp1``,
-    ``deepspeed-z<stage>``, or ``none`` (a plain module: accelerate wraps nothing at world size 1)."""
+def identify(model: Any) -> tuple[str, int | None] | None:
+    """What a prepared model is, by its type, as a spec's ``identity``: ``("ddp", None)``, ``("fsdp",
+    <version>)``, ``("deepspeed", <ZeRO stage>)``; None for a plain module (accelerate wraps nothing at
+    world size 1)."""
     import torch
     from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -370,19 +377,34 @@ def prepared_as(model: Any) -> str:
     # (FSDP2 swaps the class of the module it is given, torch.compile's wrapper included)
     fsdp2 = _fsdp2_class()
     if fsdp2 is not None and isinstance(model, fsdp2):
-        return "fsdp2"
+        return ("fsdp", 2)
     inner = peel_compiled(model)
     if fsdp2 is not None and isinstance(inner, fsdp2):
-        return "fsdp2"
+        return ("fsdp", 2)
 
     if isinstance(inner, FullyShardedDataParallel):
-        return "fsdp1"
+        return ("fsdp", 1)
     if isinstance(inner, torch.nn.parallel.DistributedDataParallel):
-        return DDP
+        return ("ddp", None)
     if type(inner).__name__ == "DeepSpeedEngine":
-        stage = getattr(inner, "zero_optimization_stage", lambda: 0)()
-        return f"deepspeed-z{stage}"
-    return "none"
+        return ("deepspeed", getattr(inner, "zero_optimization_stage", lambda: 0)())
+    return None
+
+
+def prepared_as(model: Any) -> str:
+    """The wrapper a prepared model is, by name: ``ddp``, ``fsdp2``, ``fsdp1``, ``deepspeed-z<stage>``
+    (a stage the harness has no spec of too), or ``none`` (a plain module)."""
+    found, its = identify(model), prepared_spec(model)
+    if found is None:
+        return "none"
+    return its.name if its is not None else f"{found[0]}-z{found[1]}"
+
+
+def prepared_spec(model: Any) -> WrapperSpec | None:
+    """The spec of the wrapper a prepared model is (``identify``), or None: a plain module, or a
+    wrapper the harness has no spec of (DeepSpeed without ZeRO)."""
+    found = identify(model)
+    return None if found is None else of_identity(*found)
 
 
 def _fsdp2_class() -> Any:
@@ -394,10 +416,11 @@ def _fsdp2_class() -> Any:
 
 
 def verify(wrapper: str, model: Any, *, name: str, world_size: int) -> None:
-    """WrongWrapper unless the prepared ``model`` is the wrapper the cell names. A DDP cell also takes
-    a plain module: accelerate wraps nothing at world size 1, and a loop may average by hand."""
-    actual = prepared_as(model)
-    if actual == wrapper or (wrapper == DDP and actual == "none"):
+    """WrongWrapper unless the prepared ``model`` is the wrapper the cell names, by its spec's
+    ``identity``. A DDP cell (not sharded) also takes a plain module: accelerate wraps nothing at world
+    size 1, and a loop may average by hand."""
+    its, found = spec(wrapper), identify(model)
+    if found == its.identity or (found is None and not its.sharded):
         return
-    raise WrongWrapper(f"model {name!r} was prepared as {actual} ({type(model).__name__}), "
+    raise WrongWrapper(f"model {name!r} was prepared as {prepared_as(model)} ({type(model).__name__}), "
                        f"but the cell is wrapper={wrapper}")

@@ -38,12 +38,12 @@ def _clean(name: str) -> str:
 def observe(model: nn.Module, names: list[str], *, sync: bool) -> Observed:
     """Read ``model`` (prepared) as its wrapper keeps it. ``sync``: whether the last backward was due
     to sync (FSDP1 shows full gradients only after one)."""
-    from harness.wrappers.prepare import peel_compiled, prepared_as
+    from harness.wrappers.prepare import identify, peel_compiled, prepared_spec
 
-    kind = prepared_as(model)
-    if kind == "fsdp1":
+    its, found = prepared_spec(model), identify(model)
+    if its is not None and its.flat_parameters:
         return _fsdp1(model, with_grads=sync)
-    if kind.startswith("deepspeed-"):
+    if found is not None and found[0] == "deepspeed":  # every ZeRO stage, one without a spec too
         from harness.wrappers import deepspeed_cpu
 
         return deepspeed_cpu.observe(peel_compiled(model), names, sync=sync)
