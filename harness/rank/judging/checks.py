@@ -38,7 +38,6 @@ from harness.rank.numerics.closeness import (
 from harness.rank.oracle.replica import AUTOCAST_DTYPES, as_optimizers
 from harness.rank.oracle.schedule import MicroStep
 from harness.records import Failure, FailureKind
-from harness.wrappers.names import REDUCES_EVERY_MICRO_BATCH
 from harness.wrappers.observed import Observed
 from harness.wrappers.prepare import verify
 from harness.wrappers.sharding import observe, tensor_parallel_share
@@ -250,7 +249,7 @@ class Checks:
             return
         if oracle.mesh is not None:
             syncs = [(sync, tensor_parallel_share(models, needed)) for sync, needed in syncs]
-        for verdict in judge(backwards, syncs, reduces_every_micro_batch=oracle.wrapper in REDUCES_EVERY_MICRO_BATCH,
+        for verdict in judge(backwards, syncs, reduces_every_micro_batch=oracle.spec.reduces_every_micro_batch,
                              mesh=oracle.mesh, rank=self.rank):
             self.recorder.comm_checks += 1
             self.recorder.timeline.mark(index, "comm")

@@ -18,12 +18,12 @@ from harness.rank.numerics.collectives import Collectives, Reduction
 from harness.rank.numerics.fused_check import FusedOutcome, check_synced, fusable
 from harness.rank.numerics.ring_order import all_reduce_order_holds, flat_segments
 from harness.wrappers import sharding
-from harness.wrappers.names import DDP
 
 if TYPE_CHECKING:
     from harness.rank.oracle.interfaces import Notes
     from harness.rank.oracle.sharded_reduce import ShardedReduce
     from harness.rank.oracle.weighting import TokenWeighting
+    from harness.wrappers.names import WrapperSpec
 
 FUSED_FROM_VARIABLE = "GRADSYNC_HARNESS_FUSED_FROM"
 
@@ -49,7 +49,7 @@ class Averaging:
     recorder: Notes
     world_size: int
     mesh: Any
-    wrapper: str
+    spec: WrapperSpec
     scaler: Any
     pending: set[str]
     reusable_local: set[tuple[str, str]]
@@ -103,7 +103,7 @@ class Averaging:
         self._average_now(list(self.params))
 
     def _fusable(self) -> bool:
-        return (self.world_size > 1 and self.mesh is None and self.wrapper == DDP and self.scaler is None
+        return (self.world_size > 1 and self.mesh is None and not self.spec.sharded and self.scaler is None
                 and sum(p.numel() for ps in self.params.values() for p in ps.values())
                 >= int(os.environ.get(FUSED_FROM_VARIABLE, self.FUSED_FROM))
                 and all(fusable(ps) for ps in self.params.values()))
@@ -149,7 +149,7 @@ class Averaging:
         and the cell says why (``NOT CHECKED: exact reduction order``). The sharded wrappers reduce as
         harness/rank/oracle/sharded_reduce.py reproduces them (``_average_pending``); a mesh is FSDP2's. A
         collective where it probes the order (once per process): every rank calls it alike."""
-        if self.wrapper != DDP or self.mesh is not None:
+        if self.spec.sharded or self.mesh is not None:
             return {}
         if self.world_size == 1:
             return {name: None for name in names}

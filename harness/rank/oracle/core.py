@@ -27,10 +27,11 @@ from harness.rank.oracle.interfaces import (
     replicate,
     round_through,
 )
-from harness.rank.oracle.replica import SHARDED_MIXED, autocast_of, forward_as, gradients, unsharded_grads
+from harness.rank.oracle.replica import autocast_of, forward_as, gradients, unsharded_grads
 from harness.rank.oracle.schedule import MicroStep
 from harness.rank.oracle.sharded_reduce import SHARDED_PRECISIONS, ShardedReduce
 from harness.rank.oracle.weighting import TokenWeighting, token_seeds
+from harness.wrappers.names import spec
 from harness.wrappers.prepared import unwrap
 
 
@@ -79,6 +80,7 @@ class Oracle(Averaging, Anchored, CheckCalls):
         self.rank = rank
         self.world_size = world_size
         self.precision = precision
+        self.spec = spec(wrapper)  # the wrapper's (harness/wrappers/names.py): how it reduces, what it casts
         self.num_steps = num_steps
         self.replay_rng = replay_rng
         # ``more_checks(step)``: whether another check surely follows this step's: rank 0's copies
@@ -93,7 +95,7 @@ class Oracle(Averaging, Anchored, CheckCalls):
         # the user's modules, which prepare wraps: how their wrapper reduces is read off it at a sync
         # (harness/rank/oracle/averaging.py; DDP's buckets, harness/wrappers/sharding.py)
         self.user_models = {name: unwrap(m) for name, m in models.items()}
-        self.models = forward_as(self.replicas, precision, wrapper=wrapper, reduce=reduce)
+        self.models = forward_as(self.replicas, precision, sharded=self.spec.sharded_forward, reduce=reduce)
         self.params = {name: dict(r.named_parameters()) for name, r in self.replicas.items()}
         # FSDP2, FSDP1 and DeepSpeed in fp32 and bf16 (harness/rank/oracle/replica.py): each rank's unsharded gradients
         # since the last sync accumulate apart, as the wrapper accumulates them, and are reduced as it
@@ -103,9 +105,9 @@ class Oracle(Averaging, Anchored, CheckCalls):
         # tensor-parallel peer draws the same batch as its rank, so its replica's gradient is the same
         # and the average over every rank is the average over the data-parallel ones (within the bound)
         self.mesh = mesh
-        self.sharded = (ShardedReduce(wrapper, precision, reduce, self.params, models, self.collectives, grad_accum,
+        self.sharded = (ShardedReduce(self.spec, precision, reduce, self.params, models, self.collectives, grad_accum,
                                       mesh=mesh)
-                        if wrapper in SHARDED_MIXED and precision in SHARDED_PRECISIONS else None)
+                        if self.spec.sharded and precision in SHARDED_PRECISIONS else None)
         if self.sharded is not None and self.sharded.stage is not None:
             # DeepSpeed makes its fp32 masters from the module it cast to bf16: the weights' low bits go
             round_through(self.params, self.sharded.param_dtype)
@@ -118,7 +120,6 @@ class Oracle(Averaging, Anchored, CheckCalls):
         # gradients unscaled before a clip and by the prepared optimizer's step, which skips on inf
         self.scaler = self._grad_scaler(scaler_kwargs or {}) if precision == "fp16" else None
         self._unscaled = False  # this window's gradients were unscaled (by a clip)
-        self.wrapper = wrapper
         # token weighting (token_window), and the contributions the misweighted diagnosis refits
         self.weighting = TokenWeighting(self.params, world_size=world_size, shards=None if mesh is None else [
             mesh.data_index(r) for r in range(world_size)])
@@ -126,6 +127,11 @@ class Oracle(Averaging, Anchored, CheckCalls):
         self.recorder = recorder
         # the checks of ``check_*``, attached by harness/rank/judging/checks.py (``checked``)
         self.checks: OracleChecks | None = None
+
+    @property
+    def wrapper(self) -> str:
+        """The name of the wrapper the oracle models (``wrapper=``)."""
+        return self.spec.name
 
     def _start_state(self) -> None:
         """What the oracle holds between the calls of a case, from none."""

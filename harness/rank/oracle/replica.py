@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from harness.wrappers.names import ShardedForward
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -182,28 +185,17 @@ def _cast_floating(value: Any, dtype: torch.dtype, *, low_only: bool = False) ->
     return value
 
 
-# The wrappers whose bf16 is not autocast over fp32 parameters (harness/rank/oracle/sharded_reduce.py
-# reduces as they do), and how each runs the forward: whether it casts the floating buffers, and the
-# output dtype of accelerate's own policy (no ``reduce`` in the variant; an explicit
-# MixedPrecisionPolicy leaves the outputs as computed). FSDP2: accelerate's policy has
-# output_dtype=bf16; FSDP1's MixedPrecision has no output cast, and accelerate's policy casts the
-# buffers (buffer_dtype=bf16).
-SHARDED_MIXED = {"fsdp2": {"cast_buffers": False, "outputs_low": True, "cast_inputs": True},
-                 "fsdp1": {"cast_buffers": True, "outputs_low": False, "cast_inputs": True},
-                 # DeepSpeed's bf16 casts the module's parameters (its buffers as the prepared module
-                 # shows them: ``buffer_dtypes``) and nothing else: no input cast, no output cast, no autocast
-                 **{f"deepspeed-z{stage}": {"cast_buffers": False, "outputs_low": False, "cast_inputs": False}
-                    for stage in (1, 2, 3)}}
-
-
-def forward_as(replicas: Mapping[str, nn.Module], precision: str, *, wrapper: str = "ddp",
+def forward_as(replicas: Mapping[str, nn.Module], precision: str, *, sharded: ShardedForward | None = None,
                reduce: str | None = None) -> dict[str, nn.Module]:
     """The modules the oracle runs its micro-batches through: the replicas themselves in fp32, under
     autocast for ``bf16`` and ``fp16`` (the parameters, and so the gradients, stay fp32 either way);
-    under FSDP2, FSDP1 or DeepSpeed, in bf16 and in fp32 (every cast then a no-op), as the sharded
-    replica above, whose gradients are taken as the wrapper takes them."""
+    under a sharded wrapper (FSDP2, FSDP1 or DeepSpeed, whose bf16 is not autocast over fp32
+    parameters: ``sharded``, its spec's ``sharded_forward``), in bf16 and in fp32 (every cast then a
+    no-op), as the sharded replica above, whose gradients are taken as the wrapper takes them
+    (harness/rank/oracle/sharded_reduce.py reduces them as it does). The outputs are left in bf16
+    where the wrapper's policy is accelerate's own (no ``reduce`` in the variant) and casts them."""
     device_type = next(next(iter(replicas.values())).parameters()).device.type
-    if precision == "fp32" and wrapper in SHARDED_MIXED:
+    if precision == "fp32" and sharded is not None:
         # fp32 under a sharded wrapper: nothing is cast, but the gradients are taken as the wrapper takes
         # them (of its unsharded parameters, FSDP1's flat ones), for its reduction to be reproduced
         return {name: ShardedMixedReplica(r, device_type, torch.float32, None, cast_buffers=False, cast_inputs=False)
@@ -211,11 +203,10 @@ def forward_as(replicas: Mapping[str, nn.Module], precision: str, *, wrapper: st
     if precision not in AUTOCAST_DTYPES:
         return dict(replicas)
     dtype = AUTOCAST_DTYPES[precision]
-    if wrapper in SHARDED_MIXED:
-        how = SHARDED_MIXED[wrapper]
-        output = dtype if how["outputs_low"] and reduce is None else None
-        return {name: ShardedMixedReplica(r, device_type, dtype, output, cast_buffers=how["cast_buffers"],
-                                          cast_inputs=how["cast_inputs"])
+    if sharded is not None:
+        output = dtype if sharded.outputs_low and reduce is None else None
+        return {name: ShardedMixedReplica(r, device_type, dtype, output, cast_buffers=sharded.casts_buffers,
+                                          cast_inputs=sharded.casts_inputs)
                 for name, r in replicas.items()}
     return {name: MixedPrecisionReplica(r, device_type, dtype) for name, r in replicas.items()}
 

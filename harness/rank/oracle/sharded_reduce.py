@@ -38,7 +38,7 @@ from harness.rank.numerics.collectives import Collectives, Reduction
 from harness.rank.numerics.ring_order import flat_segments, ring_order_holds, ring_segments
 from harness.rank.oracle.replica import AUTOCAST_DTYPES
 from harness.wrappers import sharding
-from harness.wrappers.names import DEEPSPEED, REDUCES_EVERY_MICRO_BATCH
+from harness.wrappers.names import WrapperSpec
 from harness.wrappers.prepared import unwrap
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -49,30 +49,31 @@ Key = tuple[str, str]  # (model name, parameter name)
 
 
 class ShardedReduce:
-    """One rank's unsharded gradients since the last sync under ``wrapper``'s dtype policy (fp32, or bf16), and their
-    reduction at the sync. ``models``: the user's models by name, which FSDP prepares in place
-    (FSDP2) or wraps (FSDP1; its wrapper recorded at prepare), read at a sync for the layout."""
+    """One rank's unsharded gradients since the last sync under the dtype policy (fp32, or bf16) of the
+    wrapper ``spec`` names, and their reduction at the sync. ``models``: the user's models by name,
+    which FSDP prepares in place (FSDP2) or wraps (FSDP1; its wrapper recorded at prepare), read at a
+    sync for the layout."""
 
-    def __init__(self, wrapper: str, precision: str, reduce: str | None,
+    def __init__(self, spec: WrapperSpec, precision: str, reduce: str | None,
                  params: Mapping[str, Mapping[str, torch.Tensor]], models: Mapping[str, nn.Module],
                  collectives: Collectives, grad_accum: str | None = None, mesh: Any = None) -> None:
-        self.wrapper = wrapper
+        self.spec = spec
         self.mesh = mesh  # a harness/wrappers/mesh.py Shape, or None
         self.param_dtype = SHARDED_PRECISIONS[precision]
         self.reduce_dtype = torch.float32 if reduce == "fp32" else self.param_dtype
         # DeepSpeed's BF16_Optimizer (ZeRO-1 with ``grad_accum=fp32``) adds each micro-batch's bf16
         # gradient to an fp32 sum, reduced in bf16 at the boundary, the world size divided after
         self.bf16_optimizer = grad_accum == "fp32"
-        self.accumulate_dtype = (self.reduce_dtype if wrapper == "fsdp2"
+        self.accumulate_dtype = (self.reduce_dtype if spec.accumulates_in == "reduce"
                                  else torch.float32 if self.bf16_optimizer else self.param_dtype)
         # DeepSpeed's ZeRO stage (None under FSDP), and whether it reduces every micro-batch (ZeRO-2/3:
         # the reduced gradients then add up in bf16 until the boundary, in ``reduced``)
-        self.stage = DEEPSPEED.get(wrapper)
+        self.stage = spec.zero_stage
         # FSDP1 without mixed precision differentiates the flat parameter itself: autograd sums the
         # forwards' contributions to it (last forward first, ``ShardedMixedReplica.contributions``)
         # and adds the sum to its gradient once; in bf16 each is added apart (measured, torch 2.13)
-        self.adds_contributions_once = wrapper == "fsdp1" and self.param_dtype == torch.float32
-        self.every_backward = wrapper in REDUCES_EVERY_MICRO_BATCH
+        self.adds_contributions_once = spec.flat_parameters and self.param_dtype == torch.float32
+        self.every_backward = spec.reduces_every_micro_batch
         self.models = dict(models)
         self.collectives = collectives
         self.world_size = collectives.world_size
@@ -90,7 +91,7 @@ class ShardedReduce:
     def flat_groups(self, name: str) -> list[list[str]] | None:
         """FSDP1: the parameters of each of the model's flat parameters, in their order (one group of
         every parameter where the layout cannot be read); FSDP2 (no flat parameters): None."""
-        if self.wrapper != "fsdp1":
+        if not self.spec.flat_parameters:
             return None
         layout = sharding.fsdp1_reduce_layout(unwrap(self.models[name]))
         if isinstance(layout, str):
@@ -191,7 +192,7 @@ class ShardedReduce:
         """FSDP2 reduce-scatters with ReduceOp.AVG over its shard group (the world, or under a mesh the
         ranks differing in dp_shard and cp): where the rank's start-up probe found gloo's AVG to sum
         (harness/rank/numerics/backend_defects.py), this sync goes through that defect. The oracle still averages."""
-        if self.wrapper != "fsdp2" or GLOO_AVG_SUMS not in found():
+        if self.spec.fsdp_version != 2 or GLOO_AVG_SUMS not in found():
             return
         width = (len(self.mesh.peers(self.collectives.rank, ("dp_shard", "cp"))) if self.mesh is not None
                  else self.world_size)
@@ -269,7 +270,7 @@ class ShardedReduce:
                                                   for n, ps in self.pending.items() for p, t in ps.items()}
         if self.stage is not None:
             return self._deepspeed_layout(segments)
-        if self.wrapper == "fsdp2":
+        if not self.spec.flat_parameters:  # FSDP2: dim-0 shards of each parameter, grouped
             why = "" if self.world_size == 1 else sharding.fsdp2_reduce_op(self.reduce_dtype) or ring_order_holds(
                 self.world_size, self.reduce_dtype)
             if why:
