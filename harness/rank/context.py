@@ -27,7 +27,7 @@ from harness.rank.watch import LoopRefused, Watch
 from harness.wrappers import prepare
 from harness.wrappers import probe
 from harness.wrappers.mesh import shape as mesh_shape
-from harness.wrappers.names import DDP, DEEPSPEED, WRAPPERS
+from harness.wrappers.names import DDP, SPECS, WRAPPERS, WrapperSpec, spec
 
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
@@ -78,7 +78,8 @@ class RankContext(RankData):
         if self.wrapper not in WRAPPERS:
             raise ValueError(f"variant {variant!r}: unknown wrapper {self.wrapper!r}; known: {', '.join(WRAPPERS)}")
         self.compile = self.variant.get("compile")  # a torch.compile backend, e.g. aot_eager
-        self._dtype_policy = {key: self.variant.get(key) for key in ("reduce", "grad_accum")}  # names.MIXED_AXES
+        # the variant's dtype policy: the specs' mixed axes (``reduce``, ``grad_accum``), None where not given
+        self._dtype_policy = {s.mixed_axis[0]: self.variant.get(s.mixed_axis[0]) for s in SPECS if s.mixed_axis}
         # the device mesh (``mesh=`` in the variant: harness/wrappers/mesh.py), None without one; the
         # data shard this rank draws and how many there are (tensor- and context-parallel peers draw one)
         self.mesh = mesh_shape(str(self.variant["mesh"]), world_size) if "mesh" in self.variant else None
@@ -96,6 +97,11 @@ class RankContext(RankData):
         self._last_point = 0  # the last micro-step of the schedules made here
         self._window_lengths: dict[int, int] = {}  # the micro-batches of each micro-step's window, by index
         self.at_step = 0  # the micro-step ``epochs`` last gave the case (where a raise happened)
+
+    @property
+    def spec(self) -> WrapperSpec:
+        """The spec of the cell's wrapper (harness/wrappers/names.py): how it reduces, what it casts."""
+        return spec(self.wrapper)
 
     # what the installed accelerate offers (harness/wrappers/probe.py): the API, or Unsupported naming it
 
@@ -158,11 +164,11 @@ class RankContext(RankData):
         except ValueError as exc:
             if kwargs["mixed_precision"] == "fp16" and "fp16" in str(exc):
                 self.skip(f"accelerate refuses fp16 on {self.device.type}: {exc}")
-            if self.wrapper in DEEPSPEED:
+            if self.spec.family == "deepspeed":
                 self._no_deepspeed_here(exc)
             raise
         except (AttributeError, KeyError, AssertionError, RuntimeError, ImportError, TypeError) as exc:
-            if self.wrapper in DEEPSPEED:
+            if self.spec.family == "deepspeed":
                 self._no_deepspeed_here(exc)
             raise
         if kwargs["mixed_precision"] == "fp16" and getattr(accelerator, "scaler", None) is None:

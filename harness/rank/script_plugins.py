@@ -23,7 +23,7 @@ import torch
 
 from harness.rank.script_watch import WHO
 from harness.rank.watch import LoopRefused
-from harness.wrappers.names import DEEPSPEED, FSDP, PRECISIONS
+from harness.wrappers.names import of_identity, spec
 
 # Accelerator arguments that ask for a wrapper the harness does not follow under a script
 UNFOLLOWED = ("deepspeed_plugins", "megatron_lm_plugin", "parallelism_config", "torch_tp_plugin")
@@ -81,9 +81,10 @@ def asked_wrapper(given: dict[str, Any], precision: str) -> Asked | None:
         return None
     asked = _fsdp(fsdp, precision) if fsdp is not None else _deepspeed(deepspeed)
     asked.forced.update(launched)
-    if precision not in PRECISIONS[asked.wrapper]:
+    precisions = spec(asked.wrapper).precisions
+    if precision not in precisions:
         raise LoopRefused(f"{WHO}: the script runs {asked.wrapper} in {precision}; the harness models {asked.wrapper} "
-                          f"in {' and '.join(PRECISIONS[asked.wrapper])}")
+                          f"in {' and '.join(precisions)}")
     return asked
 
 
@@ -105,13 +106,15 @@ def _launched_fsdp() -> tuple[Any, dict[str, tuple[Any, Any]]]:
 
 def _fsdp(plugin: Any, precision: str) -> Asked:
     version = int(getattr(plugin, "fsdp_version", None) or 1)
-    wrapper = {1: "fsdp1", 2: "fsdp2"}.get(version)
-    if wrapper is None:
+    its = of_identity("fsdp", version)
+    if its is None:
         raise LoopRefused(f"{WHO}: the script's FSDP plugin asks for fsdp_version={version}")
-    asked = Asked(wrapper, plugin)
+    asked = Asked(its.name, plugin)
     policy = getattr(plugin, "mixed_precision_policy", None)
     if policy is not None:
-        reduce = _reduce_of(policy) if wrapper == "fsdp2" and precision == "bf16" else None
+        # a policy with a reduce dtype: the wrapper's ``reduce`` axis (FSDP2's MixedPrecisionPolicy)
+        takes_reduce = its.mixed_axis is not None and its.mixed_axis[0] == "reduce"
+        reduce = _reduce_of(policy) if takes_reduce and precision == "bf16" else None
         if reduce is None:
             raise LoopRefused(f"{WHO}: the script's FSDP plugin gives mixed_precision_policy={policy}; the harness "
                               "models FSDP2 under mixed_precision='bf16' with MixedPrecisionPolicy(param_dtype="
@@ -141,11 +144,11 @@ def _reduce_of(policy: Any) -> str | None:
 def _deepspeed(plugin: Any) -> Asked:
     config = dict(getattr(plugin, "deepspeed_config", None) or {})
     stage = int((config.get("zero_optimization") or {}).get("stage", getattr(plugin, "zero_stage", 0) or 0))
-    wrapper = next((w for w, s in DEEPSPEED.items() if s == stage), None)
-    if wrapper is None:
+    its = of_identity("deepspeed", stage)
+    if its is None:
         raise LoopRefused(f"{WHO}: the script's DeepSpeed plugin asks for ZeRO stage {stage}; the harness models "
                           "ZeRO-1, 2 and 3")
-    asked = Asked(wrapper, plugin)
+    asked = Asked(its.name, plugin)
     steps = config.get("gradient_accumulation_steps", "auto")
     if steps != "auto":
         asked.num_steps = int(steps)  # accelerate takes DeepSpeed's where the two differ (accelerator.py)
@@ -205,7 +208,7 @@ def carry_over(asked: Asked, made: dict[str, Any]) -> dict[str, tuple[Any, Any]]
     """Carry the script's gradient-neutral settings over to the cell's plugin in ``made`` (the
     Accelerator's arguments); what differs still, as ``{setting: (the script's, the cell's)}``."""
     forced = dict(asked.forced)
-    if asked.wrapper in FSDP:
+    if spec(asked.wrapper).family == "fsdp":
         cell = made["fsdp_plugin"]
         for name in FSDP_CARRIED:
             if hasattr(cell, name):

@@ -15,7 +15,6 @@ from torch import nn
 
 from harness.rank.loaders import dataloader_options
 from harness.rank.watch import LoopRefused, Watch
-from harness.wrappers.names import DDP
 
 if TYPE_CHECKING:
     from harness.rank.context import RankContext
@@ -63,7 +62,7 @@ class ScriptWatch(Watch):
                     self.stepped_before[id(given)] = bool(given.state)
                 elif isinstance(given, nn.Module) and id(given) not in self.names_as_given:
                     self.names_as_given[id(given)] = {id(p): n for n, p in given.named_parameters()}
-                    if self.ctx.wrapper != DDP and any(p.requires_grad for p in given.parameters()):
+                    if self.ctx.spec.sharded and any(p.requires_grad for p in given.parameters()):
                         with _plain_forward([given]):
                             self.as_given[id(given)] = copy.deepcopy(given)
             return prepare(*args, **kwargs)
@@ -172,7 +171,7 @@ class ScriptWatch(Watch):
     def _weights(self) -> dict[str, nn.Module] | None:
         """Under a wrapper that shards or partitions the models: each one as given to prepare, holding
         the full weights the ranks hold now (gathered); None under DDP, whose models are whole."""
-        if self.ctx.wrapper == DDP:
+        if not self.ctx.spec.sharded:
             return None
         from harness.wrappers.sharding import observe
 

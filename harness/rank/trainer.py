@@ -304,7 +304,7 @@ def _where(ctx: Any, transformers: Any, *, made_folder: bool) -> dict[str, Any]:
         where["bf16"] = True
     elif ctx.precision == "fp16":
         where["fp16"] = True
-    if ctx.wrapper == "fsdp2":
+    if ctx.spec.fsdp_version == 2:  # Trainer's FSDP2; FSDP1 and DeepSpeed have no Trainer cell yet
         if ctx.device.type == "cpu":
             # the harness's own FSDP2 cells set FSDP on their Accelerator after building it
             # (harness/wrappers/prepare.py, fsdp_on_cpu); Trainer builds its own, and decides from it
@@ -315,8 +315,8 @@ def _where(ctx: Any, transformers: Any, *, made_folder: bool) -> dict[str, Any]:
             ctx.skip("wrapper=fsdp2 runs at world size 2 and more: at world size 1 accelerate applies no wrapper")
         # Trainer's FSDP2, its own plugin from these arguments (each decoder layer a unit, as Trainer wraps)
         where["fsdp"] = "full_shard"
-        where["fsdp_config"] = {"version": 2}
-    elif ctx.wrapper != "ddp":
+        where["fsdp_config"] = {"version": ctx.spec.fsdp_version}
+    elif ctx.spec.sharded:
         ctx.skip(f"wrapper={ctx.wrapper}: no Trainer cell under DeepSpeed yet (on CPU, accelerate's DeepSpeed needs "
                  "the settings harness/wrappers/deepspeed_cpu.py gives an Accelerator after building it, which "
                  "Trainer's own does not get without patching Trainer)")
