@@ -249,7 +249,7 @@ def case(
     A canary's diagnoses apply to its mesh cells too; a ``Diagnosis`` can name its mesh with
     ``when={"mesh": ...}``.
     """
-    from harness.wrappers.names import MESH_WRAPPER, MESHES, WRAPPERS
+    from harness.wrappers.names import MESHES, WRAPPERS, mesh_wrappers
 
     applies = tuple(WRAPPERS if wrappers is None else wrappers)
     unknown = [w for w in applies if w not in WRAPPERS]
@@ -258,9 +258,10 @@ def case(
                          f"got {unknown[0] if unknown else 'none'}")
     known = _defects(name, defects or {}, applies)
     mesh_names = tuple(meshes)
-    if any(m not in MESHES for m in mesh_names) or (mesh_names and MESH_WRAPPER not in applies):
+    meshed = [s.name for s in mesh_wrappers()]
+    if any(m not in MESHES for m in mesh_names) or (mesh_names and not set(meshed) & set(applies)):
         raise ValueError(f"case {name!r}: meshes= takes names among {', '.join(MESHES)}, for a case that "
-                         f"applies to {MESH_WRAPPER}; got {list(mesh_names)}")
+                         f"applies to {' or '.join(meshed)}; got {list(mesh_names)}")
     detects = _canary(name, canary)
     variant_list = _variants(name, variants)
 

@@ -115,7 +115,8 @@ def test_a_prepared_model_is_verified_by_its_identity_and_a_plain_one_passes_und
 
     plain = nn.Linear(2, 2)
     verify("ddp", plain, name="m", world_size=1)
-    with pytest.raises(names.WrongWrapper, match=r"model 'm' was prepared as none \(Linear\), but the cell is wrapper=fsdp1"):
+    with pytest.raises(names.WrongWrapper,
+                       match=r"model 'm' was prepared as none \(Linear\), but the cell is wrapper=fsdp1"):
         verify("fsdp1", plain, name="m", world_size=2)
     verify("deepspeed-z2", DeepSpeedEngine(2), name="m", world_size=2)
     with pytest.raises(names.WrongWrapper, match="prepared as deepspeed-z2 .*wrapper=deepspeed-z1"):

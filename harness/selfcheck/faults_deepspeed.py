@@ -11,7 +11,9 @@ import contextlib
 from typing import Any, Iterator
 
 from harness.selfcheck.planted import Fault, _patched, register
-from harness.wrappers.names import DEEPSPEED
+from harness.wrappers.names import of_family
+
+ZERO = tuple(s.name for s in of_family("deepspeed"))  # every ZeRO stage's wrapper
 
 
 @contextlib.contextmanager
@@ -50,7 +52,7 @@ def _boundary_ignored(rank: int) -> Iterator[None]:
 
 register(Fault("deepspeed_boundary_ignored",
                "accelerate's DeepSpeed backward marks every micro-batch a gradient-accumulation boundary",
-               _boundary_ignored, wrappers=tuple(DEEPSPEED),
+               _boundary_ignored, wrappers=ZERO,
                diagnoses=("stepped_early", "synced_early", "comm_unexpected", "misweighted", "wrong_scale")))
 
 
@@ -128,12 +130,12 @@ register(Fault("deepspeed_bf16_optimizer_reduces_early",
 register(Fault("deepspeed_last_micro_batch_dropped",
                "the window's last micro-batch is left out of DeepSpeed's averaged gradient (the shape of "
                "DeepSpeed PR #7985)",
-               _losses_zeroed("last"), wrappers=tuple(DEEPSPEED), needs="bf16",
+               _losses_zeroed("last"), wrappers=ZERO, needs="bf16",
                diagnoses=("misweighted", "wrong_scale")))
 # DeepSpeed PR #6550 (before 0.15.2): ZeRO-2 with CPU offload copied each micro-batch's gradient
 # into its buffer instead of adding it, so a window's gradient was its last micro-batch's alone.
 register(Fault("deepspeed_copy_not_accumulate",
                "each micro-batch's gradient replaces the window's instead of adding to it, so only the last "
                "counts (the shape of DeepSpeed PR #6550)",
-               _losses_zeroed("earlier"), wrappers=tuple(DEEPSPEED), needs="bf16",
+               _losses_zeroed("earlier"), wrappers=ZERO, needs="bf16",
                diagnoses=("misweighted", "wrong_scale")))

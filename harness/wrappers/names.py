@@ -130,15 +130,6 @@ _BY_IDENTITY = {s.identity: s for s in SPECS}
 MESHES = ("hsdp", "tp", "cp")
 
 
-# the tables these specs replace, until every user asks the spec (removed once none does)
-FSDP = tuple(s.name for s in SPECS if s.family == "fsdp")
-DEEPSPEED = {s.name: s.zero_stage for s in SPECS if s.family == "deepspeed"}
-REDUCES_EVERY_MICRO_BATCH = frozenset(s.name for s in SPECS if s.reduces_every_micro_batch)
-PRECISIONS = {s.name: s.precisions for s in SPECS}
-MIXED_AXES = {s.name: s.mixed_axis for s in SPECS if s.mixed_axis}
-COMPILED = frozenset(s.name for s in SPECS if s.compiled)
-MESH_WRAPPER = "fsdp2"
-
 
 def spec(name: str) -> WrapperSpec:
     """The spec of the wrapper ``name``; ValueError names the known ones."""
