@@ -414,6 +414,37 @@ def test_every_command_has_its_exit_statuses_documented():
     assert "`pytest cases/`" in exits
 
 
+
+WRAPPER_SPEC_COLUMNS = ["wrapper", "family", "version or stage", "precisions", "bf16 also with", "compiled", "meshes",
+                        "reduces every micro-batch", "wraps the module", "accumulates in", "bf16 forward"]
+
+
+def wrapper_spec_rows() -> list[list[str]]:
+    """docs/wrappers.md's "One spec a wrapper" table, as harness/wrappers/names.py's SPECS make it."""
+    from harness.wrappers.names import SPECS
+
+    def yes(flag: bool) -> str:
+        return "yes" if flag else "no"
+
+    def forward(how: Any) -> str:
+        if how is None:
+            return "autocast"
+        cast = ["parameters", *(["buffers"] if how.casts_buffers else []), *(["inputs"] if how.casts_inputs else [])]
+        return f"casts {', '.join(cast)}" + ("; outputs bf16" if how.outputs_low else "")
+
+    return [[f"`{s.name}`", s.family, str(s.fsdp_version or s.zero_stage or "-"), ", ".join(s.precisions),
+             ", ".join(f"`{s.mixed_axis[0]}={v}`" for v in s.mixed_axis[1]) if s.mixed_axis else "-",
+             yes(s.compiled), yes(s.meshes), yes(s.reduces_every_micro_batch), yes(s.wraps_module), s.accumulates_in,
+             forward(s.sharded_forward)] for s in SPECS]
+
+
+def test_the_documented_wrapper_specs_are_the_registrys():
+    table = section((DOCS / "wrappers.md").read_text(encoding="utf-8"), "## One spec a wrapper")
+    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")]
+            for line in table.splitlines() if line.startswith("|") and not re.match(r"^\|\s*-", line)]
+    assert rows[0] == WRAPPER_SPEC_COLUMNS
+    assert rows[1:] == wrapper_spec_rows()
+
 # --- regenerating docs/options.md -------------------------------------------------------------
 
 def _pytest_help_group() -> str:
