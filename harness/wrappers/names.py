@@ -130,7 +130,6 @@ _BY_IDENTITY = {s.identity: s for s in SPECS}
 MESHES = ("hsdp", "tp", "cp")
 
 
-
 def spec(name: str) -> WrapperSpec:
     """The spec of the wrapper ``name``; ValueError names the known ones."""
     found = _BY_NAME.get(name)
