@@ -4,7 +4,8 @@ wrapper, fp32 and bf16 in turn, moving through each case's variants) at each wor
 Run: python bench/false_alarms.py [--world-sizes 2,3,4] [--seeds 10] [--wrappers ddp,fsdp2,fsdp1,deepspeed-z2]
 Prints, per world size, the clean cells run, the fails (false alarms) and errors, and the seconds;
 then each fail with its rerun command. Exit 1 on any fail or error. tests/test_selfcheck.py runs
-the same sweep (its sweep_false_alarms) with ten seeds at world sizes 2 and 3 and two at 4; run this
+the same sweep (its sweep_false_alarms) with the ten seeds once each, five at world size 2 and five
+at 3, and two at 4; run this
 before changing a tolerance (harness/rank/numerics/closeness.py) or the seeding, and on a new torch or accelerate.
 """
 
