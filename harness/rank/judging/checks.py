@@ -92,14 +92,14 @@ class Checks:
         self.oracle = oracle
         self.recorder: Recorder = oracle.recorder  # type: ignore[assignment]
         self.accounting = accounting
-        self.rank = oracle.rank
+        self.rank = oracle.config.rank
         self.diverged: set[tuple[str, str]] = set()
         self.verified: set[str] = set()
 
     def _observe(self, name: str, model: nn.Module, *, sync: bool) -> Observed:
         """The model as its wrapper keeps it, after making sure it is the wrapper the cell names."""
         if name not in self.verified:
-            verify(self.oracle.wrapper, model, name=name, world_size=self.oracle.world_size)
+            verify(self.oracle.config.wrapper, model, name=name, world_size=self.oracle.config.world_size)
             self.verified.add(name)
         observed = observe(model, list(self.oracle.params[name]), sync=sync)
         missing = [p for p in self.oracle.params[name] if p not in observed.params]
@@ -165,7 +165,7 @@ class Checks:
                 owned = pname in observed.owned
                 if owned not in fits:
                     fits[owned] = ModelFits.make(
-                        expectations, grads, parts, low=AUTOCAST_DTYPES.get(oracle.precision),
+                        expectations, grads, parts, low=AUTOCAST_DTYPES.get(oracle.config.precision),
                         backwards=oracle.weighting.backwards.get(name, 1), held=oracle.weighting.held(name),
                         partition=owned_cut(observed) if owned else None, owned=observed.owned)
                 local = local if local is not None else anchoring.local_grads(name)
@@ -182,15 +182,15 @@ class Checks:
                       synced: Expectation) -> None:
         """A parameter's gradient that is not the oracle's, recorded with its diagnosis: fitted to the
         model's whole gradient (``fit_set``), with this rank's own and the synced hypotheses beside."""
-        oracle = self.oracle
+        oracle, config = self.oracle, self.oracle.config
         kind, factor, which = fit_set.diagnose(
             pname, observed, actual, expected=expected, local=local, synced=synced,
             previous=oracle.anchoring.previous_grad(name, pname), expected_sync=oracle.state.last_sync,
-            weighed=oracle.weighting.tokens is not None or oracle.contract == "full_batch", rank=oracle.data_rank)
+            weighed=oracle.weighting.tokens is not None or config.contract == "full_batch", rank=config.data_rank)
         fit = fit_set.rebasing if which == REBASED else fit_set.reweighing
         misweighted = kind is FailureKind.MISWEIGHTED and fit is not None
         unit = "tokens" if oracle.weighting.tokens is not None else "micro-batches"
-        shards = None if oracle.mesh is None else oracle.mesh.shard_ranks()
+        shards = None if config.mesh is None else config.mesh.shard_ranks()
         self.recorder.add(make_failure(rank=self.rank, step=index, where=at, model=name, param=pname,
                                        checked="grad", kind=kind, factor=factor, diff=diff,
                                        weights=fit.weights if misweighted else None,
@@ -240,20 +240,20 @@ class Checks:
 
     def _collectives(self, index: int, at: str, models: Mapping[str, nn.Module]) -> None:
         """The gradient reductions of the backwards since the last check, against the contract."""
-        oracle = self.oracle
-        syncs = oracle.state.take_backward_syncs()
+        config = self.oracle.config
+        syncs = self.oracle.state.take_backward_syncs()
         if self.accounting is None:
             return
         backwards = self.accounting.take()
-        if oracle.world_size < 2:
+        if config.world_size < 2:
             return
         if not self.accounting.available:
             self.recorder.unchecked.setdefault(CHECK, accounting_unavailable() or "the flight recorder is off")
             return
-        if oracle.mesh is not None:
+        if config.mesh is not None:
             syncs = [(sync, tensor_parallel_share(models, needed)) for sync, needed in syncs]
-        for verdict in judge(backwards, syncs, reduces_every_micro_batch=oracle.spec.reduces_every_micro_batch,
-                             mesh=oracle.mesh, rank=self.rank):
+        for verdict in judge(backwards, syncs, reduces_every_micro_batch=config.spec.reduces_every_micro_batch,
+                             mesh=config.mesh, rank=self.rank):
             self.recorder.comm_checks += 1
             self.recorder.timeline.mark(index, "comm")
             if verdict.kind is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 import torch
 
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from harness.rank.oracle.sharded_reduce import ShardedReduce
     from harness.rank.oracle.state import OracleState
     from harness.rank.oracle.weighting import TokenWeighting
-    from harness.wrappers.names import WrapperSpec
+    from harness.wrappers.cell import CellConfig
 
 FUSED_FROM_VARIABLE = "GRADSYNC_HARNESS_FUSED_FROM"
 
@@ -41,18 +41,18 @@ class Averaging(OraclePart):
     # (tests: 0, the pass on the catalogue's small models)
     FUSED_FROM = CHUNK
 
-    def __init__(self, state: OracleState, params: Mapping[str, Mapping[str, torch.Tensor]], *,
+    def __init__(self, state: OracleState, params: Mapping[str, Mapping[str, torch.Tensor]], config: CellConfig, *,
                  collectives: Collectives, recorder: Notes, weighting: TokenWeighting, sharded: ShardedReduce | None,
-                 user_models: Mapping[str, torch.nn.Module], world_size: int, spec: WrapperSpec, mesh: Any,
-                 scaled: bool) -> None:
+                 user_models: Mapping[str, torch.nn.Module], scaled: bool) -> None:
         super().__init__(state, params, collectives=collectives, weighting=weighting, sharded=sharded)
         self.recorder = recorder
         # the user's modules, which prepare wraps: how their wrapper reduces is read off it at a sync
         # (DDP's buckets, harness/wrappers/sharding.py)
         self.user_models = user_models
-        self.world_size = world_size
-        self.spec = spec  # the wrapper's (harness/wrappers/names.py): whether it shards
-        self.mesh = mesh
+        # the cell's wrapper, world size and mesh (harness/wrappers/cell.py) say how the sync reduces
+        self.world_size = config.world_size
+        self.spec = config.spec  # the wrapper's (harness/wrappers/names.py): whether it shards
+        self.mesh = config.mesh
         self.scaled = scaled  # fp16's gradient scaler scales the loss
 
     # the sync

@@ -32,7 +32,7 @@ from harness.rank.oracle.schedule import MicroStep
 from harness.rank.oracle.sharded_reduce import SHARDED_PRECISIONS, ShardedReduce
 from harness.rank.oracle.state import OracleState
 from harness.rank.oracle.weighting import TokenWeighting, token_seeds
-from harness.wrappers.names import spec
+from harness.wrappers.cell import CellConfig
 from harness.wrappers.prepared import unwrap
 
 
@@ -55,45 +55,39 @@ class Oracle(CheckCalls):
     def __init__(
         self,
         models: Mapping[str, nn.Module],
+        config: CellConfig,
         *,
         recorder: Notes,
-        rank: int,
-        world_size: int,
-        precision: str,
-        num_steps: int = 1,
         optimizer: OptimizerFactory | Mapping[str, OptimizerFactory] | None = None,
         optimizers: ModelOptimizers | Mapping[str, ModelOptimizers] | None = None,
         scheduler: SchedulerFactory | None = None,
         scheduler_steps: int = 1,
         replay_rng: RngReplay | None = None,
         scaler_kwargs: Mapping[str, Any] | None = None,
-        wrapper: str = "ddp",
-        reduce: str | None = None,
-        grad_accum: str | None = None,
         more_checks: Callable[[MicroStep | int], bool] | None = None,
-        contract: str = "accelerate",
         window_length: Callable[[], int] | None = None,
-        mesh: Any = None,
         weights: Mapping[str, nn.Module] | None = None,
     ) -> None:
-        refuse_options(models, precision=precision, both_optimizers=optimizer is not None and optimizers is not None,
-                       num_steps=num_steps, contract=contract, window_length=window_length,
-                       scheduler_steps=scheduler_steps)
-        self.contract = contract
-        # full_batch: how many micro-batches the window of the backward being run has
+        """``config``: the cell's (harness/wrappers/cell.py): its precision, wrapper and dtype policy,
+        mesh, accumulation steps, contract, rank and world size. ``more_checks(step)``: whether another
+        check surely follows this step's: rank 0's copies then wait for the next all-reduce
+        (harness/rank/numerics/collectives.py), and whoever made the oracle calls ``finish`` when the case
+        ends (RankContext does); without it each is sent at once. ``window_length``: under
+        ``contract="full_batch"``, how many micro-batches the window of the backward being run has.
+        ``weights``: the models to copy where ``models`` no longer hold their whole weights (a script's
+        models sharded in place by prepare: harness/rank/script.py)."""
+        refuse_options(models, precision=config.precision,
+                       both_optimizers=optimizer is not None and optimizers is not None, num_steps=config.num_steps,
+                       contract=config.contract, window_length=window_length, scheduler_steps=scheduler_steps)
+        self.config = config
         self.window_length = window_length
-        self.rank = rank
-        self.world_size = world_size
-        self.precision = precision
-        self.spec = spec(wrapper)  # the wrapper's (harness/wrappers/names.py): how it reduces, what it casts
-        self.num_steps = num_steps
+        self.spec = config.spec  # the wrapper's (harness/wrappers/names.py): how it reduces, what it casts
         self.replay_rng = replay_rng
-        self.collectives = Collectives(rank=rank, world_size=world_size)
-        # ``weights``: the models to copy where ``models`` no longer hold their whole weights (a script's
-        # models sharded in place by prepare: harness/rank/script.py)
-        self.replicas = replicate(weights or models, mesh)
+        self.collectives = Collectives(rank=config.rank, world_size=config.world_size)
+        self.replicas = replicate(weights or models, config.mesh)
         refuse_unequal_models(self.collectives, self.replicas)
-        self.models = forward_as(self.replicas, precision, sharded=self.spec.sharded_forward, reduce=reduce)
+        self.models = forward_as(self.replicas, config.precision, sharded=self.spec.sharded_forward,
+                                 reduce=config.reduce)
         self.params = {name: dict(r.named_parameters()) for name, r in self.replicas.items()}
         # FSDP2, FSDP1 and DeepSpeed in fp32 and bf16 (harness/rank/oracle/replica.py): each rank's unsharded gradients
         # since the last sync accumulate apart, as the wrapper accumulates them, and are reduced as it
@@ -102,10 +96,8 @@ class Oracle(CheckCalls):
         # ranks: the ranks that average each other's are the data-parallel and context ones, and a
         # tensor-parallel peer draws the same batch as its rank, so its replica's gradient is the same
         # and the average over every rank is the average over the data-parallel ones (within the bound)
-        self.mesh = mesh
-        self.sharded = (ShardedReduce(self.spec, precision, reduce, self.params, models, self.collectives, grad_accum,
-                                      mesh=mesh)
-                        if self.spec.sharded and precision in SHARDED_PRECISIONS else None)
+        self.sharded = (ShardedReduce(config, self.params, models, self.collectives)
+                        if self.spec.sharded and config.precision in SHARDED_PRECISIONS else None)
         if self.sharded is not None and self.sharded.stage is not None:
             # DeepSpeed makes its fp32 masters from the module it cast to bf16: the weights' low bits go
             round_through(self.params, self.sharded.param_dtype)
@@ -117,17 +109,17 @@ class Oracle(CheckCalls):
         self.scheduler_steps = scheduler_steps
         # fp16 as accelerate documents it: the loss scaled by a GradScaler in backward, the
         # gradients unscaled before a clip and by the prepared optimizer's step, which skips on inf
-        self.scaler = self._grad_scaler(scaler_kwargs or {}) if precision == "fp16" else None
+        self.scaler = self._grad_scaler(scaler_kwargs or {}) if config.precision == "fp16" else None
         self._unscaled = False  # this window's gradients were unscaled (by a clip)
         # token weighting (token_window), and the contributions the misweighted diagnosis refits
-        self.weighting = TokenWeighting(self.params, world_size=world_size, shards=None if mesh is None else [
-            mesh.data_index(r) for r in range(world_size)])
-        self.data_rank = rank if mesh is None else mesh.data_index(rank)
+        mesh = config.mesh
+        self.weighting = TokenWeighting(self.params, world_size=config.world_size, shards=None if mesh is None else [
+            mesh.data_index(r) for r in range(config.world_size)])
         self.recorder = recorder
-        self.averaging = Averaging(self.state, self.params, collectives=self.collectives, recorder=recorder,
+        self.averaging = Averaging(self.state, self.params, config, collectives=self.collectives, recorder=recorder,
                                    weighting=self.weighting, sharded=self.sharded,
                                    user_models={name: unwrap(m) for name, m in models.items()},
-                                   world_size=world_size, spec=self.spec, mesh=mesh, scaled=self.scaler is not None)
+                                   scaled=self.scaler is not None)
         self.anchoring = Anchoring(self.state, self.params, collectives=self.collectives, weighting=self.weighting,
                                    sharded=self.sharded, optimizers=self.optimizers, more_checks=more_checks)
         # the checks of ``check_*``, attached by harness/rank/judging/checks.py (``checked``)
@@ -165,7 +157,7 @@ class Oracle(CheckCalls):
         flat = [(name, pname, p) for name, ps in self.params.items() for pname, p in ps.items() if p.requires_grad]
         # the contributions a misweighted diagnosis refits: a token window's, any window's held to the
         # full-batch mean, and any window's of a model small enough (``refitted``)
-        weighted = self.weighting.tokens is not None or self.contract == "full_batch"
+        weighted = self.weighting.tokens is not None or self.config.contract == "full_batch"
         refitted = self.params if weighted else self.weighting.refitted
         loss, other = self._scaled(loss)
         parts: list[list[torch.Tensor]] = []
@@ -221,14 +213,14 @@ class Oracle(CheckCalls):
             # the token mean's weight, world_size / N, as the two documented loops round it (each
             # backward seeded exactly so); where they differ the oracle runs both and allows each
             # gradient element their difference
-            seed, other_seed = token_seeds(self.world_size, tokens, self.num_steps, dtype=loss.dtype)
+            seed, other_seed = token_seeds(self.config.world_size, tokens, self.config.num_steps, dtype=loss.dtype)
             if other_seed is not None:
                 other = loss * other_seed.to(loss.device)
             loss = loss * seed.to(loss.device)
-        elif self.contract == "full_batch":
+        elif self.config.contract == "full_batch":
             loss = loss / self.window_length()  # type: ignore[misc]
         else:
-            loss = loss / self.num_steps
+            loss = loss / self.config.num_steps
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
             other = None if other is None else self.scaler.scale(other)

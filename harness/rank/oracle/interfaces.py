@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from harness.rank.oracle.averaging import Averaging
     from harness.rank.oracle.state import OracleState
     from harness.rank.oracle.weighting import TokenWeighting
-    from harness.wrappers.names import WrapperSpec
+    from harness.wrappers.cell import CellConfig
 
 # ``optimizer=``: called with a replica's parameters, as ``torch.optim.SGD(params, lr=...)`` is.
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
@@ -58,21 +58,14 @@ class OracleChecks(Protocol):
 
 class JudgedOracle(Protocol):
     """The oracle as its checks read it (harness/rank/judging/checks.py; ``Oracle``, harness/rank/oracle/core.py):
-    the cell it stands for (rank, world size, precision, wrapper and its spec, contract, mesh), where it notes what it
-    could not check (``recorder``), its replicas' parameters and optimizers, what it holds now
-    (``state``: each parameter's, harness/rank/oracle/state.py), its token weights (what a diagnosis
-    refits), and its two parts: ``averaging``, the sync a gradient check makes or settles, and
-    ``anchoring``, what the rank must hold now and the oracle carried on from the rank's real state."""
+    the cell it stands for (``config``: harness/wrappers/cell.py), where it notes what it could not
+    check (``recorder``), its replicas' parameters and optimizers, what it holds now (``state``: each
+    parameter's, harness/rank/oracle/state.py), its token weights (what a diagnosis refits), and its two
+    parts: ``averaging``, the sync a gradient check makes or settles, and ``anchoring``, what the rank
+    must hold now and the oracle carried on from the rank's real state."""
 
+    config: CellConfig
     recorder: Notes
-    rank: int
-    world_size: int
-    data_rank: int  # the data shard this rank draws (``rank`` without a mesh)
-    precision: str
-    wrapper: str
-    spec: WrapperSpec  # the wrapper's (harness/wrappers/names.py)
-    contract: str
-    mesh: Any
     params: dict[str, dict[str, torch.Tensor]]
     optimizers: dict[str, tuple[torch.optim.Optimizer, ...]]
     weighting: TokenWeighting
