@@ -35,7 +35,7 @@ MODES = ("unchecked", "replica", "checked")
 class UncheckedOracle:
     """An oracle that does nothing: the case's own steps run alone."""
 
-    def __init__(self, models: Any, **_: Any) -> None:
+    def __init__(self, models: Any, config: Any, **_: Any) -> None:
         self.busy_s = 0.0
 
     def __getattr__(self, name: str) -> Any:
@@ -49,13 +49,13 @@ class ReplicaOracle:
     accumulation steps, as the oracle's), the optimizer step at a due step; no collective, no check;
     ``busy_s``, the time spent in them."""
 
-    def __init__(self, models: Any, *, optimizer: Any = None, num_steps: int = 1, **_: Any) -> None:
+    def __init__(self, models: Any, config: Any, *, optimizer: Any = None, **_: Any) -> None:
         from harness.wrappers.prepared import unwrap
 
         started = time.perf_counter()
         self.replicas = {name: copy.deepcopy(unwrap(m)) for name, m in models.items()}
         self.optimizers = [optimizer(r.parameters()) for r in self.replicas.values()] if optimizer else []
-        self.num_steps = num_steps
+        self.num_steps = config.num_steps  # the cell's (harness/wrappers/cell.py)
         self.busy_s = time.perf_counter() - started
 
     def backward(self, closure: Any, *, sync: bool, rng: Any = None) -> None:
@@ -90,8 +90,8 @@ def _oracles_of(mode: str) -> Iterator[list[Any]]:
     made: list[Any] = []
     original = context.Oracle
     if mode != "checked":
-        def make(models: Any, **options: Any) -> Any:
-            made.append(ORACLES[mode](models, **options))
+        def make(models: Any, config: Any, **options: Any) -> Any:
+            made.append(ORACLES[mode](models, config, **options))
             return made[-1]
         context.Oracle = make  # type: ignore[assignment]
     try:

@@ -12,6 +12,7 @@ from harness.rank.judging.recorder import Recorder
 from harness.rank.models import make_model, regression_loss
 from harness.rank.oracle.core import Oracle
 from harness.rank.oracle.schedule import accumulation_schedule
+from harness.wrappers.cell import CellConfig
 
 
 def sgd(params):
@@ -30,8 +31,8 @@ def fp16_loop(num_steps: int, *, clip: float | None = None, fault: str | None = 
     is not scaled) or ``bypass`` (the optimizer steps on the scaled gradients, past the scaler)."""
     model = make_model("regressor", 7)
     recorder = Recorder(rank=0)
-    oracle = checked(Oracle({"model": model}, recorder=recorder, rank=0, world_size=1, precision="fp16",
-                    num_steps=num_steps, optimizer=sgd))
+    oracle = checked(Oracle({"model": model}, CellConfig(precision="fp16", num_steps=num_steps), recorder=recorder,
+                            optimizer=sgd))
     optimizer = sgd(model.parameters())
     scaler = torch.amp.GradScaler("cpu")
     models = {"model": model}

@@ -14,6 +14,7 @@ from harness.rank.models import make_model, regression_loss
 from harness.rank.oracle.core import Oracle
 from harness.rank.oracle.replica import MixedPrecisionReplica
 from harness.rank.oracle.schedule import accumulation_schedule
+from harness.wrappers.cell import CellConfig
 
 
 def sgd(params):
@@ -32,8 +33,8 @@ def batch(i):
 def make(num_steps=1, precision="fp32", optimizer=sgd, rank=0, world_size=1):
     model = make_model("regressor", 7)
     recorder = Recorder(rank=rank)
-    oracle = checked(Oracle({"model": model}, recorder=recorder, rank=rank, world_size=world_size, precision=precision,
-                    num_steps=num_steps, optimizer=optimizer))
+    config = CellConfig(precision=precision, num_steps=num_steps, rank=rank, world_size=world_size)
+    oracle = checked(Oracle({"model": model}, config, recorder=recorder, optimizer=optimizer))
     return model, oracle, recorder
 
 
@@ -148,8 +149,8 @@ def test_learning_rate_checks_follow_the_schedulers_steps():
     model = make_model("regressor", 7)
     recorder = Recorder(rank=0)
     decay = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 0.5**n)  # noqa: E731
-    oracle = checked(Oracle({"model": model}, recorder=recorder, rank=0, world_size=1, precision="fp32",
-                    optimizer=sgd, scheduler=decay, scheduler_steps=2))
+    oracle = checked(Oracle({"model": model}, CellConfig(), recorder=recorder, optimizer=sgd, scheduler=decay,
+                            scheduler_steps=2))
     optimizer = sgd(model.parameters())
     scheduler = decay(optimizer)
     oracle.step(True)  # the contract: two scheduler steps per optimizer step here
@@ -317,8 +318,8 @@ def test_full_batch_contract_weighs_a_short_window_by_its_micro_batches(divide_b
     at = {"point": schedule[0]}
     model = make_model("regressor", 7)
     recorder = Recorder(rank=0)
-    oracle = checked(Oracle({"model": model}, recorder=recorder, rank=0, world_size=1, precision="fp32", num_steps=3,
-                    optimizer=sgd, contract="full_batch", window_length=lambda: lengths[at["point"].index]))
+    oracle = checked(Oracle({"model": model}, CellConfig(num_steps=3, contract="full_batch"), recorder=recorder,
+                            optimizer=sgd, window_length=lambda: lengths[at["point"].index]))
     optimizer = sgd(model.parameters())
     for point in schedule:
         at["point"] = point
@@ -343,10 +344,9 @@ def test_full_batch_contract_weighs_a_short_window_by_its_micro_batches(divide_b
 def test_full_batch_contract_needs_the_window_and_an_unknown_contract_is_refused():
     model = make_model("regressor", 7)
     with pytest.raises(ValueError, match="needs window_length"):
-        Oracle({"model": model}, recorder=Recorder(rank=0), rank=0, world_size=1, precision="fp32",
-               contract="full_batch")
+        Oracle({"model": model}, CellConfig(contract="full_batch"), recorder=Recorder(rank=0))
     with pytest.raises(ValueError, match="unknown contract 'mean'; known: accelerate, full_batch"):
-        Oracle({"model": model}, recorder=Recorder(rank=0), rank=0, world_size=1, precision="fp32", contract="mean")
+        Oracle({"model": model}, CellConfig(contract="mean"), recorder=Recorder(rank=0))
 
 
 def test_a_reported_clip_norm_is_judged_against_the_oracles_norm_before_the_clip():

@@ -23,6 +23,7 @@ from harness.rank.tokens import IGNORE_INDEX, TokenDataset, pad_tokens, token_lo
 from harness.records import FailureKind, Status
 from harness.selfcheck.run import Runner, Target
 from harness.wording import canary_unobservable_summary
+from harness.wrappers.cell import CellConfig
 from harness.wrappers.names import WRAPPERS
 from harness.wrappers.prepare import cell_variants
 
@@ -52,8 +53,8 @@ def _rank_batches(rank: int) -> list[dict[str, torch.Tensor]]:
 def _oracle_token_grads(rank: int, world_size: int) -> dict[str, list]:
     with seeded(derive_seed(1, "tiny_lm")):
         model = TinyLM()
-    oracle = checked(Oracle({"m": model}, recorder=Recorder(rank=rank), rank=rank, world_size=world_size,
-                    precision="fp32", num_steps=2))
+    oracle = checked(Oracle({"m": model}, CellConfig(num_steps=2, rank=rank, world_size=world_size),
+                            recorder=Recorder(rank=rank)))
     batches = _rank_batches(rank)
     oracle.token_window(b["labels"] for b in batches)
     for i, batch in enumerate(batches):

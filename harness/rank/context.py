@@ -4,7 +4,7 @@ the schedule, and the oracle. ``RankContext`` is public API (docs/writing-a-case
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, ContextManager, Hashable, Iterable, Iterator, Mapping
 
 import torch
@@ -26,8 +26,8 @@ from harness.rank.rank_data import RankData
 from harness.rank.watch import LoopRefused, Watch
 from harness.wrappers import prepare
 from harness.wrappers import probe
-from harness.wrappers.mesh import shape as mesh_shape
-from harness.wrappers.names import DDP, SPECS, WRAPPERS, WrapperSpec, spec
+from harness.wrappers.cell import CellConfig
+from harness.wrappers.names import WrapperSpec
 
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
@@ -52,7 +52,8 @@ class RankContext(RankData):
     ``torch.device``); under a mesh (``mesh=`` in the variant), ``mesh`` (its shape:
     harness/wrappers/mesh.py; None without one), ``data_rank`` and ``data_world`` (the data shard this
     rank draws and how many there are: tensor- and context-parallel peers draw the same; without a
-    mesh, ``rank`` and ``world_size``).
+    mesh, ``rank`` and ``world_size``). ``config``: all of the cell's configuration at once, frozen
+    (harness/wrappers/cell.py), which ``precision``, ``wrapper`` and ``mesh`` read.
     """
 
     def __init__(
@@ -73,21 +74,14 @@ class RankContext(RankData):
         self.world_size = world_size
         self.seed = seed
         self.device = device
-        self.precision = str(self.variant.get("precision", "fp32"))
-        self.wrapper = str(self.variant.get("wrapper", DDP))
-        if self.wrapper not in WRAPPERS:
-            raise ValueError(f"variant {variant!r}: unknown wrapper {self.wrapper!r}; known: {', '.join(WRAPPERS)}")
+        # the cell's precision, wrapper and its dtype policy (names.MIXED_AXES), and device mesh
+        # (``mesh=`` in the variant: harness/wrappers/mesh.py), None without one
+        self.config = CellConfig.of_variant(variant, self.variant, rank=rank, world_size=world_size)
         self.compile = self.variant.get("compile")  # a torch.compile backend, e.g. aot_eager
-        # the variant's dtype policy: the specs' mixed axes (``reduce``, ``grad_accum``), None where not given
-        self._dtype_policy = {s.mixed_axis[0]: self.variant.get(s.mixed_axis[0]) for s in SPECS if s.mixed_axis}
-        # the device mesh (``mesh=`` in the variant: harness/wrappers/mesh.py), None without one; the
-        # data shard this rank draws and how many there are (tensor- and context-parallel peers draw one)
-        self.mesh = mesh_shape(str(self.variant["mesh"]), world_size) if "mesh" in self.variant else None
-        self.data_rank = self.mesh.data_index(rank) if self.mesh else rank
-        self.data_world = self.mesh.data_shards if self.mesh else world_size
-        if self.precision not in MIXED_PRECISION:
-            raise ValueError(f"variant {variant!r}: unknown precision {self.precision!r}; "
-                             f"known: {', '.join(MIXED_PRECISION)}")
+        # the data shard this rank draws and how many there are (tensor- and context-parallel peers draw one)
+        mesh = self.config.mesh
+        self.data_rank = mesh.data_index(rank) if mesh else rank
+        self.data_world = mesh.data_shards if mesh else world_size
         self.recorder = Recorder(rank=rank)
         self.accounting = Accounting()
         self.accumulation: Accumulation | None = None
@@ -101,7 +95,19 @@ class RankContext(RankData):
     @property
     def spec(self) -> WrapperSpec:
         """The spec of the cell's wrapper (harness/wrappers/names.py): how it reduces, what it casts."""
-        return spec(self.wrapper)
+        return self.config.spec
+
+    @property
+    def precision(self) -> str:
+        return self.config.precision
+
+    @property
+    def wrapper(self) -> str:
+        return self.config.wrapper
+
+    @property
+    def mesh(self) -> Any:
+        return self.config.mesh
 
     # what the installed accelerate offers (harness/wrappers/probe.py): the API, or Unsupported naming it
 
@@ -147,10 +153,11 @@ class RankContext(RankData):
         kwargs.setdefault("mixed_precision", MIXED_PRECISION[self.precision])
         kwargs.setdefault("cpu", self.device.type == "cpu")
         self.accumulation = _accumulation_of(kwargs)
+        self.config = config = replace(self.config, num_steps=self.accumulation.num_steps)
         self._scaler_kwargs = _scaler_kwargs_of(kwargs)
-        kwargs.update(prepare.accelerator_kwargs(self.wrapper, kwargs, device_type=self.device.type,
-                                                  world_size=self.world_size, num_steps=self.accumulation.num_steps,
-                                                  mesh=self.mesh, **self._dtype_policy))
+        kwargs.update(prepare.accelerator_kwargs(config.wrapper, kwargs, device_type=self.device.type,
+                                                  world_size=config.world_size, num_steps=config.num_steps,
+                                                  mesh=config.mesh, reduce=config.reduce, grad_accum=config.grad_accum))
         if self.compile is not None:
             self.require_parameter(Accelerator, "dynamo_backend", "Accelerator(dynamo_backend=...)")
             kwargs.setdefault("dynamo_backend", self.compile)
@@ -250,24 +257,19 @@ class RankContext(RankData):
                             optimizer=optimizer, optimizers=optimizers, scheduler=scheduler,
                             scheduler_steps=scheduler_steps, contract=contract, replay_rng=self.replay_rng)
 
-    def _oracle(self, models: Mapping[str, nn.Module], *, num_steps: int, replay_rng: Any, **options: Any) -> Oracle:
-        """The oracle of ``oracle`` and ``watch``: the accumulation steps resolved, and the RNG replay
-        of the case's forwards (``replay_rng`` keys, or the watch's states of the loop's)."""
+    def _oracle(self, models: Mapping[str, nn.Module], *, num_steps: int, contract: str, replay_rng: Any,
+                **options: Any) -> Oracle:
+        """The oracle of ``oracle`` and ``watch``: the accumulation steps resolved, its contract, and the
+        RNG replay of the case's forwards (``replay_rng`` keys, or the watch's states of the loop's)."""
         scaler = self._scaler_kwargs if self.precision == "fp16" else None
         oracle = checked(Oracle(
             models,
+            replace(self.config, num_steps=num_steps, contract=contract),
             recorder=self.recorder,
-            rank=self.rank,
-            world_size=self.world_size,
-            precision=self.precision,
-            num_steps=num_steps,
             replay_rng=replay_rng,
             scaler_kwargs=scaler,
-            wrapper=self.wrapper,
-            **self._dtype_policy,
             more_checks=self._more_checks,
             window_length=self._current_window_length,
-            mesh=self.mesh,
             **options,
         ), self.accounting)
         self._oracles.append(oracle)

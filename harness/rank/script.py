@@ -21,6 +21,7 @@ line (``LoopRefused``) saying why, before anything is judged halfway.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -207,11 +208,12 @@ class ScriptRun:
         if self.precision is not None and PRECISION_OF[asked] != self.precision:
             forced["mixed_precision"] = (asked, self.precision)
             asked = MIXED_PRECISION[self.precision]
-        ctx.precision = PRECISION_OF[asked]
+        ctx.config = dataclasses.replace(ctx.config, precision=PRECISION_OF[asked])
         given["mixed_precision"] = asked
         wrapper = asked_wrapper(given, ctx.precision)  # the script's plugin taken out: the cell makes its own
         if wrapper is not None:
-            ctx.wrapper, ctx._dtype_policy = wrapper.wrapper, dict(wrapper.policy)
+            ctx.config = dataclasses.replace(ctx.config, wrapper=wrapper.wrapper, reduce=wrapper.policy.get("reduce"),
+                                             grad_accum=wrapper.policy.get("grad_accum"))
             ctx.recorder.wrapper = wrapper.wrapper
             if wrapper.num_steps is not None:
                 given["gradient_accumulation_steps"] = wrapper.num_steps

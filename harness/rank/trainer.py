@@ -149,7 +149,7 @@ class TrainerWatch:
         # the mean over the window's micro-batches on every rank (what one micro-batch a step on one
         # rank gives). The closure's sum is scaled by world_size / N, so the term enters it times
         # N / (world_size * micro-batches)
-        router = self.router_coef * tokens / (oracle.world_size * len(batches))
+        router = self.router_coef * tokens / (oracle.config.world_size * len(batches))
         last = len(batches) - 1
         for n, (_, batch) in enumerate(batches):
             oracle.backward(lambda m, batch=batch: self.summed(m["model"], batch, router), sync=n == last)

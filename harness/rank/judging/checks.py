@@ -44,7 +44,7 @@ from harness.wrappers.sharding import observe, tensor_parallel_share
 
 if TYPE_CHECKING:
     from harness.rank.oracle.core import Oracle
-    from harness.rank.oracle.interfaces import ClipNorm
+    from harness.rank.oracle.interfaces import ClipNorm, JudgedOracle
 
 
 def _grad_or_zeros(observed: Observed, pname: str) -> torch.Tensor:
@@ -88,18 +88,18 @@ def checked(oracle: Oracle, accounting: Accounting | None = None) -> Oracle:
 class Checks:
     """The checks of one rank's state against one oracle, recorded in the oracle's recorder."""
 
-    def __init__(self, oracle: Oracle, accounting: Accounting | None = None) -> None:
+    def __init__(self, oracle: JudgedOracle, accounting: Accounting | None = None) -> None:
         self.oracle = oracle
         self.recorder: Recorder = oracle.recorder  # type: ignore[assignment]
         self.accounting = accounting
-        self.rank = oracle.rank
+        self.rank = oracle.config.rank
         self.diverged: set[tuple[str, str]] = set()
         self.verified: set[str] = set()
 
     def _observe(self, name: str, model: nn.Module, *, sync: bool) -> Observed:
         """The model as its wrapper keeps it, after making sure it is the wrapper the cell names."""
         if name not in self.verified:
-            verify(self.oracle.wrapper, model, name=name, world_size=self.oracle.world_size)
+            verify(self.oracle.config.wrapper, model, name=name, world_size=self.oracle.config.world_size)
             self.verified.add(name)
         observed = observe(model, list(self.oracle.params[name]), sync=sync)
         missing = [p for p in self.oracle.params[name] if p not in observed.params]
@@ -112,23 +112,26 @@ class Checks:
         then carry on from the rank's gradients; and the collectives of the backwards since the
         last check with the contract (harness/rank/numerics/accounting.py)."""
         oracle = self.oracle
+        anchoring = oracle.anchoring
         index, at = where(step)
-        mark_point(self.recorder, step, sync=oracle.last_sync)
+        mark_point(self.recorder, step, sync=oracle.state.last_sync)
         self._collectives(index, at, models)
-        seen = {name: self._observe(name, model, sync=oracle.last_sync) for name, model in models.items()}
-        shown = {name: not (o.hidden or o.sharded and not oracle.last_sync or o.shards_shown) for name, o in seen.items()}
+        last_sync = oracle.state.last_sync
+        seen = {name: self._observe(name, model, sync=last_sync) for name, model in models.items()}
+        shown = {name: not (o.hidden or o.sharded and not last_sync or o.shards_shown) for name, o in seen.items()}
         # a large model's sync is made as its check judges it (harness/rank/numerics/fused_check.py); the others' now
-        fused = {name for name in models if name in oracle.pending and shown[name] and seen[name].plain}
-        oracle.settle(name for name in models if name not in fused)
+        pending = {name for name, model in oracle.state.models.items() if model.pending}
+        fused = {name for name in models if name in pending and shown[name] and seen[name].plain}
+        oracle.averaging.settle(name for name in models if name not in fused)
         # what a sync now would give, the other hypothesis: every model's in one collective
-        oracle.prepare_synced(name for name in models if shown[name] and name not in fused)
+        anchoring.prepare_synced(name for name in models if shown[name] and name not in fused)
         for name, observed in seen.items():
             self.recorder.timeline.mark(index, "grad")
             if not shown[name]:
                 self._hidden(index, at, name, observed)
                 continue
             if name in fused:
-                outcome = oracle.fused_grads(name, observed.grads)
+                outcome = oracle.averaging.fused_grads(name, observed.grads)
                 if outcome.passed:
                     self.recorder.checks += 1
                     self.recorder.grad_checks += 1
@@ -136,17 +139,17 @@ class Checks:
                     self.recorder.observe(outcome.max_abs)
                     continue
                 # a rank's check failed: every rank made the average as for a small model; judged as one
-            synced = oracle.synced_grads(name)
+            synced = anchoring.synced_grads(name)
             self.recorder.checks += 1
             self.recorder.grad_checks += 1
-            local_now = oracle.local_of(name)
+            local_now = oracle.state.local_of(name)
             if not any_distinguishable((local_now[p], synced[p]) for p in synced):
                 self.recorder.vacuous_checks += 1
             del local_now
             local: dict[str, Expectation] | None = None  # the local hypotheses, made for a diagnosis
             failed = False
             grads = observed.full_grads()  # a collective when sharded: every rank, before any diagnosis
-            expectations = oracle.expected_grads(name)
+            expectations = anchoring.expected_grads(name)
             parts = oracle.weighting.parts(name)
             fits: dict[bool, ModelFits] = {}  # by whether fitted to this rank's own partition (``Observed.owned``)
             pairs = {pname: (_grad_or_zeros(observed, pname), observed.piece_of(pname, full))
@@ -162,32 +165,32 @@ class Checks:
                 owned = pname in observed.owned
                 if owned not in fits:
                     fits[owned] = ModelFits.make(
-                        expectations, grads, parts, low=AUTOCAST_DTYPES.get(oracle.precision),
+                        expectations, grads, parts, low=AUTOCAST_DTYPES.get(oracle.config.precision),
                         backwards=oracle.weighting.backwards.get(name, 1), held=oracle.weighting.held(name),
                         partition=owned_cut(observed) if owned else None, owned=observed.owned)
-                local = local if local is not None else oracle.local_grads(name)
+                local = local if local is not None else anchoring.local_grads(name)
                 self._grad_failure(index, at, name, pname, observed, actual, expected, diff, fits[owned],
                                    local=local[pname], synced=synced[pname])
                 failed = True
             del pairs, expectations, local, synced  # the oracle's gradients go as the rank's are adopted
-            oracle.adopt_grads(name, grads)
+            anchoring.adopt_grads(name, grads)
             if failed:
-                oracle.restart_window(name, grads)
+                anchoring.restart_window(name, grads)
 
     def _grad_failure(self, index: int, at: str, name: str, pname: str, observed: Observed, actual: torch.Tensor,
                       expected: Expectation, diff: Difference, fit_set: ModelFits, *, local: Expectation,
                       synced: Expectation) -> None:
         """A parameter's gradient that is not the oracle's, recorded with its diagnosis: fitted to the
         model's whole gradient (``fit_set``), with this rank's own and the synced hypotheses beside."""
-        oracle = self.oracle
+        oracle, config = self.oracle, self.oracle.config
         kind, factor, which = fit_set.diagnose(
             pname, observed, actual, expected=expected, local=local, synced=synced,
-            previous=oracle.previous_grad(name, pname), expected_sync=oracle.last_sync,
-            weighed=oracle.weighting.tokens is not None or oracle.contract == "full_batch", rank=oracle.data_rank)
+            previous=oracle.anchoring.previous_grad(name, pname), expected_sync=oracle.state.last_sync,
+            weighed=oracle.weighting.tokens is not None or config.contract == "full_batch", rank=config.data_rank)
         fit = fit_set.rebasing if which == REBASED else fit_set.reweighing
         misweighted = kind is FailureKind.MISWEIGHTED and fit is not None
         unit = "tokens" if oracle.weighting.tokens is not None else "micro-batches"
-        shards = None if oracle.mesh is None else oracle.mesh.shard_ranks()
+        shards = None if config.mesh is None else config.mesh.shard_ranks()
         self.recorder.add(make_failure(rank=self.rank, step=index, where=at, model=name, param=pname,
                                        checked="grad", kind=kind, factor=factor, diff=diff,
                                        weights=fit.weights if misweighted else None,
@@ -237,20 +240,20 @@ class Checks:
 
     def _collectives(self, index: int, at: str, models: Mapping[str, nn.Module]) -> None:
         """The gradient reductions of the backwards since the last check, against the contract."""
-        oracle = self.oracle
-        syncs, oracle.backward_syncs = oracle.backward_syncs, []
+        config = self.oracle.config
+        syncs = self.oracle.state.take_backward_syncs()
         if self.accounting is None:
             return
         backwards = self.accounting.take()
-        if oracle.world_size < 2:
+        if config.world_size < 2:
             return
         if not self.accounting.available:
             self.recorder.unchecked.setdefault(CHECK, accounting_unavailable() or "the flight recorder is off")
             return
-        if oracle.mesh is not None:
+        if config.mesh is not None:
             syncs = [(sync, tensor_parallel_share(models, needed)) for sync, needed in syncs]
-        for verdict in judge(backwards, syncs, reduces_every_micro_batch=oracle.spec.reduces_every_micro_batch,
-                             mesh=oracle.mesh, rank=self.rank):
+        for verdict in judge(backwards, syncs, reduces_every_micro_batch=config.spec.reduces_every_micro_batch,
+                             mesh=config.mesh, rank=self.rank):
             self.recorder.comm_checks += 1
             self.recorder.timeline.mark(index, "comm")
             if verdict.kind is None:
@@ -272,19 +275,20 @@ class Checks:
         on their own. Without them a stateful optimizer's later steps are judged against the
         oracle's own state."""
         oracle = self.oracle
+        anchoring = oracle.anchoring
         index, at = where(step)
-        oracle.settle()  # every rank, before any rank-specific adoption below
-        stepped = oracle.stepped and oracle.before_step is not None
-        mark_point(self.recorder, step, optimizer_step=oracle.stepped)
+        oracle.averaging.settle()  # every rank, before any rank-specific adoption below
+        stepped = oracle.state.stepped
+        mark_point(self.recorder, step, optimizer_step=oracle.state.stepped)
         for name, model in models.items():
             self.recorder.timeline.mark(index, "param")
-            observed = self._observe(name, model, sync=oracle.last_sync)
+            observed = self._observe(name, model, sync=oracle.state.last_sync)
             self.recorder.checks += 1
             triples = {}
+            befores = anchoring.before_step(name)
             for pname, replica_param in oracle.params[name].items():
                 after = observed.piece(pname, replica_param.detach())
-                before = observed.piece(pname, oracle.before_step[name][pname]) if oracle.before_step is not None \
-                    else after
+                before = observed.piece(pname, befores[pname]) if befores is not None else after
                 triples[pname] = (observed.params[pname], after, before)
             close, max_abs = all_close_updates(list(triples.values()))
             self.recorder.observe(max_abs)
@@ -299,22 +303,22 @@ class Checks:
                 # a large model: whether its parameters are rank 0's bit for bit, from digests (rank 0's
                 # copy itself only where they are not), rather than riding a copy of it along
                 actual = {p: observed.params[p] for p in oracle.params[name]}
-                judge(actual, oracle.rank0_params(actual))
+                judge(actual, anchoring.rank0_params(actual))
             else:
                 actual = {p: observed.params[p].detach().clone() for p in oracle.params[name]}
-                oracle.rank0_copy(step, name, actual, functools.partial(judge, actual))
-            oracle.adopt_params(name, observed.full_params())
+                anchoring.rank0_copy(step, name, actual, functools.partial(judge, actual))
+            anchoring.adopt_params(name, observed.full_params())
             # a sharded model's full gradients are a collective: every rank reads them, or none
             grads = observed.full_grads() if wrong or observed.sharded else {}
             if wrong:
-                oracle.restart_window(name, grads)
-                oracle.adopt_grads(name, grads)  # a rank that stepped wrongly: its gradients too
+                anchoring.restart_window(name, grads)
+                anchoring.adopt_grads(name, grads)  # a rank that stepped wrongly: its gradients too
                 if optimizers is not None and name in optimizers:
-                    oracle.adopt_optimizer_state(name, optimizers[name])
-            elif not observed.sharded and not observed.hidden and oracle.stepped and all(
+                    anchoring.adopt_optimizer_state(name, optimizers[name])
+            elif not observed.sharded and not observed.hidden and oracle.state.stepped and all(
                     g is None or not bool(g.any()) for g in observed.grads.values()):
-                oracle.forget_previous(name)  # the rank cleared its gradients: nothing of them can linger
-        oracle.end_step()
+                anchoring.forget_previous(name)  # the rank cleared its gradients: nothing of them can linger
+        anchoring.end_step()
 
     @staticmethod
     def _wrong_update(update: torch.Tensor, expected: Expectation, stepped: bool) -> WrongUpdate | None:

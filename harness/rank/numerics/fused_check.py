@@ -3,10 +3,10 @@ comparison with the rank's gradients in one pass, a buffer at a time, so that ne
 allowance nor the synced hypothesis is ever held whole.
 
 Under DDP the oracle's sync (``Oracle.backward(sync=True)``) leaves the average pending when the
-model is large (``Oracle.FUSED_FROM`` elements or more), and the gradient check that follows makes
-it here: each rank sends its values and its share of the allowance (as ``Collectives.reduce_all``
-does), and each reduced buffer is judged against the rank's gradients at once, the average written
-where the adopted gradient will be. What a check needs and this pass does not keep (the allowance, a
+model is large (``Averaging.FUSED_FROM`` elements or more, harness/rank/oracle/averaging.py), and the
+gradient check that follows makes it here: each rank sends its values and its share of the allowance
+(as ``Collectives.reduce_all`` does), and each reduced buffer is judged against the rank's gradients
+at once, the average written where the adopted gradient will be. What a check needs and this pass does not keep (the allowance, a
 synced hypothesis of its own) is needed only to diagnose a failure: the ranks learn together whether
 any rank's check failed (one small all-reduce), and then the oracle makes the average as it does for
 a small model and the check runs as it always does, with every hypothesis.

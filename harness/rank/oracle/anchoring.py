@@ -1,7 +1,7 @@
 """The oracle as its checks see it (harness/rank/judging/checks.py): what the contract expects of the rank
-now, and how the oracle carries on from the rank's real state after each check. A part of
-``Oracle`` (harness/rank/oracle/core.py), which holds the state these read and the contract's arithmetic
-step by step; kept apart because the two change for different reasons."""
+now, and how the oracle carries on from the rank's real state after each check. A part ``Oracle``
+(harness/rank/oracle/core.py) composes, on the state it holds (harness/rank/oracle/state.py); kept
+apart from the contract's arithmetic step by step because the two change for different reasons."""
 
 from __future__ import annotations
 
@@ -13,37 +13,31 @@ import torch
 from harness.rank.numerics.closeness import Expectation, rounding_allowance
 from harness.rank.numerics.collectives import Reduction
 from harness.rank.oracle.replica import as_optimizers
+from harness.rank.oracle.state import OraclePart
 from harness.wrappers.sharding import dtensor_class
 
 if TYPE_CHECKING:
     from harness.rank.numerics.collectives import Collectives
     from harness.rank.oracle.schedule import MicroStep
     from harness.rank.oracle.sharded_reduce import ShardedReduce
+    from harness.rank.oracle.state import OracleState
     from harness.rank.oracle.weighting import TokenWeighting
 
 
-class Anchored:
-    """What ``Oracle`` shows its checks, and how they anchor it (the ``adopt_*`` methods)."""
+class Anchoring(OraclePart):
+    """What the oracle shows its checks, and how they anchor it (the ``adopt_*`` methods): a part of
+    ``Oracle``, on the state it holds (``OracleState``), through its collectives."""
 
-    # the oracle's state (harness/rank/oracle/core.py, Oracle.__init__)
-    params: dict[str, dict[str, torch.Tensor]]
-    local: dict[str, dict[str, torch.Tensor]]
-    allowed: dict[str, dict[str, torch.Tensor]]
-    previous: dict[str, dict[str, Expectation]] | None
-    optimizers: dict[str, tuple[torch.optim.Optimizer, ...]]
-    sharded: ShardedReduce | None
-    collectives: Collectives
-    weighting: TokenWeighting
-    more_checks: Callable[[MicroStep | int], bool] | None
-    world_size: int
-    last_sync: bool
-    stepped: bool
-    before_step: dict[str, dict[str, torch.Tensor]] | None
-    _synced: dict[str, dict[str, Expectation]]
-    _no_allowance: Callable[[str], dict[str, torch.Tensor]]
-    local_of: Callable[[str], dict[str, torch.Tensor]]
-    allowance_of: Callable[[str], dict[str, torch.Tensor]]
-    reusable_local: set[tuple[str, str]]
+    def __init__(self, state: OracleState, params: Mapping[str, Mapping[str, torch.Tensor]], *,
+                 collectives: Collectives, weighting: TokenWeighting, sharded: ShardedReduce | None,
+                 optimizers: Mapping[str, tuple[torch.optim.Optimizer, ...]],
+                 more_checks: Callable[[MicroStep | int], bool] | None) -> None:
+        super().__init__(state, params, collectives=collectives, weighting=weighting, sharded=sharded)
+        self.optimizers = optimizers
+        # ``more_checks(step)``: whether another check surely follows this step's: rank 0's copies then
+        # wait for the next all-reduce (harness/rank/numerics/collectives.py), and whoever made the oracle
+        # calls ``finish`` when the case ends (RankContext does); without it each is sent at once
+        self.more_checks = more_checks
 
     # collectives and what the contract expects now (read by harness/rank/judging/checks.py)
 
@@ -70,7 +64,7 @@ class Anchored:
         """What the rank's gradients must be now: under FSDP in bf16 the gradient held plus what
         accumulated since the last sync (FSDP1 shows the latter between syncs; none after one)."""
         pending = self.sharded.pending[name] if self.sharded is not None else {}
-        allowed = self.allowance_of(name)
+        allowed = self.state.allowance_of(name)
         out = {}
         for pname, p in self.params[name].items():
             value = p.grad if p.grad is not None else torch.zeros_like(p)
@@ -79,33 +73,32 @@ class Anchored:
 
     def local_grads(self, name: str) -> dict[str, Expectation]:
         """This rank's own gradients since the window began: what a backward that did not sync leaves."""
-        return {pname: Expectation(t.clone(), rounding_allowance(t)) for pname, t in self.local_of(name).items()}
+        return {pname: Expectation(t.clone(), rounding_allowance(t)) for pname, t in self.state.local_of(name).items()}
 
     def synced_grads(self, name: str) -> dict[str, Expectation]:
         """The all-rank average of the local gradients: what a sync now would leave (a collective,
         unless a sync's average made it already; ``prepare_synced`` makes several models' in one)."""
         self.prepare_synced([name])
-        return self._synced[name]
+        return self.state.models[name].synced  # type: ignore[return-value]
 
     def prepare_synced(self, names: Iterable[str]) -> None:
         """The synced hypotheses of ``names``, those not made yet in one all-reduce."""
-        wanted = [name for name in dict.fromkeys(names) if name not in self._synced]
+        models = self.state.models
+        wanted = [name for name in dict.fromkeys(names) if models[name].synced is None]
         if wanted:
-            reduced = self.collectives.reduce_all([Reduction(self.local_of(name)) for name in wanted])
-            self._synced.update(zip(wanted, reduced))  # type: ignore[arg-type]
+            reduced = self.collectives.reduce_all([Reduction(self.state.local_of(name)) for name in wanted])
+            for name, synced in zip(wanted, reduced):
+                models[name].synced = synced  # type: ignore[assignment]
 
     def previous_grad(self, name: str, pname: str) -> Expectation | None:
         """The last window's final gradient, which a missed zero_grad would leave behind."""
-        if self.previous is None or name not in self.previous:
-            return None
-        return self.previous[name][pname]
+        return self.state.params(name)[pname].previous
 
     def forget_previous(self, name: str) -> None:
         """The rank cleared ``name``'s gradients after the step: nothing of the last window can linger in
         them, so its gradient need not be kept for a diagnosis."""
-        if self.previous is None:
-            return
-        self.previous.pop(name, None)
+        for state in self.state.params(name).values():
+            state.previous = None
 
     # carrying on from the rank's real state (when: harness/rank/judging/checks.py)
 
@@ -124,7 +117,7 @@ class Anchored:
                 # reported as synced_early): the whole gradient cannot be read without a collective
                 # the other ranks may not make, so the replica keeps its own
                 continue
-            unsynced = not self.last_sync or grad is not None and grad.dtype != replica_param.dtype
+            unsynced = not self.state.last_sync or grad is not None and grad.dtype != replica_param.dtype
             if self.sharded is not None and grad is not None and unsynced:
                 # FSDP1 and ZeRO-1 in bf16 show what they hold since the last sync between syncs (and
                 # where one was due but did not happen): FSDP1 its unsharded gradient, ZeRO-1 param.grad
@@ -133,16 +126,17 @@ class Anchored:
                 continue
             replica_param.grad = None  # the oracle's own goes before the copy is made
             replica_param.grad = None if grad is None else grad.detach().clone()
-        self.allowed[name] = self._no_allowance(name)
+        self.state.reset_allowance(name)
         self.weighting.clear(name)
 
     def restart_window(self, name: str, grads: Mapping[str, torch.Tensor | None]) -> None:
         """After a mismatch: a rank that cleared its gradients starts its next window here."""
+        model = self.state.models[name]
         for pname, grad in grads.items():
-            if pname in self.local[name] and (grad is None or not bool(grad.any())):
-                self.local[name][pname] = None
-                self.reusable_local.discard((name, pname))
-                self._synced.pop(name, None)
+            if pname in model.params and (grad is None or not bool(grad.any())):
+                model.params[pname].local = None
+                model.params[pname].reusable = False
+                model.synced = None
 
     def adopt_optimizer_state(self, name: str, optimizers: Any) -> None:
         """The case's optimizer state (moments, step counts), after a parameter mismatch:
@@ -159,8 +153,16 @@ class Anchored:
 
     def end_step(self) -> None:
         """The parameters were checked: the next check judges the next optimizer step."""
-        self.before_step = None
-        self.stepped = False
+        for model in self.state.models.values():
+            for state in model.params.values():
+                state.before_step = None
+        self.state.stepped = False
+
+    def before_step(self, name: str) -> dict[str, torch.Tensor] | None:
+        """``name``'s parameters before the last ``step``, by name; None where no step came since the
+        last parameter check."""
+        befores = {pname: state.before_step for pname, state in self.state.params(name).items()}
+        return None if any(before is None for before in befores.values()) else befores  # type: ignore[return-value]
 
 
 def _same_shapes(mine: torch.optim.Optimizer, state: dict[str, Any]) -> bool:

@@ -1,96 +1,63 @@
-"""The oracle's sync (a part of ``Oracle``, harness/rank/oracle/core.py): every rank's gradients averaged by
-an explicit all-reduce, with their allowances, and the gradients and allowances the oracle holds
-between syncs. A small model's sync is averaged when its backward ends; a large model's under DDP is
-left pending for the gradient check that follows, which makes it as it judges the rank's gradients
-(harness/rank/numerics/fused_check.py). Kept apart from the contract's steps (oracle.py) and from what the
-checks read (anchoring.py): the reductions change with the wrappers' arithmetic, not with the API."""
+"""The oracle's sync (a part ``Oracle``, harness/rank/oracle/core.py, composes): every rank's gradients
+averaged by an explicit all-reduce, with their allowances, into the state the oracle holds
+(harness/rank/oracle/state.py). A small model's sync is averaged when its backward ends; a large
+model's under DDP is left pending for the gradient check that follows, which makes it as it judges the
+rank's gradients (harness/rank/numerics/fused_check.py). Kept apart from the contract's steps (core.py)
+and from what the checks read (anchoring.py): the reductions change with the wrappers' arithmetic, not
+with the API."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 import torch
 
-from harness.rank.numerics.closeness import CHUNK, Expectation, no_allowance, rounding_allowance
+from harness.rank.numerics.closeness import CHUNK, Expectation, rounding_allowance
 from harness.rank.numerics.collectives import Collectives, Reduction
 from harness.rank.numerics.fused_check import FusedOutcome, check_synced, fusable
 from harness.rank.numerics.ring_order import all_reduce_order_holds, flat_segments
+from harness.rank.oracle.state import OraclePart
 from harness.wrappers import sharding
 
 if TYPE_CHECKING:
     from harness.rank.oracle.interfaces import Notes
     from harness.rank.oracle.sharded_reduce import ShardedReduce
+    from harness.rank.oracle.state import OracleState
     from harness.rank.oracle.weighting import TokenWeighting
-    from harness.wrappers.names import WrapperSpec
+    from harness.wrappers.cell import CellConfig
 
 FUSED_FROM_VARIABLE = "GRADSYNC_HARNESS_FUSED_FROM"
 
 
-class Averaging:
-    """How ``Oracle`` averages its gradients at a sync, and holds them and their allowances between."""
+class Averaging(OraclePart):
+    """How the oracle averages its gradients at a sync (a part of ``Oracle``, which calls ``average``
+    after a backward that syncs): on the gradients and allowances it holds (``OracleState``), through
+    its collectives, noting in its recorder what it could not check exactly."""
 
     # a model of this many elements or more is checked at a sync as it is averaged
     # (harness/rank/numerics/fused_check.py); the variable FUSED_FROM_VARIABLE overrides it for a run
     # (tests: 0, the pass on the catalogue's small models)
     FUSED_FROM = CHUNK
 
-    # the oracle's state (harness/rank/oracle/core.py, Oracle.__init__)
-    params: dict[str, dict[str, torch.Tensor]]
-    user_models: dict[str, torch.nn.Module]
-    local: dict[str, dict[str, torch.Tensor | None]]
-    allowed: dict[str, dict[str, torch.Tensor]]
-    rounded: set[tuple[str, str]]
-    uncertain: set[str]
-    sharded: ShardedReduce | None
-    collectives: Collectives
-    weighting: TokenWeighting
-    recorder: Notes
-    world_size: int
-    mesh: Any
-    spec: WrapperSpec
-    scaler: Any
-    pending: set[str]
-    reusable_local: set[tuple[str, str]]
-    _synced: dict[str, dict[str, Expectation]]
-
-    # the gradients held, and their allowances
-
-    def _no_allowance(self, name: str) -> dict[str, torch.Tensor]:
-        self.uncertain.discard(name)
-        for pname in self.params[name]:
-            self.rounded.discard((name, pname))
-        return {p: no_allowance(t.dtype) for p, t in self.params[name].items()}
-
-    def allowance_of(self, name: str) -> dict[str, torch.Tensor]:
-        """Each replica gradient's allowance, by parameter, made whole where it was held as its 0-dim
-        part and p.grad's rounding (``rounded``)."""
-        for pname in self.params[name]:
-            self._materialize(name, pname)
-        return self.allowed[name]
-
-    def _materialize(self, name: str, pname: str) -> None:
-        if (name, pname) in self.rounded:
-            self.rounded.discard((name, pname))
-            self.allowed[name][pname] = self.allowed[name][pname] + rounding_allowance(self.params[name][pname].grad)
-
-    def local_of(self, name: str) -> dict[str, torch.Tensor]:
-        """This rank's own gradients of ``name`` since the window began, a zero one made whole."""
-        return {p: torch.zeros_like(self.params[name][p]) if t is None else t for p, t in self.local[name].items()}
-
-    def _part_local(self, name: str | None = None) -> None:
-        """Give every local gradient that is its replica's p.grad a tensor of its own, before p.grad
-        changes in place (a clip, the gradient scaler)."""
-        for model in [name] if name is not None else list(self.params):
-            for pname, p in self.params[model].items():
-                local = self.local[model][pname]
-                if local is not None and local is p.grad:
-                    self.local[model][pname] = local.clone()
+    def __init__(self, state: OracleState, params: Mapping[str, Mapping[str, torch.Tensor]], config: CellConfig, *,
+                 collectives: Collectives, recorder: Notes, weighting: TokenWeighting, sharded: ShardedReduce | None,
+                 user_models: Mapping[str, torch.nn.Module], scaled: bool) -> None:
+        super().__init__(state, params, collectives=collectives, weighting=weighting, sharded=sharded)
+        self.recorder = recorder
+        # the user's modules, which prepare wraps: how their wrapper reduces is read off it at a sync
+        # (DDP's buckets, harness/wrappers/sharding.py)
+        self.user_models = user_models
+        # the cell's wrapper, world size and mesh (harness/wrappers/cell.py) say how the sync reduces
+        self.world_size = config.world_size
+        self.spec = config.spec  # the wrapper's (harness/wrappers/names.py): whether it shards
+        self.mesh = config.mesh
+        self.scaled = scaled  # fp16's gradient scaler scales the loss
 
     # the sync
 
-    def _average_grads(self) -> None:
+    def average(self) -> None:
         """Every model's gradients averaged, and the average of its local gradients (the synced
         hypothesis a check asks for next), in one all-reduce; for a large model under DDP, left for
         the gradient check that follows to make as it judges (harness/rank/numerics/fused_check.py)."""
@@ -98,12 +65,13 @@ class Averaging:
             self._average_pending()
             return
         if self._fusable():
-            self.pending = set(self.params)
+            for model in self.state.models.values():
+                model.pending = True
             return
         self._average_now(list(self.params))
 
     def _fusable(self) -> bool:
-        return (self.world_size > 1 and self.mesh is None and not self.spec.sharded and self.scaler is None
+        return (self.world_size > 1 and self.mesh is None and not self.spec.sharded and not self.scaled
                 and sum(p.numel() for ps in self.params.values() for p in ps.values())
                 >= int(os.environ.get(FUSED_FROM_VARIABLE, self.FUSED_FROM))
                 and all(fusable(ps) for ps in self.params.values()))
@@ -111,9 +79,11 @@ class Averaging:
     def settle(self, names: Iterable[str] | None = None) -> None:
         """Make the averages still pending (of ``names``, default every model's) as a small model's
         are made (every rank calls it at the same point: it is a collective)."""
-        wanted = [name for name in self.params if name in self.pending and (names is None or name in set(names))]
+        models = self.state.models
+        wanted = [name for name in self.params if models[name].pending and (names is None or name in set(names))]
         if wanted:
-            self.pending.difference_update(wanted)
+            for name in wanted:
+                models[name].pending = False
             self._average_now(wanted)
 
     def _average_now(self, names: list[str]) -> None:
@@ -127,16 +97,17 @@ class Averaging:
             ps = self.params[name]
             # (the sharded wrappers, which reduce each sync's gradients apart and add them to those they
             # hold, are reduced as they reduce: ``_average_pending``)
-            reductions += [Reduction({pname: p.grad for pname, p in ps.items()}, self.allowance_of(name),
+            reductions += [Reduction({pname: p.grad for pname, p in ps.items()}, self.state.allowance_of(name),
                                      reproduced=name in ordered),
-                           Reduction(self.local_of(name))]
+                           Reduction(self.state.local_of(name))]
         reduced = self.collectives.reduce_all(reductions)
         self._reproduce(ordered, {name: reduced[2 * index] for index, name in enumerate(names)})
         for index, name in enumerate(names):
-            average, self._synced[name] = reduced[2 * index], reduced[2 * index + 1]  # type: ignore[assignment]
-            for pname, p in self.params[name].items():
-                p.grad = average[pname].value
-                self.allowed[name][pname] = average[pname].allowed
+            model = self.state.models[name]
+            average, model.synced = reduced[2 * index], reduced[2 * index + 1]  # type: ignore[assignment]
+            for pname, state in model.params.items():
+                state.param.grad = average[pname].value
+                state.allowed = average[pname].allowed
 
     def _reduction_orders(self, names: list[str]) -> dict[str, tuple[bool, dict[str, torch.Tensor]] | None]:
         """The models among ``names`` whose sync under DDP the oracle reproduces bit for bit, leaving
@@ -156,7 +127,7 @@ class Averaging:
         # a model whose inputs are known only within their allowance (two token seeds): the order
         # reproduced on inputs that differ may round apart, by up to the bound (``uncertain``)
         dtypes = sorted({p.dtype for name in names for p in self.params[name].values()}, key=str)
-        names = [name for name in names if name not in self.uncertain]
+        names = [name for name in names if not self.state.models[name].uncertain]
         ordered: dict[str, tuple[bool, dict[str, torch.Tensor]] | None] = {}
         why = ""
         if self.world_size > 2:
@@ -186,7 +157,7 @@ class Averaging:
         model's worth each), and its reduction is judged within the bound; the cell says so."""
         if self.world_size == 1:
             return True
-        if name in self.uncertain:  # inputs known only within their allowance: the bound
+        if self.state.models[name].uncertain:  # inputs known only within their allowance: the bound
             return False
         read = sharding.ddp_reduce_layout(self.user_models[name], self.world_size) if self.world_size == 2 else (
             "a large model's average is made by the fused pass's all-reduce, in an order not reproduced "
@@ -228,28 +199,30 @@ class Averaging:
         wrapper's sum of inputs that differ within them is judged within its bound (ShardedReduce), and
         the add to the gradient held within one rounding more."""
         names = list(self.params)
-        uncertain = bool(self.uncertain)
-        reductions = [Reduction(self.local_of(name)) for name in names]
+        uncertain = self.state.any_uncertain()
+        reductions = [Reduction(self.state.local_of(name)) for name in names]
         if uncertain:
-            reductions += [Reduction(self.allowance_of(name)) for name in names]
+            reductions += [Reduction(self.state.allowance_of(name)) for name in names]
         reduced = self.collectives.reduce_all(reductions)
         averaged, why = self.sharded.average(uncertain=uncertain)  # type: ignore[union-attr]
         if why:
             self.recorder.unchecked["exact reduction order"] = why
         self.recorder.defects.update(self.sharded.defects)  # type: ignore[union-attr]
-        for index, (name, ps) in enumerate(self.params.items()):
-            self._synced[name] = reduced[index]  # type: ignore[assignment]
+        for index, name in enumerate(self.params):
+            model = self.state.models[name]
+            model.synced = reduced[index]  # type: ignore[assignment]
             carried = reduced[len(names) + index] if uncertain else None
-            self.allowance_of(name)
-            for pname, p in ps.items():
+            self.state.allowance_of(name)
+            for pname, state in model.params.items():
+                p = state.param
                 base = p.grad if p.grad is not None else torch.zeros_like(p)
                 average = averaged[(name, pname)]
                 p.grad = self.sharded.held(base, average.value)  # type: ignore[union-attr]
                 if carried is None:
-                    self.allowed[name][pname] = self.allowed[name][pname] + average.allowed
+                    state.allowed = state.allowed + average.allowed
                 else:  # and the add to the gradient held, of an average known within its allowance, may
                     # round apart (by an ulp of the held dtype: fp32 under FSDP, DeepSpeed's own)
-                    self.allowed[name][pname] = (carried[pname].value + average.allowed + rounding_allowance(
+                    state.allowed = (carried[pname].value + average.allowed + rounding_allowance(
                         p.grad, dtype=self.sharded.held_dtype(p.grad.dtype)))  # type: ignore[union-attr]
 
     def fused_grads(self, name: str, actual: Mapping[str, torch.Tensor]) -> FusedOutcome:
@@ -257,20 +230,25 @@ class Averaging:
         (harness/rank/numerics/fused_check.py). Where every rank's passed, the oracle carries on from the rank's
         gradients, adopted into the average's tensors; where any rank's failed, the average is made
         as a small model's is, for the check to run as it always does (every rank does either)."""
-        ps = self.params[name]
+        ps, model = self.params[name], self.state.models[name]
+        states = model.params
         outcome = check_synced(self.collectives, params=ps, grads={p: t.grad for p, t in ps.items()},
-                               carried=self.allowed[name], rounded={p for p in ps if (name, p) in self.rounded},
-                               local=self.local[name], actual=actual, reproduced=self._fused_reproduced(name))
-        self.pending.discard(name)
+                               carried={p: s.allowed for p, s in states.items()},
+                               rounded={p for p, s in states.items() if s.rounded},
+                               local={p: s.local for p, s in states.items()}, actual=actual,
+                               reproduced=self._fused_reproduced(name))
+        model.pending = False
         if not outcome.passed:
-            self.pending.add(name)
+            model.pending = True
             self.settle([name])
             return dataclasses.replace(outcome, average={})
         for pname, replica_param in ps.items():
             grad, average = actual[pname], outcome.average[pname]
             replica_param.grad = None if grad is None else average if outcome.same else average.copy_(grad.detach())
-        self.allowed[name] = self._no_allowance(name)
+        self.state.reset_allowance(name)
         self.weighting.clear(name)
         # the local gradients are the oracle's own now (p.grad holds the adopted ones): the step may reuse them
-        self.reusable_local.update((name, p) for p in ps if self.local[name][p] is not None)
+        for state in states.values():
+            if state.local is not None:
+                state.reusable = True
         return outcome

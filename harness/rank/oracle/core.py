@@ -10,7 +10,7 @@ from torch import nn
 
 from harness.rank.numerics.closeness import Expectation, norm_rounding, rounding_allowance
 from harness.rank.numerics.collectives import Collectives, flat
-from harness.rank.oracle.anchoring import Anchored
+from harness.rank.oracle.anchoring import Anchoring
 from harness.rank.oracle.averaging import Averaging
 from harness.rank.oracle.interfaces import (
     CheckCalls,
@@ -30,12 +30,13 @@ from harness.rank.oracle.interfaces import (
 from harness.rank.oracle.replica import autocast_of, forward_as, gradients, unsharded_grads
 from harness.rank.oracle.schedule import MicroStep
 from harness.rank.oracle.sharded_reduce import SHARDED_PRECISIONS, ShardedReduce
+from harness.rank.oracle.state import OracleState
 from harness.rank.oracle.weighting import TokenWeighting, token_seeds
-from harness.wrappers.names import spec
+from harness.wrappers.cell import CellConfig
 from harness.wrappers.prepared import unwrap
 
 
-class Oracle(Averaging, Anchored, CheckCalls):
+class Oracle(CheckCalls):
     """Replicas of the user's models, with no DDP and no accelerate, on this rank.
 
     The case tells the oracle each micro-batch (as a closure over the replicas) and whether the
@@ -43,59 +44,50 @@ class Oracle(Averaging, Anchored, CheckCalls):
     averages with an explicit ``all_reduce(SUM) / world_size``. It never reads accelerate's state.
 
     Each replica gradient carries its allowance (harness/rank/numerics/closeness.py): how far the rank's may
-    legitimately be from it. The checks a case calls are judged in harness/rank/judging/checks.py, which anchors
-    the oracle to the rank's real state after each one through the ``adopt_*`` methods here.
+    legitimately be from it. What it holds between calls is ``state`` (harness/rank/oracle/state.py: one
+    ``ParamState`` a parameter); its parts act on it: ``averaging`` makes a sync's average
+    (harness/rank/oracle/averaging.py) and ``anchoring`` shows the checks what the rank must hold and
+    carries the oracle on from the rank's real state after each check (harness/rank/oracle/anchoring.py).
+    The checks a case calls are judged in harness/rank/judging/checks.py, which reads the oracle through
+    ``JudgedOracle`` (harness/rank/oracle/interfaces.py).
     """
 
     def __init__(
         self,
         models: Mapping[str, nn.Module],
+        config: CellConfig,
         *,
         recorder: Notes,
-        rank: int,
-        world_size: int,
-        precision: str,
-        num_steps: int = 1,
         optimizer: OptimizerFactory | Mapping[str, OptimizerFactory] | None = None,
         optimizers: ModelOptimizers | Mapping[str, ModelOptimizers] | None = None,
         scheduler: SchedulerFactory | None = None,
         scheduler_steps: int = 1,
         replay_rng: RngReplay | None = None,
         scaler_kwargs: Mapping[str, Any] | None = None,
-        wrapper: str = "ddp",
-        reduce: str | None = None,
-        grad_accum: str | None = None,
         more_checks: Callable[[MicroStep | int], bool] | None = None,
-        contract: str = "accelerate",
         window_length: Callable[[], int] | None = None,
-        mesh: Any = None,
         weights: Mapping[str, nn.Module] | None = None,
     ) -> None:
-        refuse_options(models, precision=precision, both_optimizers=optimizer is not None and optimizers is not None,
-                       num_steps=num_steps, contract=contract, window_length=window_length,
-                       scheduler_steps=scheduler_steps)
-        self.contract = contract
-        # full_batch: how many micro-batches the window of the backward being run has
+        """``config``: the cell's (harness/wrappers/cell.py): its precision, wrapper and dtype policy,
+        mesh, accumulation steps, contract, rank and world size. ``more_checks(step)``: whether another
+        check surely follows this step's: rank 0's copies then wait for the next all-reduce
+        (harness/rank/numerics/collectives.py), and whoever made the oracle calls ``finish`` when the case
+        ends (RankContext does); without it each is sent at once. ``window_length``: under
+        ``contract="full_batch"``, how many micro-batches the window of the backward being run has.
+        ``weights``: the models to copy where ``models`` no longer hold their whole weights (a script's
+        models sharded in place by prepare: harness/rank/script.py)."""
+        refuse_options(models, precision=config.precision,
+                       both_optimizers=optimizer is not None and optimizers is not None, num_steps=config.num_steps,
+                       contract=config.contract, window_length=window_length, scheduler_steps=scheduler_steps)
+        self.config = config
         self.window_length = window_length
-        self.rank = rank
-        self.world_size = world_size
-        self.precision = precision
-        self.spec = spec(wrapper)  # the wrapper's (harness/wrappers/names.py): how it reduces, what it casts
-        self.num_steps = num_steps
+        self.spec = config.spec  # the wrapper's (harness/wrappers/names.py): how it reduces, what it casts
         self.replay_rng = replay_rng
-        # ``more_checks(step)``: whether another check surely follows this step's: rank 0's copies
-        # then wait for the next all-reduce (harness/rank/numerics/collectives.py), and whoever made the oracle
-        # calls ``finish`` when the case ends (RankContext does); without it each is sent at once
-        self.more_checks = more_checks
-        self.collectives = Collectives(rank=rank, world_size=world_size)
-        # ``weights``: the models to copy where ``models`` no longer hold their whole weights (a script's
-        # models sharded in place by prepare: harness/rank/script.py)
-        self.replicas = replicate(weights or models, mesh)
+        self.collectives = Collectives(rank=config.rank, world_size=config.world_size)
+        self.replicas = replicate(weights or models, config.mesh)
         refuse_unequal_models(self.collectives, self.replicas)
-        # the user's modules, which prepare wraps: how their wrapper reduces is read off it at a sync
-        # (harness/rank/oracle/averaging.py; DDP's buckets, harness/wrappers/sharding.py)
-        self.user_models = {name: unwrap(m) for name, m in models.items()}
-        self.models = forward_as(self.replicas, precision, sharded=self.spec.sharded_forward, reduce=reduce)
+        self.models = forward_as(self.replicas, config.precision, sharded=self.spec.sharded_forward,
+                                 reduce=config.reduce)
         self.params = {name: dict(r.named_parameters()) for name, r in self.replicas.items()}
         # FSDP2, FSDP1 and DeepSpeed in fp32 and bf16 (harness/rank/oracle/replica.py): each rank's unsharded gradients
         # since the last sync accumulate apart, as the wrapper accumulates them, and are reduced as it
@@ -104,27 +96,32 @@ class Oracle(Averaging, Anchored, CheckCalls):
         # ranks: the ranks that average each other's are the data-parallel and context ones, and a
         # tensor-parallel peer draws the same batch as its rank, so its replica's gradient is the same
         # and the average over every rank is the average over the data-parallel ones (within the bound)
-        self.mesh = mesh
-        self.sharded = (ShardedReduce(self.spec, precision, reduce, self.params, models, self.collectives, grad_accum,
-                                      mesh=mesh)
-                        if self.spec.sharded and precision in SHARDED_PRECISIONS else None)
+        self.sharded = (ShardedReduce(config, self.params, models, self.collectives)
+                        if self.spec.sharded and config.precision in SHARDED_PRECISIONS else None)
         if self.sharded is not None and self.sharded.stage is not None:
             # DeepSpeed makes its fp32 masters from the module it cast to bf16: the weights' low bits go
             round_through(self.params, self.sharded.param_dtype)
-        self._start_state()
+        self.state = OracleState(self.params)
+        self.norms: dict[str, ClipNorm] = {}  # each model's at the last clip_grad_norm, before it (check_grad_norm)
         # each model's optimizers, in the order the case's own factory makes them
         self.optimizers = make_optimizers(self.replicas, optimizer, optimizers)
         self.schedulers = [scheduler(opt) for opts in self.optimizers.values() for opt in opts] if scheduler else []
         self.scheduler_steps = scheduler_steps
         # fp16 as accelerate documents it: the loss scaled by a GradScaler in backward, the
         # gradients unscaled before a clip and by the prepared optimizer's step, which skips on inf
-        self.scaler = self._grad_scaler(scaler_kwargs or {}) if precision == "fp16" else None
+        self.scaler = self._grad_scaler(scaler_kwargs or {}) if config.precision == "fp16" else None
         self._unscaled = False  # this window's gradients were unscaled (by a clip)
         # token weighting (token_window), and the contributions the misweighted diagnosis refits
-        self.weighting = TokenWeighting(self.params, world_size=world_size, shards=None if mesh is None else [
-            mesh.data_index(r) for r in range(world_size)])
-        self.data_rank = rank if mesh is None else mesh.data_index(rank)
+        mesh = config.mesh
+        self.weighting = TokenWeighting(self.params, world_size=config.world_size, shards=None if mesh is None else [
+            mesh.data_index(r) for r in range(config.world_size)])
         self.recorder = recorder
+        self.averaging = Averaging(self.state, self.params, config, collectives=self.collectives, recorder=recorder,
+                                   weighting=self.weighting, sharded=self.sharded,
+                                   user_models={name: unwrap(m) for name, m in models.items()},
+                                   scaled=self.scaler is not None)
+        self.anchoring = Anchoring(self.state, self.params, collectives=self.collectives, weighting=self.weighting,
+                                   sharded=self.sharded, optimizers=self.optimizers, more_checks=more_checks)
         # the checks of ``check_*``, attached by harness/rank/judging/checks.py (``checked``)
         self.checks: OracleChecks | None = None
 
@@ -132,41 +129,6 @@ class Oracle(Averaging, Anchored, CheckCalls):
     def wrapper(self) -> str:
         """The name of the wrapper the oracle models (``wrapper=``)."""
         return self.spec.name
-
-    def _start_state(self) -> None:
-        """What the oracle holds between the calls of a case, from none."""
-        # this rank's own gradient since the window began, by parameter; None is zero. Until a sync or
-        # a check's adoption parts them it is the replica's p.grad itself, the same tensor (``local is
-        # p.grad``): nothing changes either in place without parting them first (``_part_local``)
-        self.local: dict[str, dict[str, torch.Tensor | None]] = {
-            name: {p: None for p in ps} for name, ps in self.params.items()}
-        # the all-rank average of ``local`` as it is now, by model: made with a sync's average, in
-        # the same all-reduce, and forgotten whenever ``local`` changes
-        self._synced: dict[str, dict[str, Expectation]] = {}
-        # how far each replica gradient may legitimately be from the rank's (harness/rank/numerics/closeness.py)
-        # the allowances held as their 0-dim part plus ``rounding_allowance(p.grad)``, made only when read
-        # (``allowance_of``): after one backward from none, that is all of it, and a model's worth less
-        self.rounded: set[tuple[str, str]] = set()
-        # the models whose gradients since their allowances were last reset came of a backward run with
-        # two seeds (a token window's weight, which the documented loops round apart): every rank's
-        # inputs to a reduction are then known only within their allowance, so the reduction is judged
-        # within its bound, not reproduced (harness/rank/oracle/averaging.py); cleared with the allowances
-        self.uncertain: set[str] = set()
-        self.allowed = {name: self._no_allowance(name) for name in self.params}
-        self.previous: dict[str, dict[str, Expectation]] | None = None
-        self.last_sync = False
-        self.stepped = False
-        self.before_step: dict[str, dict[str, torch.Tensor]] | None = None
-        # each backward since the last gradient check: whether it syncs, and how many gradient
-        # elements it produced (what a sync must reduce; harness/rank/numerics/accounting.py)
-        self.backward_syncs: list[tuple[bool, int]] = []
-        # the models whose sync's average the next gradient check makes (``_average_grads``)
-        self.pending: set[str] = set()
-        # the local gradients a fused check left the oracle's own (p.grad holds the adopted ones): the
-        # step copies the parameters before it into them rather than into a model's worth more
-        self.reusable_local: set[tuple[str, str]] = set()
-        # each model's norm at the last clip_grad_norm, before clipping (what check_grad_norm judges)
-        self.norms: dict[str, ClipNorm] = {}
 
     def _grad_scaler(self, kwargs: Mapping[str, Any]) -> Any:
         device_type = next(next(iter(self.replicas.values())).parameters()).device.type
@@ -186,21 +148,22 @@ class Oracle(Averaging, Anchored, CheckCalls):
         ``closure(models)`` computes the loss from the replicas (a dict by model name), the same way
         the case computed it from the prepared models. ``rng``: the key the case's forward ran under
         ``ctx.replay_rng(key)``; the closure runs under the same RNG state (the same dropout masks)."""
-        self.settle()
+        self.averaging.settle()
         if self.sharded is not None:
             self._as_prepared()
         with self._replayed(rng):
             loss = closure(self.models)
-        self._synced.clear()
+        self.state.forget_synced()
         flat = [(name, pname, p) for name, ps in self.params.items() for pname, p in ps.items() if p.requires_grad]
         # the contributions a misweighted diagnosis refits: a token window's, any window's held to the
         # full-batch mean, and any window's of a model small enough (``refitted``)
-        weighted = self.weighting.tokens is not None or self.contract == "full_batch"
+        weighted = self.weighting.tokens is not None or self.config.contract == "full_batch"
         refitted = self.params if weighted else self.weighting.refitted
         loss, other = self._scaled(loss)
         parts: list[list[torch.Tensor]] = []
         if other is not None:  # the same on every rank (the window's global count): so is the set
-            self.uncertain.update(self.params)
+            for model in self.state.models.values():
+                model.uncertain = True
         if self.sharded is None:
             for name in refitted:  # what this backward adds to, on every rank alike
                 self.weighting.hold(name, {pname: p.grad for pname, p in self.params[name].items()})
@@ -213,23 +176,23 @@ class Oracle(Averaging, Anchored, CheckCalls):
             grads = [sum(cs[1:], cs[0]) if cs else None for cs in parts]
             others = ([sum(cs[1:], cs[0]) if cs else None for cs in unsharded_grads(other, self.models, keys)]
                       if other is not None else [None] * len(grads))
-        self.backward_syncs.append((sync, sum(g.numel() for g in grads if g is not None)))
+        self.state.backward_syncs.append((sync, sum(g.numel() for g in grads if g is not None)))
         for index, ((name, pname, p), g, g_other) in enumerate(zip(flat, grads, others)):
             if g is None:
                 continue
-            self._add(name, pname, p, g, g_other, parts[index] if parts else [])
+            self._add(name, pname, g, g_other, parts[index] if parts else [])
             if name in refitted:
                 self.weighting.add(name, pname, g.detach())
         if refitted:
             self.weighting.after_backward(sync=sync, models=refitted)
         if self.sharded is not None:
             why = self.sharded.after_backward({name: m.order for name, m in self.models.items()},
-                                              uncertain=bool(self.uncertain))
+                                              uncertain=self.state.any_uncertain())
             if why:
                 self.recorder.unchecked["exact reduction order"] = why
-        self.last_sync = sync
+        self.state.last_sync = sync
         if sync:
-            self._average_grads()
+            self.averaging.average()
 
     def _as_prepared(self) -> None:
         """Under FSDP and DeepSpeed: each replica's forward as the prepared model runs it now (its
@@ -250,49 +213,51 @@ class Oracle(Averaging, Anchored, CheckCalls):
             # the token mean's weight, world_size / N, as the two documented loops round it (each
             # backward seeded exactly so); where they differ the oracle runs both and allows each
             # gradient element their difference
-            seed, other_seed = token_seeds(self.world_size, tokens, self.num_steps, dtype=loss.dtype)
+            seed, other_seed = token_seeds(self.config.world_size, tokens, self.config.num_steps, dtype=loss.dtype)
             if other_seed is not None:
                 other = loss * other_seed.to(loss.device)
             loss = loss * seed.to(loss.device)
-        elif self.contract == "full_batch":
+        elif self.config.contract == "full_batch":
             loss = loss / self.window_length()  # type: ignore[misc]
         else:
-            loss = loss / self.num_steps
+            loss = loss / self.config.num_steps
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
             other = None if other is None else self.scaler.scale(other)
         return loss, other
 
-    def _add(self, name: str, pname: str, p: torch.Tensor, g: torch.Tensor, g_other: torch.Tensor | None,
+    def _add(self, name: str, pname: str, g: torch.Tensor, g_other: torch.Tensor | None,
              parts: list[torch.Tensor]) -> None:
         """One backward's gradient ``g`` of a parameter added to the replica's and to this rank's own,
         with its allowance (``g_other``: the gradient under a token weight's other rounding; ``parts``:
         its contributions apart, as a sharded wrapper adds them)."""
+        state = self.state.params(name)[pname]
+        p = state.param
         if self.sharded is not None:
             # held apart until the sync; the sharded gradient (p.grad) is what the last sync left;
             # the rank's own since the window began, as the wrapper would hold it unsynced
             for part in [g] if self.sharded.adds_contributions_once else parts:
                 self.sharded.add(name, pname, part)
-                local = self.local[name][pname]
-                self.local[name][pname] = self.sharded.round(part if local is None else local + part)
+                local = state.local
+                state.local = self.sharded.round(part if local is None else local + part)
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         else:
-            self.reusable_local.discard((name, pname))
-            self._materialize(name, pname)  # of p.grad as it is, before this backward adds to it
-            local, g = self.local[name][pname], g.detach()
+            state.reusable = False
+            state.materialize()  # of p.grad as it is, before this backward adds to it
+            local, g = state.local, g.detach()
             grad = g if p.grad is None else p.grad + g
             # the local gradient is p.grad's own tensor while they hold the same (None: both zero)
-            self.local[name][pname] = grad if local is p.grad else g if local is None else local + g
+            state.local = grad if local is p.grad else g if local is None else local + g
             p.grad = grad
             # (under FSDP and DeepSpeed the same kernels run on the same values: the same bits)
-            if self.allowed[name][pname].dim() == 0 and g_other is None:
-                self.rounded.add((name, pname))  # the same for every element, plus p.grad's rounding
+            if state.allowed.dim() == 0 and g_other is None:
+                state.rounded = True  # the same for every element, plus p.grad's rounding
             else:
-                self.allowed[name][pname] = self.allowed[name][pname] + rounding_allowance(p.grad)
+                state.allowed = state.allowed + rounding_allowance(p.grad)
         if g_other is not None:
-            held = self.allowed[name][pname]
-            self.allowed[name][pname] = held + (g.double() - g_other.detach().double()).abs().to(held.dtype)
+            held = state.allowed
+            state.allowed = held + (g.double() - g_other.detach().double()).abs().to(held.dtype)
 
     def token_window(self, labels: Iterable[torch.Tensor], *, ignore_index: int = -100) -> int:
         """Weigh the backwards of this accumulation window (until the next optimizer step) by tokens,
@@ -319,9 +284,9 @@ class Oracle(Averaging, Anchored, CheckCalls):
         the total norm of each model's gradients before clipping. ``reciprocal``: by the coefficient
         DeepSpeed's optimizer step computes, ``1 / max(1, (norm + 1e-6) / max_norm)`` (ZeRO's
         ``unscale_and_clip_grads``), which rounds apart from torch's ``min(1, max_norm / (norm + 1e-6))``."""
-        self.settle()
+        self.averaging.settle()
         self._unscale()
-        self._part_local()  # the clip scales p.grad in place
+        self.state.part_local()  # the clip scales p.grad in place
         norms = {}
         for name, replica in self.replicas.items():
             ps = self.params[name]
@@ -340,7 +305,7 @@ class Oracle(Averaging, Anchored, CheckCalls):
             # the norm is off by at most the norm of the allowances, and the coefficient with it; the
             # rank's norm sums the squares in another order (its shards, then across the ranks), which
             # rounds the coefficient apart by up to norm_rounding (harness/rank/numerics/closeness.py), where it clips
-            carried = float(torch.linalg.vector_norm(flat(self.allowance_of(name).values()), norm_type))
+            carried = float(torch.linalg.vector_norm(flat(self.state.allowance_of(name).values()), norm_type))
             # the gradients' dtype: of any that has one (a check may have adopted a rank that held none)
             dtype = next((p.grad.dtype for p in ps.values() if p.grad is not None), next(iter(ps.values())).dtype)
             self.norms[name] = ClipNorm(norm, carried, sum(g.numel() for g in before.values()), dtype)
@@ -348,20 +313,20 @@ class Oracle(Averaging, Anchored, CheckCalls):
             if coefficient < 1.0:
                 relative += norm_rounding(sum(g.numel() for g in before.values()), dtype)
             for pname, magnitude in before.items():
-                grad = ps[pname].grad
-                self.allowed[name][pname] = (
-                    coefficient * (self.allowed[name][pname] + magnitude * relative) + rounding_allowance(grad)
-                )
+                state = self.state.params(name)[pname]
+                state.allowed = (coefficient * (state.allowed + magnitude * relative)
+                                 + rounding_allowance(state.param.grad))
         return norms
 
     def _before(self, name: str, pname: str, param: torch.Tensor, *, reuse: bool) -> torch.Tensor:
         """A copy of the parameter before the step: where the step ends the window, into its local
         gradient's own tensor when nothing else holds that (after a fused check)."""
-        local = self.local[name][pname]
-        if (reuse and (name, pname) in self.reusable_local and local is not None and local.shape == param.shape
+        state = self.state.params(name)[pname]
+        local = state.local
+        if (reuse and state.reusable and local is not None and local.shape == param.shape
                 and local.dtype == param.dtype):
-            self.reusable_local.discard((name, pname))
-            self.local[name][pname] = None
+            state.reusable = False
+            state.local = None
             return local.copy_(param.detach())
         return param.detach().clone()
 
@@ -370,18 +335,19 @@ class Oracle(Averaging, Anchored, CheckCalls):
         ``unscale_gradients`` does before a clip; the scale is a power of two, so exactly."""
         if self.scaler is None or self._unscaled:
             return
-        self.settle()
+        self.averaging.settle()
         inverse = 1.0 / float(self.scaler.get_scale())
-        self._part_local()  # the scaler unscales p.grad in place
+        self.state.part_local()  # the scaler unscales p.grad in place
         for opts in self.optimizers.values():
             for optimizer in opts:
                 self.scaler.unscale_(optimizer)
-        for name in self.allowed:
-            self.allowed[name] = {p: a * inverse for p, a in self.allowance_of(name).items()}
-            for local in self.local[name].values():
-                if local is not None:
-                    local.mul_(inverse)
-        self._synced.clear()
+        for name, model in self.state.models.items():
+            for pname, allowed in self.state.allowance_of(name).items():
+                model.params[pname].allowed = allowed * inverse
+            for state in model.params.values():
+                if state.local is not None:
+                    state.local.mul_(inverse)
+        self.state.forget_synced()
         self._unscaled = True
 
     def step(self, point: MicroStep | bool) -> None:
@@ -389,11 +355,13 @@ class Oracle(Averaging, Anchored, CheckCalls):
 
         Under fp16 each optimizer steps through the gradient scaler (skipped when a gradient is
         not finite) and the scale is updated after it, as a prepared optimizer's ``step`` does."""
-        self.settle()
+        self.averaging.settle()
         due = point.optimizer_step if isinstance(point, MicroStep) else bool(point)
-        self.stepped = due
-        self.before_step = {name: {p: self._before(name, p, t, reuse=due) for p, t in ps.items()}
-                            for name, ps in self.params.items()}
+        self.state.stepped = due
+        for name, ps in self.params.items():
+            states = self.state.params(name)
+            for pname, p in ps.items():
+                states[pname].before_step = self._before(name, pname, p, reuse=due)
         if not due:
             return
         for opts in self.optimizers.values():
@@ -410,20 +378,23 @@ class Oracle(Averaging, Anchored, CheckCalls):
         # the window's last gradient, which a missed zero_grad would leave behind: p.grad's own tensors,
         # which the replicas let go of here (kept until a check shows the rank cleared its own)
         for name in self.params:
-            self.allowance_of(name)
-        self.previous = {
-            name: {
-                p: Expectation(t.grad.detach() if t.grad is not None else torch.zeros_like(t), self.allowed[name][p])
-                for p, t in ps.items()
-            }
-            for name, ps in self.params.items()
-        }
-        self._synced.clear()
+            self.state.allowance_of(name)
+        for name, ps in self.params.items():
+            for pname, t in ps.items():
+                state = self.state.params(name)[pname]
+                state.previous = Expectation(t.grad.detach() if t.grad is not None else torch.zeros_like(t),
+                                             state.allowed)
+        self.state.forget_synced()
         if self.sharded is not None:
             self.sharded.clear()
         for name, ps in self.params.items():
             for pname, p in ps.items():
                 p.grad = None
-                self.local[name][pname] = None
-            self.allowed[name] = self._no_allowance(name)
+                self.state.params(name)[pname].local = None
+            self.state.reset_allowance(name)
         self.weighting.end()
+
+    def finish(self) -> None:
+        """The case has ended: judge the checks still waiting for rank 0's copies (a collective when
+        any wait). Every rank calls it, after the case returned."""
+        self.anchoring.finish()

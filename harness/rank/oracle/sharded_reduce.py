@@ -38,7 +38,7 @@ from harness.rank.numerics.collectives import Collectives, Reduction
 from harness.rank.numerics.ring_order import flat_segments, ring_order_holds, ring_segments
 from harness.rank.oracle.replica import AUTOCAST_DTYPES
 from harness.wrappers import sharding
-from harness.wrappers.names import WrapperSpec
+from harness.wrappers.cell import CellConfig
 from harness.wrappers.prepared import unwrap
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -49,21 +49,21 @@ Key = tuple[str, str]  # (model name, parameter name)
 
 
 class ShardedReduce:
-    """One rank's unsharded gradients since the last sync under the dtype policy (fp32, or bf16) of the
-    wrapper ``spec`` names, and their reduction at the sync. ``models``: the user's models by name,
-    which FSDP prepares in place (FSDP2) or wraps (FSDP1; its wrapper recorded at prepare), read at a
-    sync for the layout."""
+    """One rank's unsharded gradients since the last sync under the cell's wrapper and its dtype policy
+    (``config``: harness/wrappers/cell.py; fp32, or bf16), and their reduction at the sync. ``models``:
+    the user's models by name, which FSDP prepares in place (FSDP2) or wraps (FSDP1; its wrapper
+    recorded at prepare), read at a sync for the layout."""
 
-    def __init__(self, spec: WrapperSpec, precision: str, reduce: str | None,
-                 params: Mapping[str, Mapping[str, torch.Tensor]], models: Mapping[str, nn.Module],
-                 collectives: Collectives, grad_accum: str | None = None, mesh: Any = None) -> None:
+    def __init__(self, config: CellConfig, params: Mapping[str, Mapping[str, torch.Tensor]],
+                 models: Mapping[str, nn.Module], collectives: Collectives) -> None:
+        spec = config.spec
         self.spec = spec
-        self.mesh = mesh  # a harness/wrappers/mesh.py Shape, or None
-        self.param_dtype = SHARDED_PRECISIONS[precision]
-        self.reduce_dtype = torch.float32 if reduce == "fp32" else self.param_dtype
+        self.mesh = config.mesh  # a harness/wrappers/mesh.py Shape, or None
+        self.param_dtype = SHARDED_PRECISIONS[config.precision]
+        self.reduce_dtype = torch.float32 if config.reduce == "fp32" else self.param_dtype
         # DeepSpeed's BF16_Optimizer (ZeRO-1 with ``grad_accum=fp32``) adds each micro-batch's bf16
         # gradient to an fp32 sum, reduced in bf16 at the boundary, the world size divided after
-        self.bf16_optimizer = grad_accum == "fp32"
+        self.bf16_optimizer = config.grad_accum == "fp32"
         self.accumulate_dtype = (self.reduce_dtype if spec.accumulates_in == "reduce"
                                  else torch.float32 if self.bf16_optimizer else self.param_dtype)
         # DeepSpeed's ZeRO stage (None under FSDP), and whether it reduces every micro-batch (ZeRO-2/3:
