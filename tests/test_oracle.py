@@ -364,3 +364,18 @@ def test_a_reported_clip_norm_is_judged_against_the_oracles_norm_before_the_clip
     assert wrong.message.startswith("grad_norm returned by accelerator.clip_grad_norm_ on rank 0 at step 1: is ")
     with pytest.raises(ValueError, match="no oracle.clip_grad_norm for 'other'"):
         oracle.check_grad_norm(1, {"other": norm})
+
+
+def test_settle_makes_every_pending_average_it_is_given_by_a_generator():
+    """``settle`` takes its names once: the gradient check passes a generator, and each pending model
+    of it, not only the first, gets its average (before: the second found the generator spent and
+    kept its local gradient as if synced)."""
+    models = {"gen": make_model("regressor", 7), "disc": make_model("regressor", 8)}
+    config = CellConfig(precision="fp32", num_steps=1, rank=0, world_size=1)
+    oracle = checked(Oracle(models, config, recorder=Recorder(rank=0), optimizer=sgd))
+    b = batch(0)
+    oracle.backward(lambda m: regression_loss(m["gen"], b) + regression_loss(m["disc"], b), sync=True)
+    for model in oracle.state.models.values():
+        model.pending = True  # as a large model's sync leaves it, for its fused check
+    oracle.averaging.settle(name for name in models)
+    assert {name: m.pending for name, m in oracle.state.models.items()} == {"gen": False, "disc": False}

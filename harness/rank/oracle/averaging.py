@@ -79,8 +79,8 @@ class Averaging(OraclePart):
     def settle(self, names: Iterable[str] | None = None) -> None:
         """Make the averages still pending (of ``names``, default every model's) as a small model's
         are made (every rank calls it at the same point: it is a collective)."""
-        models = self.state.models
-        wanted = [name for name in self.params if models[name].pending and (names is None or name in set(names))]
+        models, asked = self.state.models, None if names is None else set(names)  # once: names may be a generator
+        wanted = [name for name in self.params if models[name].pending and (asked is None or name in asked)]
         if wanted:
             for name in wanted:
                 models[name].pending = False
