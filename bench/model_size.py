@@ -35,7 +35,8 @@ MODES = ("unchecked", "replica", "checked")
 class UncheckedOracle:
     """An oracle that does nothing: the case's own steps run alone."""
 
-    def __init__(self, models: Any, config: Any, **_: Any) -> None:
+    def __init__(self, models: Any, config: Any, *, recorder: Any = None, **_: Any) -> None:
+        self.config, self.recorder = config, recorder  # what the context's ``checked`` reads of it
         self.busy_s = 0.0
 
     def __getattr__(self, name: str) -> Any:
@@ -49,9 +50,10 @@ class ReplicaOracle:
     accumulation steps, as the oracle's), the optimizer step at a due step; no collective, no check;
     ``busy_s``, the time spent in them."""
 
-    def __init__(self, models: Any, config: Any, *, optimizer: Any = None, **_: Any) -> None:
+    def __init__(self, models: Any, config: Any, *, optimizer: Any = None, recorder: Any = None, **_: Any) -> None:
         from harness.wrappers.prepared import unwrap
 
+        self.config, self.recorder = config, recorder  # what the context's ``checked`` reads of it
         started = time.perf_counter()
         self.replicas = {name: copy.deepcopy(unwrap(m)) for name, m in models.items()}
         self.optimizers = [optimizer(r.parameters()) for r in self.replicas.values()] if optimizer else []
