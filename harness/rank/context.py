@@ -74,8 +74,8 @@ class RankContext(RankData):
         self.world_size = world_size
         self.seed = seed
         self.device = device
-        # the cell's precision, wrapper and its dtype policy (names.MIXED_AXES), and device mesh
-        # (``mesh=`` in the variant: harness/wrappers/mesh.py), None without one
+        # the cell's precision, wrapper and its dtype policy (the spec's ``mixed_axis``, harness/wrappers/names.py),
+        # and device mesh (``mesh=`` in the variant: harness/wrappers/mesh.py), None without one
         self.config = CellConfig.of_variant(variant, self.variant, rank=rank, world_size=world_size)
         self.compile = self.variant.get("compile")  # a torch.compile backend, e.g. aot_eager
         # the data shard this rank draws and how many there are (tensor- and context-parallel peers draw one)

@@ -21,7 +21,7 @@ from harness.wrappers.names import spec as spec_of
 class CellConfig:
     """``precision``: ``fp32``, ``bf16`` or ``fp16``; ``wrapper``: its name (harness/wrappers/names.py);
     ``reduce`` and ``grad_accum``: the wrapper's dtype policy where the variant sets one
-    (``names.MIXED_AXES``: FSDP2's reduce dtype, ZeRO-1's accumulation dtype), else None; ``mesh``: a
+    (the spec's ``mixed_axis``: FSDP2's reduce dtype, ZeRO-1's accumulation dtype), else None; ``mesh``: a
     harness/wrappers/mesh.py ``Shape``, None without one; ``num_steps``: the accumulation steps;
     ``contract``: what a window's gradient must be (harness/rank/oracle/schedule.py ``CONTRACTS``);
     ``rank`` and ``world_size``: this rank, of how many."""
