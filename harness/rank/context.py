@@ -80,7 +80,7 @@ class RankContext(RankData):
         self.compile = self.variant.get("compile")  # a torch.compile backend, e.g. aot_eager
         # the data shard this rank draws and how many there are (tensor- and context-parallel peers draw one)
         mesh = self.config.mesh
-        self.data_rank = mesh.data_index(rank) if mesh else rank
+        self.data_rank = self.config.data_rank
         self.data_world = mesh.data_shards if mesh else world_size
         self.recorder = Recorder(rank=rank)
         self.accounting = Accounting()

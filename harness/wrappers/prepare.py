@@ -394,9 +394,10 @@ def identify(model: Any) -> tuple[str, int | None] | None:
 def prepared_as(model: Any) -> str:
     """The wrapper a prepared model is, by name: ``ddp``, ``fsdp2``, ``fsdp1``, ``deepspeed-z<stage>``
     (a stage the harness has no spec of too), or ``none`` (a plain module)."""
-    found, its = identify(model), prepared_spec(model)
+    found = identify(model)
     if found is None:
         return "none"
+    its = of_identity(*found)
     return its.name if its is not None else f"{found[0]}-z{found[1]}"
 
 
