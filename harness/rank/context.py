@@ -155,9 +155,7 @@ class RankContext(RankData):
         self.accumulation = _accumulation_of(kwargs)
         self.config = config = replace(self.config, num_steps=self.accumulation.num_steps)
         self._scaler_kwargs = _scaler_kwargs_of(kwargs)
-        kwargs.update(prepare.accelerator_kwargs(config.wrapper, kwargs, device_type=self.device.type,
-                                                  world_size=config.world_size, num_steps=config.num_steps,
-                                                  mesh=config.mesh, reduce=config.reduce, grad_accum=config.grad_accum))
+        kwargs.update(prepare.accelerator_kwargs(config, kwargs, device_type=self.device.type))
         if self.compile is not None:
             self.require_parameter(Accelerator, "dynamo_backend", "Accelerator(dynamo_backend=...)")
             kwargs.setdefault("dynamo_backend", self.compile)

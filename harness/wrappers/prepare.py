@@ -9,10 +9,14 @@ points (harness/rank/numerics/accounting.py judges that). The names themselves: 
 from __future__ import annotations
 
 import traceback
-from typing import Any, Iterable, Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from harness.decorator import SkipCell, Unsupported, Variant
 from harness.wrappers.names import AUTO, DDP, WRAPPERS, WrapperSpec, WrongWrapper, mesh_wrappers, of_identity, spec
+
+if TYPE_CHECKING:
+    from harness.wrappers.cell import CellConfig
 
 
 def cell_variants(variants: Iterable[Variant], applies: Iterable[str], selection: tuple[str, ...] | str,
@@ -67,12 +71,11 @@ def _lead(variants: list[Variant]) -> list[Variant]:
 # accelerate
 
 
-def accelerator_kwargs(wrapper: str, kwargs: Mapping[str, Any], *, device_type: str, num_steps: int,
-                       world_size: int, reduce: str | None = None, grad_accum: str | None = None,
-                       mesh: Any = None) -> dict[str, Any]:
-    """The ``Accelerator`` keyword arguments that ask for ``wrapper`` (and, under FSDP2, for ``mesh``:
-    a harness/wrappers/mesh.py ``Shape``); SkipCell when it cannot run here."""
-    its = spec(wrapper)
+def accelerator_kwargs(config: CellConfig, kwargs: Mapping[str, Any], *, device_type: str) -> dict[str, Any]:
+    """The ``Accelerator`` keyword arguments that ask for the cell's wrapper (and, under FSDP2, for its
+    mesh: a harness/wrappers/mesh.py ``Shape``) as ``config`` says them; SkipCell when it cannot run
+    here."""
+    its, wrapper, mesh = config.spec, config.wrapper, config.mesh
     if mesh is not None:
         if not its.meshes:
             raise ValueError(f"mesh={mesh.name} runs under wrapper={' or '.join(s.name for s in mesh_wrappers())}, "
@@ -81,12 +84,11 @@ def accelerator_kwargs(wrapper: str, kwargs: Mapping[str, Any], *, device_type: 
             raise ValueError(f"mesh={mesh.name}: the harness makes the ParallelismConfig; the case gave one")
         from harness.wrappers import mesh as meshes
 
-        made = accelerator_kwargs(wrapper, kwargs, device_type=device_type, num_steps=num_steps,
-                                  world_size=world_size, reduce=reduce, grad_accum=grad_accum)
+        made = accelerator_kwargs(replace(config, mesh=None), kwargs, device_type=device_type)
         return {**made, **meshes.accelerator_kwargs(mesh, device_type=device_type)}
     if its.family == "ddp":
         return {}
-    if its.family == "fsdp" and world_size < 2:
+    if its.family == "fsdp" and config.world_size < 2:
         # a local pool of one rank is a plain process (no launcher): accelerate wraps nothing there,
         # as it wraps nothing in DDP, and one rank has nothing to shard or reduce
         raise SkipCell(f"wrapper={wrapper} runs at world size 2 and more: at world size 1 accelerate "
@@ -95,8 +97,8 @@ def accelerator_kwargs(wrapper: str, kwargs: Mapping[str, Any], *, device_type: 
     if given:
         raise ValueError(f"wrapper={wrapper}: the harness makes the {wrapper} plugin; the case gave {given[0]}=")
     if its.family == "fsdp":
-        return _fsdp_kwargs(its, device_type=device_type, reduce=reduce)
-    return _deepspeed_kwargs(its, device_type=device_type, num_steps=num_steps, grad_accum=grad_accum)
+        return _fsdp_kwargs(its, device_type=device_type, reduce=config.reduce)
+    return _deepspeed_kwargs(its, device_type=device_type, num_steps=config.num_steps, grad_accum=config.grad_accum)
 
 
 def _fsdp_kwargs(its: WrapperSpec, *, device_type: str, reduce: str | None) -> dict[str, Any]:
