@@ -50,7 +50,7 @@ def token_averaging(ctx):
     return {}
 
 
-@case("trainer_causal_lm", variants=grid(steps=[2, 3], average_tokens=[True, False], precision=["fp32"]),
+@case("trainer_causal_lm", variants=grid(steps=[2, 3], average_tokens=[True, False], precision=["fp32", "bf16"]),
       wrappers=WRAPPERS, canary=LOCAL_TOKEN_MEAN)
 def test_trainer_causal_lm(ctx):
     """A tiny Llama trained by ``Trainer.train()``: its loss takes ``num_items_in_batch``, the
@@ -79,7 +79,7 @@ def train_classifier(ctx, model):
     trainer.train()
 
 
-@case("trainer_classifier", variants=grid(steps=[2, 3], precision=["fp32"]), wrappers=WRAPPERS,
+@case("trainer_classifier", variants=grid(steps=[2, 3], precision=["fp32", "bf16"]), wrappers=WRAPPERS,
       defects={"ddp": KWARGS_DROPPED})
 def test_trainer_classifier(ctx):
     """A tiny Llama sequence classifier, as transformers builds it, trained by ``Trainer.train()``:
@@ -88,7 +88,7 @@ def test_trainer_classifier(ctx):
     train_classifier(ctx, hf_model(ctx, classifier))
 
 
-@case("trainer_classifier_plain_mean", variants=grid(steps=[2, 3], precision=["fp32"]), wrappers=WRAPPERS)
+@case("trainer_classifier_plain_mean", variants=grid(steps=[2, 3], precision=["fp32", "bf16"]), wrappers=WRAPPERS)
 def test_trainer_classifier_plain_mean(ctx):
     """The same classifier with ``model.accepts_loss_kwargs = False``, the remedy Trainer documents for
     a model whose loss takes no ``num_items_in_batch``: Trainer divides each micro-batch's mean by
@@ -111,7 +111,7 @@ ROUTER_LOSS_TIMES_STEPS = Diagnosis("mismatch", model="model", when={"steps": 2}
                                     upstream="router loss summed over the window's micro-batches, found by this case")
 
 
-@case("trainer_moe_router_loss", variants=grid(steps=[1, 2], precision=["fp32"]), wrappers=["ddp"],
+@case("trainer_moe_router_loss", variants=grid(steps=[1, 2], precision=["fp32", "bf16"]), wrappers=["ddp"],
       defects={"ddp": (ROUTER_LOSS_TIMES_RANKS, ROUTER_LOSS_TIMES_STEPS)})
 def test_trainer_moe_router_loss(ctx):
     """A one-layer Mixtral of four experts (its router's load-balancing loss weighed 0.5) trained by

@@ -290,7 +290,8 @@ def add_selfcheck_parser(subparsers: argparse._SubParsersAction) -> None:
     variants.add_argument("--variants", type=_comma_list, metavar="LIST", default=None,
                           help="the variants whose name has all the parts of any pattern in LIST "
                                "(e.g. fp32, or steps=2-bf16; default: the first fp32 variant of each case and "
-                               "wrapper that is no declared defect)")
+                               "wrapper that is no declared defect, and the first that each of the wrapper's "
+                               "faults needs, docs/judging.md)")
     variants.add_argument("--all-variants", action="store_true", help="every variant of every case")
     parser.add_argument("--world-size", type=_world_size, default=2, metavar="N",
                         help="ranks in the pool (default: 2)")

@@ -13,6 +13,7 @@ from harness.selfcheck.perturbations import perturbation
 
 def _classes():
     """Every class (or module) a fault may patch, with a snapshot of its own attributes."""
+    import accelerate.accelerator
     from accelerate import Accelerator
     from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard
     from accelerate.optimizer import AcceleratedOptimizer
@@ -22,7 +23,7 @@ def _classes():
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param_group
 
-    classes = [Accelerator, AcceleratedOptimizer, AcceleratedScheduler, GradientState, DataLoaderDispatcher,
+    classes = [accelerate.accelerator, Accelerator, AcceleratedOptimizer, AcceleratedScheduler, GradientState, DataLoaderDispatcher,
                DataLoaderShard, DeepSpeedEngineWrapper, FSDPModule, FullyShardedDataParallel, _fsdp_collectives,
                _fsdp_param_group]
     try:  # DeepSpeed's own classes, where a fault patches DeepSpeed itself (the [deepspeed] extra)

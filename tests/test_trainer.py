@@ -5,6 +5,7 @@ misconfiguration caught with its diagnosis, and the catalogue's Trainer cells on
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ pytest.importorskip("transformers")
 from harness.rank.hf_models import causal_lm  # noqa: E402  (after the skip: it builds transformers models)
 from harness.rank.tokens import IGNORE_INDEX  # noqa: E402
 
+ROOT = Path(__file__).resolve().parent.parent
 TRAINER_CASES = PLANTED.replace("planted_cases.py", "trainer_cases.py")
 # tests/planted/trainer_cases.py's settings
 STEPS, BATCHES, EPOCHS, LR, MAX_NORM = 2, 5, 2, 0.5, 1.0
@@ -110,23 +112,48 @@ def test_a_compute_loss_that_divides_by_the_steps_again_is_wrong_scale_and_says_
 
 
 def test_the_catalogue_trainer_cells_pass_detect_their_canary_and_their_live_defect(run_pytest):
-    session = run_pytest("cases/test_trainer.py", "-k", "2-average or 2-fp32", "--world-sizes", "1,2")
+    session = run_pytest("cases/test_trainer.py", "-k", "2-average or 2-fp32 or 2-bf16", "--world-sizes", "1,2")
     cells = session.cells()
     wrapped = {key: cell for key, cell in cells.items() if "wrapper=" in key[1]}
     # FSDP2 and DeepSpeed: no Trainer runs them on a CPU host; each cell says why
     assert wrapped and {cell["status"] for cell in wrapped.values()} == {"skip"}
     assert all("Trainer" in cell["summary"] or "world size 2" in cell["summary"] for cell in wrapped.values())
     statuses = {(c, v, ws): cell["status"] for (c, v, ws), cell in cells.items() if "wrapper=" not in v}
-    assert statuses == {
-        ("trainer_causal_lm", "steps=2-average_tokens=true-fp32", 1): "pass",
-        ("trainer_causal_lm", "steps=2-average_tokens=true-fp32", 2): "pass",
-        ("trainer_causal_lm", "steps=2-average_tokens=false-fp32", 1): "skip",
-        ("trainer_causal_lm", "steps=2-average_tokens=false-fp32", 2): "detected",
-        ("trainer_classifier", "steps=2-fp32", 1): "detected",
-        ("trainer_classifier", "steps=2-fp32", 2): "detected",
-        ("trainer_classifier_plain_mean", "steps=2-fp32", 1): "pass",
-        ("trainer_classifier_plain_mean", "steps=2-fp32", 2): "pass",
-        # transformers #48690 and the router loss summed over the window, declared (mismatch)
-        ("trainer_moe_router_loss", "steps=2-fp32", 1): "detected",
-        ("trainer_moe_router_loss", "steps=2-fp32", 2): "detected",
-    }, session.stdout[-3000:]
+    # each the same in bf16 (Trainer's bf16=True, accelerate's autocast, which the oracle's replica runs too)
+    assert statuses == {(case, f"{variant}-{precision}", ws): status
+                        for (case, variant, ws), status in {
+                            ("trainer_causal_lm", "steps=2-average_tokens=true", 1): "pass",
+                            ("trainer_causal_lm", "steps=2-average_tokens=true", 2): "pass",
+                            ("trainer_causal_lm", "steps=2-average_tokens=false", 1): "skip",
+                            ("trainer_causal_lm", "steps=2-average_tokens=false", 2): "detected",
+                            ("trainer_classifier", "steps=2", 1): "detected",
+                            ("trainer_classifier", "steps=2", 2): "detected",
+                            ("trainer_classifier_plain_mean", "steps=2", 1): "pass",
+                            ("trainer_classifier_plain_mean", "steps=2", 2): "pass",
+                            # transformers #48690 and the router loss summed over the window, declared (mismatch)
+                            ("trainer_moe_router_loss", "steps=2", 1): "detected",
+                            ("trainer_moe_router_loss", "steps=2", 2): "detected",
+                        }.items() for precision in ("fp32", "bf16")}, session.stdout[-3000:]
+    bf16 = cells[("trainer_causal_lm", "steps=2-average_tokens=true-bf16", 2)]
+    assert bf16["grad_checks"] > 0 and bf16["vacuous_checks"] == 0, bf16["summary"]
+
+
+def test_a_bf16_trainer_cell_catches_a_forward_run_without_autocast():
+    """The planted fault autocast_dropped (accelerate's mixed-precision forward without autocast: bf16
+    asked, fp32 computed) on the Trainer's bf16 cell: clean it passes, planted it fails as mismatch,
+    the kind the fault declares. The bf16 cells check bf16 training, not an fp32 run called bf16."""
+    from harness import catalogue
+    from harness.records import Status
+    from harness.selfcheck import run as selfcheck
+    from harness.selfcheck.run import Runner, Target, first_kinds
+    from harness.wrappers.names import WRAPPERS
+    from harness.wrappers.prepare import cell_variants
+
+    case = next(c for c in catalogue.discover(ROOT / "cases") if c.name == "trainer_causal_lm")
+    variant = next(v for v in cell_variants(case.info.variants, case.info.wrappers, WRAPPERS)
+                   if v.name == "steps=2-average_tokens=true-bf16")
+    with Runner(world_size=2) as runner:
+        clean, faulty = runner.run(Target(case, variant)), runner.run(Target(case, variant), fault="autocast_dropped")
+    assert clean.status == Status.PASS, f"{clean.summary}\n{clean.detail}"
+    assert faulty.status == Status.FAIL and "mismatch" in first_kinds(faulty), faulty.summary
+    assert selfcheck.names(faulty, selfcheck.FAULTS["autocast_dropped"])

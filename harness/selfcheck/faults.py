@@ -51,6 +51,26 @@ def _plugin_option(gradient_state: Any, key: str, value: Any) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _autocast_dropped(rank: int) -> Iterator[None]:
+    # The prepared model's forward, and ``accelerator.autocast()``, run without the mixed-precision
+    # context: a bf16 run computes in fp32 and nothing raises (every value is a little different
+    # from the bf16 one, no scale of it). accelerate wraps the forward in prepare_model with the
+    # context this function makes; Trainer relies on the same for its autocast.
+    # (a decorator as well as a context, as autocast is: prepare_model decorates the forward with it)
+    import accelerate.accelerator
+
+    class NoAutocast(contextlib.ContextDecorator):
+        def __enter__(self) -> None:
+            return None
+
+        def __exit__(self, *exc: Any) -> None:
+            return None
+
+    with _patched(accelerate.accelerator, "get_mixed_precision_context_manager", lambda *args, **kwargs: NoAutocast()):
+        yield
+
+
+@contextlib.contextmanager
 def _no_sync_still_syncs(rank: int) -> Iterator[None]:
     # Accelerator.no_sync forgets to enter DDP's no_sync: every backward all-reduces. The sum of
     # averages equals the average of sums, so the window's last gradient is right; only the
@@ -354,6 +374,9 @@ register(Fault("clip_grad_norm_noop", "Accelerator.clip_grad_norm_ returns the n
                _clip_grad_norm_noop,
                diagnoses=("wrong_scale", "misweighted")))
 
+register(Fault("autocast_dropped", "accelerate's mixed-precision forward runs without autocast (bf16 asked, fp32 computed)",
+               _autocast_dropped, needs="bf16",
+               diagnoses=("mismatch",)))
 
 def resolve(name: str) -> Fault:
     perturbed = parse_perturbation(name)

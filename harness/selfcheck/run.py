@@ -97,7 +97,7 @@ def select_targets(
                 picked += [(fp32 or mine)[0]] if mine else []
                 # and the first that each fault planted on the wrapper's cells needs: reduce=fp32 under
                 # FSDP2 (a reduction in a dtype other than the one asked for, pytorch #190626), bf16
-                # under DeepSpeed (its bf16 path's faults)
+                # under DeepSpeed (its bf16 path's faults) and under DDP (autocast_dropped)
                 for need in sorted({f.needs for f in FAULTS.values() if f.needs and wrapper in f.wrappers}):
                     picked += [v for v in mine if _matches(v, need) and v not in picked][:1]
         targets.extend(Target(case, v) for v in picked)
