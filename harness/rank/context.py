@@ -239,7 +239,8 @@ class RankContext(RankData):
         """Replicas of ``models`` (by name) as they are now: call before ``accelerator.prepare``.
         Every rank's models must have the same weights (build them with ``model``).
 
-        ``num_steps``: the accumulation steps, taken from ``accelerator`` when not given.
+        ``num_steps``: the accumulation steps, taken from ``accelerator`` when not given; under an
+        Accelerator of one step, those of a loop that accumulates by hand.
         ``optimizers``: your own factory, called with a replica (``make_optimizers(model)``, returning
         one optimizer or a list), or one per model name; ``optimizer``: instead, a factory called with
         the replica's parameters (``lambda params: torch.optim.SGD(params, lr=0.1)``).
@@ -251,7 +252,7 @@ class RankContext(RankData):
         really had, as one batch of all of them would give, so a short last window weighs its samples
         as a full one does; the windows come from the schedule the case iterates with ``epochs`` or
         ``windows``, and a window weighed otherwise is ``misweighted``, with the weights."""
-        return self._oracle(models, num_steps=self._given_once("num_steps", num_steps, self._accumulation().num_steps),
+        return self._oracle(models, num_steps=self._steps(num_steps),
                             optimizer=optimizer, optimizers=optimizers, scheduler=scheduler,
                             scheduler_steps=scheduler_steps, contract=contract, replay_rng=self.replay_rng)
 
@@ -312,10 +313,7 @@ class RankContext(RankData):
             raise LoopRefused("ctx.watch: the Accelerator has prepared objects already; call ctx.watch before "
                               "accelerator.prepare (the oracle's replicas are copies of the models as built)")
         named = {"model": models} if isinstance(models, nn.Module) else dict(models)
-        configured = self.accumulation.num_steps
-        if num_steps is not None and configured != 1:
-            self._given_once("num_steps", num_steps, configured)
-        steps = configured if num_steps is None else num_steps
+        steps = self._steps(num_steps)
         watch = Watch(self, accelerator, named, loss=loss, clip_grad_norm=clip_grad_norm,
                       scheduler=scheduler is not None, num_steps=steps)
         watch.oracle = self._oracle(named, num_steps=steps, optimizer=optimizer, optimizers=optimizers,
@@ -359,7 +357,7 @@ class RankContext(RankData):
         schedule = accumulation_schedule(
             batches_per_epoch,
             epochs=epochs,
-            num_steps=self._given_once("num_steps", num_steps, given.num_steps),
+            num_steps=self._steps(num_steps),
             sync_with_dataloader=self._given_once("sync_with_dataloader", sync_with_dataloader,
                                                   given.sync_with_dataloader),
             sync_each_batch=self._given_once("sync_each_batch", sync_each_batch, given.sync_each_batch),
@@ -370,6 +368,13 @@ class RankContext(RankData):
 
     def _accumulation(self) -> Accumulation:
         return self.accumulation if self.accumulation is not None else Accumulation()
+
+    def _steps(self, num_steps: int | None) -> int:
+        """The accumulation steps: the Accelerator's, or ``num_steps`` where it has one step (a loop that
+        accumulates by hand); a different count given beside an Accelerator of several is refused."""
+        configured = self._accumulation().num_steps
+        return num_steps if num_steps is not None and configured == 1 else self._given_once(
+            "num_steps", num_steps, configured)
 
     def _given_once(self, what: str, value: Any, configured: Any) -> Any:
         if value is None:
