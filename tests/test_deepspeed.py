@@ -19,8 +19,10 @@ pytestmark = pytest.mark.skipif(bool(MISSING), reason=f"DeepSpeed cells need {' 
                                                       "(pip install 'gradsync-harness[deepspeed]')")
 
 
-def target(case_file: str, variant: str, wrapper: str) -> Target:
-    case = load_case_file(ROOT / "cases" / case_file)[0]
+def target(case_file: str, variant: str, wrapper: str, name: str | None = None) -> Target:
+    """The cell of ``variant`` under ``wrapper`` of the file's case ``name`` (default: its first)."""
+    cases = load_case_file(ROOT / "cases" / case_file)
+    case = next(c for c in cases if c.name == name) if name else cases[0]
     wanted = f"{variant}-wrapper={wrapper}"
     chosen = [v for v in cell_variants(case.info.variants, case.info.wrappers, (wrapper,)) if v.name == wanted]
     assert chosen, f"{case.name} has no variant {wanted}"
@@ -102,6 +104,27 @@ def test_the_boundary_fault_is_caught_by_a_zero2_cell_that_passes_clean(runner):
     assert clean.status == Status.PASS, clean.summary
     assert faulty.status == Status.FAIL, faulty.summary
     assert {f.checked for f in faulty.failures} & {"grad", "param"}
+
+
+@pytest.mark.parametrize("wrapper, unmarked", [("deepspeed-z1", Status.DETECTED), ("deepspeed-z2", Status.DETECTED),
+                                                ("deepspeed-z3", Status.PASS)])
+def test_a_loop_accumulating_by_hand_on_the_engine_needs_the_boundary_marked_under_zero_1_and_2(runner, wrapper,
+                                                                                              unmarked):
+    """open-instruct PR #1498: under DeepSpeed's gradient_accumulation_steps=1 the loop that marks its
+    windows' last micro-batches passes at every stage; unmarked, ZeRO-1/2 keep each window's last
+    micro-batch alone (declared, misweighted), ZeRO-3 accumulates. A fault that takes every mark as a
+    boundary fails the marking loop where the unmarked one is wrong: the pass is not vacuous."""
+    marked = target("test_deepspeed_by_hand.py", "steps=2-fp32", wrapper, name="deepspeed_by_hand")
+    clean = runner.run(marked)
+    assert clean.status == Status.PASS and clean.grad_checks > 0 and clean.vacuous_checks == 0, clean.summary
+    cell = runner.run(target("test_deepspeed_by_hand.py", "steps=2-fp32", wrapper, name="deepspeed_by_hand_unmarked"))
+    assert cell.status == unmarked, cell.summary
+    faulty = runner.run(marked, fault="deepspeed_engine_boundary_forced")
+    if unmarked == Status.DETECTED:
+        assert "allenai/open-instruct#1498" in cell.summary
+        assert faulty.status == Status.FAIL and "misweighted" in {f.kind for f in faulty.failures}, faulty.summary
+    else:
+        assert faulty.status == Status.PASS, faulty.summary
 
 
 @pytest.mark.parametrize("fault", ["deepspeed_last_micro_batch_dropped", "deepspeed_copy_not_accumulate"])

@@ -50,11 +50,33 @@ def _boundary_ignored(rank: int) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _engine_boundary_forced(rank: int) -> Iterator[None]:
+    # DeepSpeedEngine.set_gradient_accumulation_boundary takes every call as is_boundary=True: a loop
+    # that drives the engine itself, under DeepSpeed's gradient_accumulation_steps=1, and marks its
+    # non-final micro-batches (allenai/open-instruct PR #1498's remedy) is back where it started:
+    # ZeRO-1/2 keep only each window's last micro-batch. accelerate's own backward calls the setter
+    # too, so accelerate's cells see it as they see deepspeed_boundary_ignored.
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    original = DeepSpeedEngine.set_gradient_accumulation_boundary
+
+    def set_gradient_accumulation_boundary(self: Any, is_boundary: bool) -> Any:
+        return original(self, True)
+
+    with _patched(DeepSpeedEngine, "set_gradient_accumulation_boundary", set_gradient_accumulation_boundary):
+        yield
+
+
 register(Fault("deepspeed_boundary_ignored",
                "accelerate's DeepSpeed backward marks every micro-batch a gradient-accumulation boundary",
                _boundary_ignored, wrappers=ZERO,
                diagnoses=("stepped_early", "synced_early", "comm_unexpected", "misweighted", "wrong_scale")))
 
+register(Fault("deepspeed_engine_boundary_forced",
+               "DeepSpeedEngine.set_gradient_accumulation_boundary takes every micro-batch as a boundary",
+               _engine_boundary_forced, wrappers=ZERO,
+               diagnoses=("misweighted", "stepped_early", "synced_early", "comm_unexpected", "wrong_scale")))
 
 def _losses_zeroed(which: str) -> Any:
     """A patch of accelerate's DeepSpeed backward that hands the engine ``loss * 0`` at the
