@@ -296,7 +296,7 @@ def _false_alarm_targets(catalogue, seed_index: int, wrapper: str = "ddp") -> li
     wrappers' variants as ``--wrappers`` names them: DDP's are the case's own)."""
     precision = selfcheck.PRECISIONS[seed_index % len(selfcheck.PRECISIONS)]
     if wrapper == "ddp":
-        by_case = [(case, list(case.info.variants)) for case in catalogue]
+        by_case = [(case, list(case.info.variants)) for case in catalogue if "ddp" in case.info.wrappers]
     else:
         wrapped = [t for t in selfcheck.select_targets(catalogue, all_variants=True) if t.wrapper == wrapper]
         by_case = [(case, [t.variant for t in wrapped if t.case.name == case.name]) for case in catalogue]
