@@ -378,6 +378,7 @@ register(Fault("autocast_dropped", "accelerate's mixed-precision forward runs wi
                _autocast_dropped, needs="bf16",
                diagnoses=("mismatch",)))
 
+
 def resolve(name: str) -> Fault:
     perturbed = parse_perturbation(name)
     if perturbed is not None:

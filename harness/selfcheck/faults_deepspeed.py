@@ -78,6 +78,7 @@ register(Fault("deepspeed_engine_boundary_forced",
                _engine_boundary_forced, wrappers=ZERO,
                diagnoses=("misweighted", "stepped_early", "synced_early", "comm_unexpected", "wrong_scale")))
 
+
 def _losses_zeroed(which: str) -> Any:
     """A patch of accelerate's DeepSpeed backward that hands the engine ``loss * 0`` at the
     micro-batches ``which`` names: "last" (the one that ends a window, sync_gradients True) or
