@@ -5,18 +5,16 @@ misconfiguration caught with its diagnosis, and the catalogue's Trainer cells on
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import PLANTED, Session, killed_if_failing, start_pytest
+from conftest import PLANTED, ROOT, Session, killed_if_failing, start_pytest
 
 pytest.importorskip("transformers")
 
 from harness.rank.hf_models import causal_lm  # noqa: E402  (after the skip: it builds transformers models)
 from harness.rank.tokens import IGNORE_INDEX  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 TRAINER_CASES = PLANTED.replace("planted_cases.py", "trainer_cases.py")
 # tests/planted/trainer_cases.py's settings
 STEPS, BATCHES, EPOCHS, LR, MAX_NORM = 2, 5, 2, 0.5, 1.0
@@ -142,14 +140,14 @@ def test_a_bf16_trainer_cell_catches_a_forward_run_without_autocast():
     """The planted fault autocast_dropped (accelerate's mixed-precision forward without autocast: bf16
     asked, fp32 computed) on the Trainer's bf16 cell: clean it passes, planted it fails as mismatch,
     the kind the fault declares. The bf16 cells check bf16 training, not an fp32 run called bf16."""
-    from harness import catalogue
+    from harness.catalogue import load_case_file
     from harness.records import Status
     from harness.selfcheck import run as selfcheck
     from harness.selfcheck.run import Runner, Target, first_kinds
     from harness.wrappers.names import WRAPPERS
     from harness.wrappers.prepare import cell_variants
 
-    case = next(c for c in catalogue.discover(ROOT / "cases") if c.name == "trainer_causal_lm")
+    case = next(c for c in load_case_file(ROOT / "cases" / "test_trainer.py") if c.name == "trainer_causal_lm")
     variant = next(v for v in cell_variants(case.info.variants, case.info.wrappers, WRAPPERS)
                    if v.name == "steps=2-average_tokens=true-bf16")
     with Runner(world_size=2) as runner:

@@ -406,7 +406,11 @@ def prepared_as(model: Any) -> str:
 def prepared_spec(model: Any) -> WrapperSpec | None:
     """The spec of the wrapper a prepared model is (``identify``), or None: a plain module, or a
     wrapper the harness has no spec of (DeepSpeed without ZeRO)."""
-    found = identify(model)
+    return spec_of_found(identify(model))
+
+
+def spec_of_found(found: tuple[str, int | None] | None) -> WrapperSpec | None:
+    """``prepared_spec`` of what ``identify`` already found, for a caller that reads both."""
     return None if found is None else of_identity(*found)
 
 

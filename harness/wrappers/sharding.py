@@ -18,7 +18,6 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from harness.wrappers.names import of_identity
 from harness.wrappers.observed import Observed, Piece, _identity
 from harness.wrappers.prepared import unwrap
 
@@ -39,10 +38,10 @@ def _clean(name: str) -> str:
 def observe(model: nn.Module, names: list[str], *, sync: bool) -> Observed:
     """Read ``model`` (prepared) as its wrapper keeps it. ``sync``: whether the last backward was due
     to sync (FSDP1 shows full gradients only after one)."""
-    from harness.wrappers.prepare import identify, peel_compiled
+    from harness.wrappers.prepare import identify, peel_compiled, spec_of_found
 
     found = identify(model)  # every gradient check reads each model here: its type is looked at once
-    its = None if found is None else of_identity(*found)
+    its = spec_of_found(found)
     if its is not None and its.flat_parameters:
         return _fsdp1(model, with_grads=sync)
     if found is not None and found[0] == "deepspeed":  # every ZeRO stage, one without a spec too
