@@ -154,11 +154,6 @@ def tiny_llama():
     return LlamaForCausalLM(config)
 
 
-# Not under ZeRO-3: there single elements of the Llama's synced gradients (1 of 256 in the token
-# embeddings and the attention projections, at some syncs) differ from the oracle's by about 10 fp32
-# ulps, beyond the allowance of a reduction of each micro-batch apart. Measured, not understood (the
-# engine's torch.nn.functional.linear replacement runs on both sides; the buffers are equal); the
-# toy LM's cells pass. The cells are not made rather than judged wrongly.
 # Under mesh=cp accelerate hooks every ``self_attn`` to drop its attention mask and pass
 # ``is_causal=True`` instead (``_attach_context_parallel_hooks``), which only SDPA reads: the tiny
 # Llama's eager attention ignores it and attends to every position, later tokens and padding
@@ -169,7 +164,7 @@ CP_DROPS_EAGER_MASK = Diagnosis("mismatch", model="model", when={"mesh": "cp"})
 
 @case("accumulate_token_loss_transformers", variants=VARIANTS,
       defects={"deepspeed-z1": ZERO1_SYNC_EACH_BATCH, "fsdp2": CP_DROPS_EAGER_MASK},
-      wrappers=["ddp", "fsdp2", "fsdp1", "deepspeed-z1", "deepspeed-z2"], meshes=("hsdp", "cp"))
+      wrappers=["ddp", "fsdp2", "fsdp1", "deepspeed-z1", "deepspeed-z2", "deepspeed-z3"], meshes=("hsdp", "cp"))
 def test_accumulate_token_loss_transformers(ctx):
     """A tiny Llama from transformers trained through its own loss with ``num_items_in_batch`` (the
     window's valid tokens gathered from every rank, as transformers' Trainer counts them), times the

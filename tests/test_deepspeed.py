@@ -188,3 +188,43 @@ def test_a_zero3_cell_leaves_torch_linear_as_it_found_it(runner, tmp_path):
     cell = runner.run(Target(case, cell_variants(case.info.variants, case.info.wrappers, ("ddp",))[0]))
     assert cell.status == Status.SKIP
     assert "deepspeed" not in cell.summary and "zero3_linear_wrap" not in cell.summary, cell.summary
+
+
+def test_zero3_module_boundaries_reorder_the_llamas_gradient_sums_and_nothing_else():
+    """The replica's ZeRO-3 boundaries (harness/rank/oracle/replica.py:module_boundaries) on the
+    transformers Llama: the same loss; gradients within an fp32 rounding of the plain backward's but not
+    all the same bits (the residual stream's gradients are summed in another order); the parameters
+    downstream of the last residual add (the head) unchanged; every hook gone after."""
+    import torch
+
+    from harness.rank.hf_models import causal_lm
+    from harness.rank.oracle.replica import module_boundaries
+
+    torch.manual_seed(0)
+    model = causal_lm()
+    ids = torch.randint(0, 16, (2, 8))
+
+    def backward() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    loss, plain = backward()
+    with module_boundaries(model):
+        bounded_loss, bounded = backward()
+    assert torch.equal(loss, bounded_loss)
+    assert all(torch.allclose(plain[n], bounded[n], rtol=1e-5, atol=1e-8) for n in plain)
+    assert not torch.equal(plain["model.embed_tokens.weight"], bounded["model.embed_tokens.weight"])
+    assert torch.equal(plain["lm_head.weight"], bounded["lm_head.weight"])
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert torch.equal(backward()[1]["model.embed_tokens.weight"], plain["model.embed_tokens.weight"])
+
+
+def test_the_transformers_llama_passes_zero3_bit_for_bit(runner):
+    """accumulate_token_loss_transformers under ZeRO-3: the oracle's replica runs ZeRO-3's module
+    boundaries, so every gradient is DeepSpeed's to the bit (without them a few fp32 ulps apart)."""
+    cell = runner.run(target("test_token_loss.py", "sync_each_batch=false-fp32", "deepspeed-z3",
+                             name="accumulate_token_loss_transformers"))
+    assert cell.status == Status.PASS, cell.summary
+    assert cell.max_abs_diff == 0 and cell.grad_checks > 0, cell.summary

@@ -202,6 +202,7 @@ class Oracle(CheckCalls):
             m.autocast = autocast_of(prepared)
             if self.sharded.stage is not None:  # type: ignore[union-attr]
                 m.buffer_dtypes = {n: b.dtype for n, b in prepared.named_buffers()}
+                m.boundaries = self.sharded.stage == 3  # type: ignore[union-attr]  # ZeRO-3's module hooks
             m.unshard(self.sharded.flat_groups(name))  # type: ignore[union-attr]
 
     def _scaled(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
