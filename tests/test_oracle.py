@@ -379,3 +379,19 @@ def test_settle_makes_every_pending_average_it_is_given_by_a_generator():
         model.pending = True  # as a large model's sync leaves it, for its fused check
     oracle.averaging.settle(name for name in models)
     assert {name: m.pending for name, m in oracle.state.models.items()} == {"gen": False, "disc": False}
+
+
+@pytest.mark.quick
+def test_an_optimizer_state_of_other_groups_is_not_adopted():
+    """After a parameter mismatch the oracle adopts the case's optimizer state only where it fits its
+    own optimizer: the torch optimizer inside DeepSpeed's ZeRO holds one flat partition per group, which
+    load_state_dict would refuse (a ValueError inside the check, an error cell), momentum or none."""
+    _, oracle, _ = make(optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    flat = torch.nn.Parameter(torch.zeros(sum(p.numel() for p in oracle.params["model"].values())))
+    theirs = torch.optim.SGD([flat], lr=0.1)
+    flat.grad = torch.ones_like(flat)
+    theirs.step()
+    mine = oracle.optimizers["model"][0]
+    before = copy.deepcopy(mine.state_dict())
+    oracle.anchoring.adopt_optimizer_state("model", theirs)
+    assert mine.state_dict() == before

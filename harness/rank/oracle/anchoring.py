@@ -167,9 +167,12 @@ class Anchoring(OraclePart):
 
 def _same_shapes(mine: torch.optim.Optimizer, state: dict[str, Any]) -> bool:
     """Whether every tensor of the state another optimizer saved is a plain tensor of the shape of the
-    parameter it belongs to in ``mine`` (or a scalar, a step count): what ``load_state_dict`` can take."""
+    parameter it belongs to in ``mine`` (or a scalar, a step count), in groups of ``mine``'s sizes: what
+    ``load_state_dict`` can take (the torch optimizer inside ZeRO's holds one flat partition a group)."""
     dtensor = dtensor_class()
     params = [p for group in mine.param_groups for p in group["params"]]
+    if [len(g["params"]) for g in state["param_groups"]] != [len(g["params"]) for g in mine.param_groups]:
+        return False
     for index, entries in state["state"].items():
         if not isinstance(index, int) or index >= len(params):
             return False
