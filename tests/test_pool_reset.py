@@ -41,7 +41,12 @@ BETWEEN = [("test_accumulate.py", "accumulate:steps=2-fp32-compile=aot_eager"),
            ("test_accumulate_optim.py", "accumulate_clip_grad:steps=2-bf16")]
 if importlib.util.find_spec("deepspeed") is not None:
     BETWEEN += [("test_accumulate.py", "accumulate:steps=2-fp32-wrapper=deepspeed-z3"),
-                ("test_token_loss.py", "accumulate_token_loss_transformers:sync_each_batch=false-fp32-wrapper=deepspeed-z2")]
+                ("test_token_loss.py", "accumulate_token_loss_transformers:sync_each_batch=false-fp32-wrapper=deepspeed-z2"),
+                # Trainer's ZeRO-3 leaves transformers' process-wide DeepSpeed config set while anything
+                # holds it: every later from_config (a classifier's base model) would build under zero.Init
+                ("test_trainer.py", "trainer_causal_lm:steps=2-average_tokens=true-fp32-wrapper=deepspeed-z3")]
+if importlib.util.find_spec("transformers") is not None:
+    PROBES += [("test_trainer.py", "trainer_classifier_plain_mean:steps=2-fp32")]
 
 
 def _outcome(cell):

@@ -112,10 +112,23 @@ def test_a_compute_loss_that_divides_by_the_steps_again_is_wrong_scale_and_says_
 def test_the_catalogue_trainer_cells_pass_detect_their_canary_and_their_live_defect(run_pytest):
     session = run_pytest("cases/test_trainer.py", "-k", "2-average or 2-fp32 or 2-bf16", "--world-sizes", "1,2")
     cells = session.cells()
-    wrapped = {key: cell for key, cell in cells.items() if "wrapper=" in key[1]}
-    # FSDP2 and DeepSpeed: no Trainer runs them on a CPU host; each cell says why
-    assert wrapped and {cell["status"] for cell in wrapped.values()} == {"skip"}
-    assert all("Trainer" in cell["summary"] or "world size 2" in cell["summary"] for cell in wrapped.values())
+    skipped = {key: cell for key, cell in cells.items()
+               if "wrapper=fsdp2" in key[1] or "wrapper=deepspeed" in key[1] and "-bf16" in key[1]}
+    # FSDP2, and bf16 under DeepSpeed: no Trainer runs them on a CPU host; each cell says why
+    assert skipped and {cell["status"] for cell in skipped.values()} == {"skip"}
+    assert all("Trainer" in cell["summary"] or "world size 2" in cell["summary"] for cell in skipped.values())
+    # Trainer's own DeepSpeed at ZeRO-1, 2 and 3: each as under DDP, the sample-weighed classifier's
+    # #47688 named misweighted there (its gradient is read before DeepSpeed's clip)
+    assert {(c, v, ws): cell["status"] for (c, v, ws), cell in cells.items()
+            if "wrapper=deepspeed" in v and "-fp32" in v} == {
+        (case, f"{lead}-fp32-wrapper=deepspeed-z{stage}", ws): status
+        for case, lead, status in (("trainer_causal_lm", "steps=2-average_tokens=true", "pass"),
+                                   ("trainer_classifier", "steps=2", "detected"),
+                                   ("trainer_classifier_plain_mean", "steps=2", "pass"))
+        for stage in (1, 2, 3) for ws in (1, 2)}, session.stdout[-3000:]
+    for stage in (1, 2, 3):
+        classifier = cells[("trainer_classifier", f"steps=2-fp32-wrapper=deepspeed-z{stage}", 2)]
+        assert {f["kind"] for f in classifier["failures"]} == {"misweighted"}, classifier["summary"]
     statuses = {(c, v, ws): cell["status"] for (c, v, ws), cell in cells.items() if "wrapper=" not in v}
     # each the same in bf16 (Trainer's bf16=True, accelerate's autocast, which the oracle's replica runs too)
     assert statuses == {(case, f"{variant}-{precision}", ws): status
@@ -155,3 +168,32 @@ def test_a_bf16_trainer_cell_catches_a_forward_run_without_autocast():
     assert clean.status == Status.PASS, f"{clean.summary}\n{clean.detail}"
     assert faulty.status == Status.FAIL and "mismatch" in first_kinds(faulty), faulty.summary
     assert selfcheck.names(faulty, selfcheck.FAULTS["autocast_dropped"])
+
+
+def test_a_deepspeed_trainer_cell_catches_the_loss_divided_by_the_steps_again():
+    """Trainer under DeepSpeed (its own TrainingArguments(deepspeed=...)) at ZeRO-2: clean it passes;
+    with the planted deepspeed_scale_wrt_gas_dropped (Trainer's scale_wrt_gas=False lost on the way to
+    the engine, transformers before PR #35808) the engine divides each window's loss by the steps again
+    and the cell fails, misweighted, a kind the fault declares."""
+    from harness.catalogue import load_case_file
+    from harness.records import Status
+    from harness.selfcheck import run as selfcheck
+    from harness.selfcheck.run import Runner, Target, first_kinds
+    from harness.wrappers.names import WRAPPERS
+    from harness.wrappers.prepare import cell_variants
+
+    case = next(c for c in load_case_file(ROOT / "cases" / "test_trainer.py") if c.name == "trainer_causal_lm")
+    variant = next(v for v in cell_variants(case.info.variants, case.info.wrappers, WRAPPERS)
+                   if v.name == "steps=2-average_tokens=true-fp32-wrapper=deepspeed-z2")
+    # windows of 3 and 2: three micro-batches a window, summed by ZeRO-2 after each reduction, of token
+    # weights that round two ways (each sum of them allowed its rounding, harness/rank/oracle/core.py)
+    threes = next(v for v in cell_variants(case.info.variants, case.info.wrappers, WRAPPERS)
+                  if v.name == "steps=3-average_tokens=true-fp32-wrapper=deepspeed-z2")
+    with Runner(world_size=2) as runner:
+        clean = runner.run(Target(case, variant))
+        faulty = runner.run(Target(case, variant), fault="deepspeed_scale_wrt_gas_dropped")
+        three = runner.run(Target(case, threes))
+    assert clean.status == Status.PASS, f"{clean.summary}\n{clean.detail}"
+    assert faulty.status == Status.FAIL and "misweighted" in first_kinds(faulty), faulty.summary
+    assert selfcheck.names(faulty, selfcheck.FAULTS["deepspeed_scale_wrt_gas_dropped"])
+    assert three.status == Status.PASS, f"{three.summary}\n{three.detail}"

@@ -219,6 +219,16 @@ def _declared_raise(info: Any, spec: CellSpec, ctx: Any, exc: Exception) -> Any:
     return declared_raise(declared, exc, rank=ctx.rank, step=ctx.at_step)
 
 
+def _forget_deepspeed_config() -> None:
+    """transformers' process-wide DeepSpeed config (a weak reference that accelerate's DeepSpeed
+    plugin and ``TrainingArguments(deepspeed=...)`` set, alive while anything holds the config) goes
+    with the cell: under ZeRO-3 it makes every later ``from_config`` build its model inside
+    ``deepspeed.zero.Init``, a sequence-classification head's base model included."""
+    deepspeed = sys.modules.get("transformers.integrations.deepspeed")
+    if deepspeed is not None and hasattr(deepspeed, "unset_hf_deepspeed_config"):
+        deepspeed.unset_hf_deepspeed_config()
+
+
 def run_cell(spec: CellSpec, rank: int, device: Any) -> RankResult:
     import torch
 
@@ -270,6 +280,7 @@ def run_cell(spec: CellSpec, rank: int, device: Any) -> RankResult:
     finally:
         _restore_environment(environment)
         torch.nn.functional.linear = linear
+        _forget_deepspeed_config()
         try:
             reset_accelerate()
             if ctx is not None and ctx.compile is not None:

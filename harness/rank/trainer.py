@@ -4,7 +4,8 @@
 with one ``TrainerCallback`` added and two observers that any training loop permits: a forward
 pre-hook on the model (which micro-batch each forward ran, as Trainer feeds it) and step hooks on
 the optimizer Trainer made (the gradients the step uses, after Trainer's clip; the parameters after
-it). Nothing of Trainer is patched.
+it). Nothing of Trainer is patched; under DeepSpeed, Trainer's class is subclassed once
+(``_on_this_host``), to give the Accelerator it builds what the harness gives its own.
 
 The expectation is what a Trainer user means, full-batch equivalence: each optimizer step's update
 is the one the mean loss over every sample (every valid token, for a causal LM) of that step's
@@ -108,6 +109,11 @@ class TrainerWatch:
         self.misplaced = False  # a window of Trainer's was not the schedule's (said once)
         self._hooked: Any = None
         self.made_output_dir = made_output_dir  # the output folder the harness made for Trainer, if any
+        # DeepSpeed steps inside the window's last accelerator.backward (accelerate's engine wrapper) and
+        # clips inside that step: the window is judged after it (``on_optimizer_step``), the gradients
+        # as the engine read them before its clip (harness/wrappers/deepspeed_cpu.py), the clip by the
+        # parameters and Trainer's grad_norm
+        self.in_engine = ctx.spec.family == "deepspeed"
         self.handles = [model.register_forward_pre_hook(self._forward, with_kwargs=True)]
 
     # the observers
@@ -125,11 +131,16 @@ class TrainerWatch:
         self.window.append((point, batch))
 
     def hook_optimizer(self, optimizer: Any) -> None:
-        """Trainer's optimizer (accelerate's wrapper around it, or the torch optimizer itself)."""
+        """Trainer's optimizer (accelerate's wrapper around it, or the torch optimizer itself; under
+        DeepSpeed, the torch optimizer inside ZeRO's, which steps ZeRO's flat partitions)."""
         inner = getattr(optimizer, "optimizer", optimizer)
+        while not isinstance(inner, torch.optim.Optimizer) and hasattr(inner, "optimizer"):
+            inner = inner.optimizer
         if inner is self._hooked:
             return
         self._hooked = inner
+        if self.in_engine:  # ZeRO-3 steps it once per sub-group of parameters: judged at on_optimizer_step
+            return
         self.handles.append(inner.register_step_pre_hook(lambda *_: self._before_step()))
         self.handles.append(inner.register_step_post_hook(lambda *_: self._after_step()))
 
@@ -166,10 +177,13 @@ class TrainerWatch:
                                                     last=planned[-1].where(), due=end.where(),
                                                     steps=self.trainer.args.gradient_accumulation_steps),
             ))
+        if self.in_engine:  # read before the engine's clip
+            oracle.check_grads(self.point, models)
         if self.max_grad_norm > 0:
-            oracle.clip_grad_norm(self.max_grad_norm)
+            oracle.clip_grad_norm(self.max_grad_norm, reciprocal=self.in_engine, measured=self._engine_norm())
             self.norms.append((oracle.norms["model"], self.point))
-        oracle.check_grads(self.point, models)
+        if not self.in_engine:
+            oracle.check_grads(self.point, models)
         oracle.check_lr(self.point, {"model": self._hooked})
         # a wrong rate is said above, at every step it is wrong; the oracle's update uses Trainer's, so
         # that the parameter checks judge the gradient, not the rate again (its scheduler still sets
@@ -177,6 +191,17 @@ class TrainerWatch:
         ours = [g for optimizer in oracle.optimizers["model"] for g in optimizer.param_groups]
         for group, theirs in zip(ours, self._hooked.param_groups):
             group["lr"] = theirs["lr"]
+
+    def _engine_norm(self) -> torch.Tensor | float | None:
+        """The norm DeepSpeed's step clipped by (its global gradient norm, in its dtype), None elsewhere."""
+        return self.trainer.model_wrapped.get_global_grad_norm() if self.in_engine else None
+
+    def stepped(self) -> None:
+        """Trainer's optimizer step is over (``on_optimizer_step``): under DeepSpeed, where the engine
+        stepped in the window's last backward, the window is judged now."""
+        if self.in_engine:
+            self._before_step()
+            self._after_step()
 
     def _after_step(self) -> None:
         if self.point is None:
@@ -239,7 +264,8 @@ def checked_trainer(ctx: Any, model: nn.Module, *, train_dataset: Any, data_coll
     ``average_tokens_across_devices``, ...); the harness adds where it runs (the output folder, CPU or
     the rank's GPU, the cell's precision and wrapper, the seed) and ``FIXED_ARGUMENTS``.
     ``loss``: ``"tokens"`` for a causal LM (labels aligned with the inputs, -100 where ignored),
-    ``"samples"`` for a classifier. ``trainer_class``: your own ``Trainer`` subclass.
+    ``"samples"`` for a classifier. ``trainer_class``: your own ``Trainer`` subclass (under
+DeepSpeed the Trainer made is of a subclass of it, ``_on_this_host``).
 
     The cell is ``skip`` where transformers is not installed or cannot run with this torch, and where
     Trainer cannot run the cell's wrapper or precision on this device (saying why)."""
@@ -257,8 +283,8 @@ def checked_trainer(ctx: Any, model: nn.Module, *, train_dataset: Any, data_coll
     where = _where(ctx, transformers, made_folder="output_dir" not in arguments)
     try:
         args = transformers.TrainingArguments(**{**where, **FIXED_ARGUMENTS, **arguments})
-        trainer = (trainer_class or transformers.Trainer)(model=model, args=args, train_dataset=train_dataset,
-                                                          data_collator=data_collator)
+        trainer = _on_this_host(ctx, trainer_class or transformers.Trainer)(
+            model=model, args=args, train_dataset=train_dataset, data_collator=data_collator)
     except ImportError as exc:
         # transformers' own word on this accelerate ("Using the Trainer with PyTorch requires
         # accelerate>=1.1.0"): a pairing that does not run Trainer at all, not a harness error
@@ -283,6 +309,9 @@ def checked_trainer(ctx: Any, model: nn.Module, *, train_dataset: Any, data_coll
             # read how it reduces (DDP's buckets: harness/rank/oracle/averaging.py)
             remember_wrappers(getattr(trainer, "model_wrapped", None))
 
+        def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            watch.stepped()
+
         def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
             watch.logged(logs or {})
 
@@ -297,7 +326,9 @@ def _where(ctx: Any, transformers: Any, *, made_folder: bool) -> dict[str, Any]:
     """The TrainingArguments that place the run on this rank: its device, precision, seed, and (where
     ``made_folder``, the case giving none) an output folder made for it."""
     where: dict[str, Any] = {"seed": int(ctx.seed) % 2**31}
-    if ctx.device.type == "cpu":
+    if ctx.spec.family == "deepspeed":
+        where["deepspeed"] = _deepspeed_config(ctx, transformers)
+    elif ctx.device.type == "cpu":
         where["use_cpu"] = True
         where["ddp_backend"] = "gloo"
     if ctx.precision == "bf16":
@@ -316,13 +347,58 @@ def _where(ctx: Any, transformers: Any, *, made_folder: bool) -> dict[str, Any]:
         # Trainer's FSDP2, its own plugin from these arguments (each decoder layer a unit, as Trainer wraps)
         where["fsdp"] = "full_shard"
         where["fsdp_config"] = {"version": ctx.spec.fsdp_version}
-    elif ctx.spec.sharded:
-        ctx.skip(f"wrapper={ctx.wrapper}: no Trainer cell under DeepSpeed yet (on CPU, accelerate's DeepSpeed needs "
-                 "the settings harness/wrappers/deepspeed_cpu.py gives an Accelerator after building it, which "
-                 "Trainer's own does not get without patching Trainer)")
+    elif ctx.spec.sharded and ctx.spec.family != "deepspeed":
+        ctx.skip(f"wrapper={ctx.wrapper}: no Trainer cell under FSDP1")
     if made_folder:  # once nothing skips
         where["output_dir"] = tempfile.mkdtemp(prefix=f"trainer-rank{ctx.rank}-")
     return where
+
+
+def _deepspeed_config(ctx: Any, transformers: Any) -> dict[str, Any]:
+    """Trainer's DeepSpeed config for the cell: ZeRO at its stage and every other value ``"auto"``, which
+    transformers fills from the TrainingArguments (``HfTrainerDeepSpeedConfig``): the micro-batch
+    size, the accumulation steps, ``gradient_clipping`` from ``max_grad_norm``, bf16 from ``bf16``.
+    It names no optimizer and no scheduler: Trainer makes its own and hands them to DeepSpeed. No
+    ``train_batch_size``: transformers would fill it from the world size it counts before the
+    Accelerator is corrected on a CPU host (``_on_this_host``); DeepSpeed computes it."""
+    from harness.wrappers import deepspeed_cpu
+
+    deepspeed_cpu.require(ctx.wrapper)
+    if not hasattr(transformers.TrainerCallback, "on_optimizer_step"):
+        ctx.skip(f"wrapper={ctx.wrapper}: transformers {transformers.__version__} has no on_optimizer_step "
+                 "callback, where the checks judge a step DeepSpeed took inside backward")
+    if ctx.precision != "fp32" and ctx.device.type == "cpu":
+        # TrainingArguments refuses bf16 without a GPU unless use_cpu, and use_cpu makes accelerate
+        # drop DeepSpeed (harness/wrappers/deepspeed_cpu.py, accelerator_kwargs)
+        ctx.skip(f"wrapper={ctx.wrapper} {ctx.precision}: Trainer runs {ctx.precision} on CPU only with use_cpu=True, "
+                 "under which accelerate drops DeepSpeed; the cell runs on a GPU host")
+    deepspeed_cpu.without_shared_memory_comm(ctx.device.type)
+    config: dict[str, Any] = {"zero_optimization": {"stage": ctx.spec.zero_stage},
+                              "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                              "gradient_clipping": "auto", "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}}
+    if ctx.config.grad_accum is not None:  # the variant's grad_accum=fp32: DeepSpeed's BF16_Optimizer
+        config["data_types"] = {"grad_accum_dtype": ctx.config.grad_accum}
+    return config
+
+
+def _on_this_host(ctx: Any, trainer_class: Any) -> Any:
+    """``trainer_class``, or under DeepSpeed a subclass of it whose Accelerator, once Trainer has built
+    it, gets what the harness gives its own DeepSpeed Accelerators (harness/wrappers/deepspeed_cpu.py,
+    ``after_construction``: on a CPU host the real world size, and the engine's boundary gradients
+    read as it steps). Nothing else of Trainer is changed."""
+    if ctx.spec.family != "deepspeed":
+        return trainer_class
+    from harness.wrappers import deepspeed_cpu
+
+    stage = ctx.spec.zero_stage
+
+    class OnThisHost(trainer_class):  # type: ignore[misc, valid-type]
+        def create_accelerator_and_postprocess(self) -> None:
+            super().create_accelerator_and_postprocess()
+            deepspeed_cpu.after_construction(self.accelerator, stage=stage)
+
+    OnThisHost.__name__ = OnThisHost.__qualname__ = trainer_class.__name__
+    return OnThisHost
 
 
 def _optimizer(trainer: Any, replica: nn.Module) -> torch.optim.Optimizer:

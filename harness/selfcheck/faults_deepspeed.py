@@ -162,3 +162,28 @@ register(Fault("deepspeed_copy_not_accumulate",
                "counts (the shape of DeepSpeed PR #6550)",
                _losses_zeroed("earlier"), wrappers=ZERO, needs="bf16",
                diagnoses=("misweighted", "wrong_scale")))
+
+
+# transformers' Trainer before PR #35808 (4.49.0): under DeepSpeed it normalised the loss for the
+# window (by num_items_in_batch, or the window's micro-batches) and the engine divided it by its
+# gradient_accumulation_steps again, so each window's gradient was 1/steps of the right one and
+# grad_norm depended on the steps. Trainer now passes scale_wrt_gas=False to accelerator.backward;
+# this drops it on its way to the engine. Cells whose loop passes no scale_wrt_gas are quiet.
+@contextlib.contextmanager
+def _scale_wrt_gas_dropped(rank: int) -> Iterator[None]:
+    from accelerate.utils.deepspeed import DeepSpeedEngineWrapper
+
+    original = DeepSpeedEngineWrapper.backward
+
+    def backward(self: Any, loss: Any, sync_gradients: bool = True, **kwargs: Any) -> Any:
+        kwargs.pop("scale_wrt_gas", None)
+        return original(self, loss, sync_gradients=sync_gradients, **kwargs)
+
+    with _patched(DeepSpeedEngineWrapper, "backward", backward):
+        yield
+
+
+register(Fault("deepspeed_scale_wrt_gas_dropped",
+               "accelerate's DeepSpeed backward drops Trainer's scale_wrt_gas=False: the engine divides the loss "
+               "by its accumulation steps again (transformers before PR #35808)",
+               _scale_wrt_gas_dropped, wrappers=ZERO, diagnoses=("misweighted", "wrong_scale")))

@@ -100,10 +100,7 @@ def plugin(stage: int, *, num_steps: int, device_type: str, grad_accum: str | No
 
     from harness.wrappers import probe
 
-    if device_type == "cpu":
-        import deepspeed.ops
-
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    without_shared_memory_comm(device_type)
     cls = probe.require(accelerate.utils, "DeepSpeedPlugin", "DeepSpeedPlugin")
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 1,
@@ -117,6 +114,15 @@ def plugin(stage: int, *, num_steps: int, device_type: str, grad_accum: str | No
         config["data_types"] = {"grad_accum_dtype": grad_accum}
     return cls(hf_ds_config=config, zero_stage=stage, gradient_accumulation_steps=num_steps,
                gradient_clipping=0.0)
+
+
+def without_shared_memory_comm(device_type: str) -> None:
+    """On CPU, DeepSpeed's shared-memory comm op marked incompatible (``plugin``), so that DeepSpeed
+    uses the process group's gloo instead of JIT-compiling the op."""
+    if device_type == "cpu":
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def accelerator_kwargs(wrapper: str, stage: int, *, device_type: str, num_steps: int,

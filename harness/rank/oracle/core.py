@@ -243,6 +243,8 @@ class Oracle(CheckCalls):
                 state.local = self.sharded.round(part if local is None else local + part)
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            if g_other is not None:  # operands not the rank's bit for bit: so are the sums of them
+                state.allowed = state.allowed + rounding_allowance(state.local)
         else:
             state.reusable = False
             state.materialize()  # of p.grad as it is, before this backward adds to it
@@ -280,11 +282,19 @@ class Oracle(CheckCalls):
             raise ValueError("backward(rng=...) needs an oracle made by ctx.oracle(...), which knows the RNG to replay")
         return self.replay_rng(key)
 
-    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0, *, reciprocal: bool = False) -> dict[str, float]:
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0, *, reciprocal: bool = False,
+                       measured: torch.Tensor | float | None = None) -> dict[str, float]:
         """Clip each model's replica gradients, as ``clip_grad_norm_`` on synced gradients does;
         the total norm of each model's gradients before clipping. ``reciprocal``: by the coefficient
         DeepSpeed's optimizer step computes, ``1 / max(1, (norm + 1e-6) / max_norm)`` (ZeRO's
-        ``unscale_and_clip_grads``), which rounds apart from torch's ``min(1, max_norm / (norm + 1e-6))``."""
+        ``unscale_and_clip_grads``), which rounds apart from torch's ``min(1, max_norm / (norm + 1e-6))``.
+        ``measured`` (with ``reciprocal``; one model): the norm the rank's clip measured, where it is
+        the oracle's within what a sum of the same squares in another order gives (the bound
+        ``Checks.grad_norm`` holds it to): the oracle clips by it, as it carries on from a rank's
+        gradients after a check, so that the parameters judge the gradient and not the order of the
+        norm's sum; the coefficient is computed in its dtype, as ZeRO computes it from its norm (fp32
+        under ZeRO-1/2, fp64 under ZeRO-3; a Python float, fp64). The norm returned and checked is
+        still the oracle's own."""
         self.averaging.settle()
         self._unscale()
         self.state.part_local()  # the clip scales p.grad in place
@@ -292,27 +302,31 @@ class Oracle(CheckCalls):
         for name, replica in self.replicas.items():
             ps = self.params[name]
             before = {pname: p.grad.detach().abs() for pname, p in ps.items() if p.grad is not None}
-            if reciprocal:
-                total = torch.nn.utils.clip_grad_norm_(replica.parameters(), float("inf"), norm_type=norm_type)
-                scale = 1.0 / torch.clamp((total + 1e-6) / max_norm, min=1.0)
-                for p in replica.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(scale.to(p.grad.dtype))
-                norm = float(total)
-            else:
-                norm = float(torch.nn.utils.clip_grad_norm_(replica.parameters(), max_norm, norm_type=norm_type))
-            norms[name] = norm
-            coefficient = min(1.0, max_norm / (norm + 1e-6))
+            numel = sum(g.numel() for g in before.values())
+            # the gradients' dtype: of any that has one (a check may have adopted a rank that held none)
+            dtype = next((p.grad.dtype for p in ps.values() if p.grad is not None), next(iter(ps.values())).dtype)
             # the norm is off by at most the norm of the allowances, and the coefficient with it; the
             # rank's norm sums the squares in another order (its shards, then across the ranks), which
             # rounds the coefficient apart by up to norm_rounding (harness/rank/numerics/closeness.py), where it clips
             carried = float(torch.linalg.vector_norm(flat(self.state.allowance_of(name).values()), norm_type))
-            # the gradients' dtype: of any that has one (a check may have adopted a rank that held none)
-            dtype = next((p.grad.dtype for p in ps.values() if p.grad is not None), next(iter(ps.values())).dtype)
-            self.norms[name] = ClipNorm(norm, carried, sum(g.numel() for g in before.values()), dtype)
+            if reciprocal:
+                total = torch.nn.utils.clip_grad_norm_(replica.parameters(), float("inf"), norm_type=norm_type)
+                norm = float(total)
+                if measured is not None and abs(float(measured) - norm) <= carried + norm * norm_rounding(numel, dtype):
+                    total = (measured.detach().clone() if isinstance(measured, torch.Tensor)
+                             else torch.tensor(measured, dtype=torch.float64))
+                scale = 1.0 / torch.clamp((total + 1e-6) / max_norm, min=1.0)
+                for p in replica.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(scale.to(p.grad.dtype))
+            else:
+                norm = float(torch.nn.utils.clip_grad_norm_(replica.parameters(), max_norm, norm_type=norm_type))
+            norms[name] = norm
+            coefficient = min(1.0, max_norm / (norm + 1e-6))
+            self.norms[name] = ClipNorm(norm, carried, numel, dtype)
             relative = carried / norm if norm > 0 else 0.0
             if coefficient < 1.0:
-                relative += norm_rounding(sum(g.numel() for g in before.values()), dtype)
+                relative += norm_rounding(numel, dtype)
             for pname, magnitude in before.items():
                 state = self.state.params(name)[pname]
                 state.allowed = (coefficient * (state.allowed + magnitude * relative)
