@@ -1,13 +1,13 @@
 """torch.compile and DDP beyond accelerate's ``dynamo_backend``: a compiled function around the DDP
-model, DDPOptimizer's split graphs, DDP's Python reducer under compiled autograd, and a backward
-under compiled autograd, each under ``accumulate`` (its windows begin under ``no_sync``)."""
+model, DDPOptimizer's split graphs, DDP's Python reducer and its C++ Reducer under compiled autograd,
+each under ``accumulate`` (its windows begin under ``no_sync``)."""
 
 import contextlib
 
 import torch
 from torch.utils.data import DataLoader
 
-from harness import Variant, case
+from harness import Diagnosis, Unsupported, Variant, case
 from harness.rank.models import regression_loss
 
 EPOCHS = 2
@@ -21,10 +21,13 @@ STEPS = 2
 SPLIT_BUCKET_MB = 1
 WIDTH = 512
 
-# (a backward under compiled autograd with DDP's C++ Reducer is refused by torch in one line, "Compiled
-# autograd is not compatible with C++ DDP Reducer, please use optimize_ddp="python_reducer"": the form
-# python_reducer is that advice taken)
-FORMS = ("function", "ddp_optimizer", "python_reducer")
+# cpp_reducer: a backward under compiled autograd with DDP's C++ Reducer. torch refuses it in one line
+# from 2.8.0 (PR #152735), "Compiled autograd is not compatible with C++ DDP Reducer, please use
+# optimize_ddp="python_reducer"" (the cell is then unsupported; the form python_reducer is that advice
+# taken). Before, the refusal was a TORCH_INTERNAL_ASSERT of a string literal, which always passes, and
+# the Reducer's hook under compiled autograd issued no collective: each rank stepped its own gradient.
+FORMS = ("function", "ddp_optimizer", "python_reducer", "cpp_reducer")
+CPP_REDUCER_REFUSED = "not compatible with C++ DDP Reducer"
 # aot_eager runs the eager kernels, whose rounding the oracle's allowances are derived for. inductor
 # (on CPU it needs a C compiler, else its cells skip) fuses the kernels and orders their sums its own
 # way: its gradients differ from an eager replica's by 1 to 2 ulps at world size 1 already, where
@@ -93,15 +96,17 @@ def dynamo_setting(**settings):
 
 
 @contextlib.contextmanager
-def compiled_autograd(backend):
+def compiled_autograd(backend, form):
     """Every backward in the block traced by compiled autograd and compiled with ``backend``
-    (optimize_ddp="python_reducer" reduces in the backward compiled autograd traces)."""
-    enable = getattr(getattr(torch._dynamo, "compiled_autograd", None), "_enable", None)
-    if enable is None:  # torch lacks it (2.4), not accelerate: a skip, as FSDP2 on a torch without it
+    (optimize_ddp="python_reducer" reduces in the backward compiled autograd traces). Its entry point
+    is ``_enable`` from torch 2.6, ``enable`` before."""
+    module = getattr(torch._dynamo, "compiled_autograd", None)
+    enable = getattr(module, "_enable", None) or getattr(module, "enable", None)
+    if enable is None:  # torch lacks it, not accelerate: a skip, as FSDP2 on a torch without it
         from harness import SkipCell
 
-        raise SkipCell(f"torch {torch.__version__} has no torch._dynamo.compiled_autograd._enable "
-                       "(compiled autograd): form=python_reducer cannot run here")
+        raise SkipCell(f"torch {torch.__version__} has no torch._dynamo.compiled_autograd._enable or enable "
+                       f"(compiled autograd): form={form} cannot run here")
     with enable(torch.compile(backend=backend)):
         yield
 
@@ -113,18 +118,32 @@ def compiled_autograd(backend):
 # error above; PR #160745 (2.9.0): DDPOptimizer's split graphs' backwards reused the last graph's donated
 # buffers (inductor could write into the wrong ones). Every form runs accumulate's idiomatic loop, the
 # oracle unchanged, and must have compiled what it claims (require_compiled).
-@case("compile_ddp", variants=compile_variants(), wrappers=["ddp"])
+# The C++ Reducer under compiled autograd before torch 2.8: no all-reduce, every rank's own gradient
+# (measured, world size 2: torch 2.4.1 and 2.5.1 with accelerate 1.10.1, 2.6.0 and 2.7.1 with 1.16.0).
+CPP_REDUCER_SILENT = Diagnosis("not_synced", model="model", when={"form": "cpp_reducer"}, fixed_in={"torch": "2.8"},
+                               upstream="pytorch/pytorch#152735")
+# optimize_ddp="python_reducer" before torch 2.7 (PR #147123): DDP took the Python reducer only where
+# its own forward was being compiled, and accelerate's dynamo_backend compiles around DDP, whose forward
+# dynamo does not trace: the C++ Reducer ran, under compiled autograd, and synced nothing as above
+# (measured: 2.4.1 to 2.6.0 not_synced, 2.7.1 pass).
+PYTHON_REDUCER_IGNORED = Diagnosis("not_synced", model="model", when={"form": "python_reducer"},
+                                   fixed_in={"torch": "2.7"}, upstream="pytorch/pytorch#147123")
+
+
+@case("compile_ddp", variants=compile_variants(), wrappers=["ddp"],
+      defects={"ddp": (CPP_REDUCER_SILENT, PYTHON_REDUCER_IGNORED)})
 def test_compile_ddp(ctx):
-    """The ``accumulate`` loop with the model compiled three ways: ``function``, the loss function
+    """The ``accumulate`` loop with the model compiled four ways: ``function``, the loss function
     compiled by the case around the prepared DDP model (no ``dynamo_backend``); ``ddp_optimizer``,
     accelerate's ``dynamo_backend`` with DDPOptimizer splitting the graph of a model of two buckets;
     ``python_reducer``, accelerate's ``dynamo_backend`` with ``optimize_ddp="python_reducer"`` and
-    every backward under compiled autograd (DDP's Python reducer)."""
+    every backward under compiled autograd (DDP's Python reducer); ``cpp_reducer``, the eager DDP
+    model's backward under compiled autograd (DDP's C++ Reducer)."""
     require_backend(ctx)
     form, backend = ctx.variant["form"], ctx.compile
     options = {}
     settings = {}
-    if form == "function":
+    if form in ("function", "cpp_reducer"):
         options["dynamo_backend"] = "no"
     elif form == "ddp_optimizer":
         options.update(ctx.ddp_options(bucket_cap_mb=SPLIT_BUCKET_MB))
@@ -146,11 +165,11 @@ def test_compile_ddp(ctx):
             replica_loss = torch.compile(regression_loss, backend=backend)
         elif backend == "inductor":  # the replica's model compiled whole, once (its kernels: above)
             replica_loss = compiled_replica_loss(backend)
-        around = (lambda: compiled_autograd(backend)) if form == "python_reducer" else contextlib.nullcontext
+        around = (lambda: compiled_autograd(backend, form)) if form.endswith("_reducer") else contextlib.nullcontext
         compiled = compile_counts()
         for point, batch in ctx.epochs(loader, ctx.schedule(per_rank, epochs=EPOCHS)):
             with accelerator.accumulate(model):
-                with around():
+                with around(), refused_as_unsupported(form):
                     accelerator.backward(loss_of(model, batch))
                 oracle.check_sync_flag(point, accelerator.sync_gradients)
                 oracle.backward(lambda m: replica_loss(m["model"], batch), sync=point.sync)
@@ -160,6 +179,19 @@ def test_compile_ddp(ctx):
             oracle.step(point)
             oracle.check_params(point, models, {"model": optimizer})
         require_compiled(ctx, form, compiled)
+
+
+@contextlib.contextmanager
+def refused_as_unsupported(form):
+    """torch's refusal of compiled autograd with DDP's C++ Reducer (2.8.0 on) as ``unsupported``,
+    naming it: the release lacks the support, and says so."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if form != "cpp_reducer" or CPP_REDUCER_REFUSED not in str(exc):
+            raise
+        raise Unsupported(f"compiled autograd with DDP's C++ Reducer ({torch.__version__})",
+                          f"refused since PR #152735: {str(exc).splitlines()[0]}", library="torch") from exc
 
 
 def compiled_replica_loss(backend):
@@ -192,5 +224,5 @@ def require_compiled(ctx, form, before):
     if graphs < needed:
         raise AssertionError(f"torch.compile made {graphs} AOT graph(s) where form={form} makes at least {needed}: "
                              "the model ran eagerly, and the cell checked nothing compiled")
-    if form == "python_reducer" and captures < 1:
-        raise AssertionError("compiled autograd captured no backward: the Python reducer never ran")
+    if form.endswith("_reducer") and captures < 1:
+        raise AssertionError(f"compiled autograd captured no backward: form={form} never ran under it")

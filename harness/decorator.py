@@ -14,12 +14,13 @@ from harness.records import SYNC_KINDS
 
 
 class Unsupported(Exception):
-    """Raised on a rank when the installed accelerate lacks an API the case needs."""
+    """Raised on a rank when the installed accelerate (or ``library``: the installed torch, say) lacks
+    an API or a support the case needs."""
 
-    def __init__(self, api: str, detail: str = "") -> None:
+    def __init__(self, api: str, detail: str = "", *, library: str = "accelerate") -> None:
         self.api = api
         self.detail = detail
-        super().__init__(f"installed accelerate lacks {api}" + (f" ({detail})" if detail else ""))
+        super().__init__(f"installed {library} lacks {api}" + (f" ({detail})" if detail else ""))
 
 
 class SkipCell(Exception):
