@@ -265,7 +265,7 @@ def checked_trainer(ctx: Any, model: nn.Module, *, train_dataset: Any, data_coll
     the rank's GPU, the cell's precision and wrapper, the seed) and ``FIXED_ARGUMENTS``.
     ``loss``: ``"tokens"`` for a causal LM (labels aligned with the inputs, -100 where ignored),
     ``"samples"`` for a classifier. ``trainer_class``: your own ``Trainer`` subclass (under
-DeepSpeed the Trainer made is of a subclass of it, ``_on_this_host``).
+    DeepSpeed the Trainer made is of a subclass of it, ``_on_this_host``).
 
     The cell is ``skip`` where transformers is not installed or cannot run with this torch, and where
     Trainer cannot run the cell's wrapper or precision on this device (saying why)."""

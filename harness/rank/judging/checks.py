@@ -32,7 +32,6 @@ from harness.rank.numerics.closeness import (
     all_close_updates,
     any_distinguishable,
     difference,
-    norm_rounding,
     rounding_allowance,
 )
 from harness.rank.oracle.replica import AUTOCAST_DTYPES, as_optimizers
@@ -208,7 +207,7 @@ class Checks:
         index, at = where(step)
         self.recorder.checks += 1
         self.recorder.timeline.mark(index, "grad_norm")
-        allowed = norm.carried + norm.value * norm_rounding(norm.numel, norm.dtype)
+        allowed = norm.allowed
         if math.isfinite(reported) and abs(reported - norm.value) <= allowed:
             return
         factor = reported / norm.value if norm.value > 0 and math.isfinite(reported) else None

@@ -312,7 +312,8 @@ class Oracle(CheckCalls):
             if reciprocal:
                 total = torch.nn.utils.clip_grad_norm_(replica.parameters(), float("inf"), norm_type=norm_type)
                 norm = float(total)
-                if measured is not None and abs(float(measured) - norm) <= carried + norm * norm_rounding(numel, dtype):
+                clip = ClipNorm(norm, carried, numel, dtype)
+                if measured is not None and abs(float(measured) - norm) <= clip.allowed:
                     total = (measured.detach().clone() if isinstance(measured, torch.Tensor)
                              else torch.tensor(measured, dtype=torch.float64))
                 scale = 1.0 / torch.clamp((total + 1e-6) / max_norm, min=1.0)
@@ -321,9 +322,10 @@ class Oracle(CheckCalls):
                         p.grad.mul_(scale.to(p.grad.dtype))
             else:
                 norm = float(torch.nn.utils.clip_grad_norm_(replica.parameters(), max_norm, norm_type=norm_type))
+                clip = ClipNorm(norm, carried, numel, dtype)
             norms[name] = norm
             coefficient = min(1.0, max_norm / (norm + 1e-6))
-            self.norms[name] = ClipNorm(norm, carried, numel, dtype)
+            self.norms[name] = clip
             relative = carried / norm if norm > 0 else 0.0
             if coefficient < 1.0:
                 relative += norm_rounding(numel, dtype)

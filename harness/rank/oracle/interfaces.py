@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from harness.decorator import ALL_PRECISIONS
+from harness.rank.numerics.closeness import norm_rounding
 from harness.rank.numerics.collectives import Collectives
 from harness.rank.oracle.replica import as_optimizers
 from harness.rank.oracle.schedule import CONTRACTS, MicroStep
@@ -83,6 +84,13 @@ class ClipNorm:
     carried: float
     numel: int
     dtype: torch.dtype
+
+    @property
+    def allowed(self) -> float:
+        """How far another computation of the same norm may be from ``value``: by the norm of the
+        gradients' allowances (|‖a‖ - ‖b‖| <= ‖a - b‖) and by the rounding of a sum of the same squares
+        in another order (closeness.norm_rounding)."""
+        return self.carried + self.value * norm_rounding(self.numel, self.dtype)
 
 
 def refuse_options(models: Mapping[str, nn.Module], *, precision: str, both_optimizers: bool, num_steps: int,

@@ -166,7 +166,9 @@ class _Boundary(torch.autograd.Function):
 
 
 def _bounded(value: Any) -> Any:
-    """Every tensor in ``value`` (tuples, lists and dicts, a dict in place) through a ``_Boundary``."""
+    """Every tensor in ``value`` (tuples, lists and dicts, a dict in place) through a ``_Boundary``, as
+    DeepSpeed's ``apply_to_tensors_only`` walks a module's inputs and outputs (any dict subclass, a
+    model output say, in place; where a pytree ``tree_map`` would pass over an unregistered one)."""
     if isinstance(value, torch.Tensor):
         return _Boundary.apply(value)
     if isinstance(value, (tuple, list)):
