@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from harness.catalogue import load_case_file  # noqa: E402
-from harness.controller import pool  # noqa: E402
+from harness.controller import pool, rank_server  # noqa: E402
 from harness.controller.cells import run_cell  # noqa: E402
 from harness.controller.options import resolve  # noqa: E402
 from harness.records import Status  # noqa: E402
@@ -37,7 +37,7 @@ def main() -> int:
                         "there is no fork server")
     args = parser.parse_args()
     if args.spawn:
-        pool._rank_server["failed"] = "--spawn"
+        rank_server._rank_server["failed"] = "--spawn"
     rows = []
     cells = []
     for path, variant_name in CELLS:
@@ -77,7 +77,7 @@ def main() -> int:
                 print(f"  measured {case.name}[{variant.name}] at world size {world_size}", file=sys.stderr)
         finally:
             pools.close()
-    how = "forked from the fork server" if pool.rank_context().get_start_method() == "forkserver" else "spawned"
+    how = "forked from the fork server" if rank_server.rank_context().get_start_method() == "forkserver" else "spawned"
     print(f"ranks {how}; the first pool (world size 1), with the server's start: {server_s:.2f} s")
     header = ("world size", "pool start s", "restart s", "cell", "checks", "warm cell ms (median)", "min ms")
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]

@@ -38,16 +38,22 @@ class Session:
 
 
 def processes_with(token: str) -> list[int]:
-    """PIDs of live processes whose environment carries ``token`` (a session and all it started)."""
+    """PIDs of live processes that a session started: those whose environment carries ``token``
+    (the session and all it started), and the ranks forked from this process's shared fork server
+    (their environment is the server's). This process runs one test at a time and its own pools'
+    ranks come from another server, so a rank of the shared server still there after a test's
+    sessions ended is one of theirs that outlived its session."""
     found = []
+    server = SHARED_RANK_SERVER["pid"]
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            if token.encode() in (entry / "environ").read_bytes():
-                status = (entry / "status").read_text()
-                if "\nState:\tZ" not in status:
-                    found.append(int(entry.name))
+            status = (entry / "status").read_text()
+            if "\nState:\tZ" in status:
+                continue
+            if token.encode() in (entry / "environ").read_bytes() or f"\nPPid:\t{server}\n" in status:
+                found.append(int(entry.name))
         except OSError:
             continue
     return found
@@ -118,6 +124,39 @@ def _why_it_hangs(process: subprocess.Popen) -> str:
 # (PYTHONDONTWRITEBYTECODE, set on some machines, CI's among them). The processes the tests start
 # write it, into the checkout's __pycache__ folders (which git ignores), and read it from then on.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+
+# One fork server for the ranks of every pytest session this process starts (SHARED_SERVER_VARIABLE,
+# harness/controller/rank_server.py): each session would otherwise import torch and accelerate into a
+# server of its own, about 2.6 s of CPU, and the tests start about a hundred. Started once the tests
+# to run are known, where one of them is not quick. A test of what a session's own server does (its
+# start as the case files are collected; the end of the run's ranks when the run is interrupted)
+# passes the variable empty: that session starts its own.
+SHARED_RANK_SERVER: dict = {"server": None, "pid": None}
+
+
+def pytest_collection_finish(session):
+    from harness.controller import rank_server
+
+    if SHARED_RANK_SERVER["server"] is not None or all(is_quick(item) for item in session.items):
+        return
+    if rank_server.rank_context().get_start_method() != "forkserver":
+        return
+    try:
+        server, value = rank_server.start_shared_server()
+    except OSError:  # no fork server here (the sessions start their own, and fail as they would)
+        return
+    SHARED_RANK_SERVER.update(server=server, pid=json.loads(value)["pid"])
+    os.environ[rank_server.SHARED_SERVER_VARIABLE] = value
+
+
+def pytest_unconfigure(config):
+    if SHARED_RANK_SERVER["server"] is not None:
+        from harness.controller import rank_server
+
+        rank_server.end_shared_server(SHARED_RANK_SERVER["server"])
+        SHARED_RANK_SERVER.update(server=None, pid=None)
+        os.environ.pop(rank_server.SHARED_SERVER_VARIABLE, None)
 
 
 def session_env(token: str, **extra: str) -> dict[str, str]:

@@ -1,7 +1,7 @@
 """Run a function on N real ranks (processes in one gloo group) and collect what each returns: for unit
 tests of rank-side code that needs real collectives.
 
-The ranks are started as the harness's pools start theirs (``harness.controller.pool.rank_context``):
+The ranks are started as the harness's pools start theirs (``harness.controller.rank_server.rank_context``):
 forked from the fork server that has imported torch, accelerate and the rank side, where the platform
 has one, else spawned. Spawned, each rank imported torch anew: about 2 s of CPU a rank, most of what
 a test of a few collectives costs. A forked rank takes this process's environment as it is when the
@@ -40,7 +40,7 @@ def _entry(rank: int, world_size: int, store_path: str, function: Callable[..., 
 def run_on_ranks(function: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
     """``function(rank, world_size, *args)`` on every rank; its return values, by rank. A rank that
     raises fails the caller with that rank's traceback. ``function`` must be importable (module level)."""
-    from harness.controller.pool import rank_context, start_rank_server
+    from harness.controller.rank_server import rank_context, start_rank_server
 
     start_rank_server()
     ctx = rank_context()

@@ -22,6 +22,8 @@ from conftest import (
     wait_until,
 )
 
+from harness.controller.rank_server import SHARED_SERVER_VARIABLE
+
 
 @pytest.fixture(scope="module")
 def perturbed_run(tmp_path_factory):
@@ -227,7 +229,8 @@ def interrupt_half_way(tmp_path, how, extra, ctrl_c="handled"):
     # a case timeout longer than any wait here: the blocked cell ends by the signal, never by its timeout
     process, token = start_pytest([*extra, PLANTED, "-k", "planted_blocks_half_way", "--world-sizes", "2",
                                    "--case-timeout", "3600"], report_dir, ctrl_c=ctrl_c,
-                                  PLANTED_PROGRESS_DIR=str(progress), TMPDIR=str(temp))
+                                  PLANTED_PROGRESS_DIR=str(progress), TMPDIR=str(temp),
+                                  **{SHARED_SERVER_VARIABLE: ""})  # the run's own fork server, as a user's
     with killed_if_failing(process):
         # rank 0 has started the blocking cell, so the two before it have finished (under xdist their
         # reports may still be on their way from the worker to the controller, so wait until the

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from harness.controller.pool import PoolSet, PoolStartError, start_rank_server
+from harness.controller.pool import PoolSet, PoolStartError
+from harness.controller.rank_server import SHARED_SERVER_VARIABLE, start_rank_server
 from harness.messages import CellSpec, ProtocolError, RankResult, Ready, RunCell, expect
 
 
@@ -86,16 +87,16 @@ def test_where_the_fork_server_cannot_start_the_ranks_are_spawned(tmp_path):
     deep = tmp_path / ("d" * 100)
     deep.mkdir()
     script = (
-        "from harness.controller import pool\n"
+        "from harness.controller import rank_server\n"
         "from harness.controller.pool import PoolSet\n"
         "pools = PoolSet(backend='gloo')\n"
         "try:\n"
         "    assert pools.get(2).alive\n"
         "finally:\n"
         "    pools.close()\n"
-        "print(pool._rank_server['failed'], '|', pool.rank_context().get_start_method())\n"
+        "print(rank_server._rank_server['failed'], '|', rank_server.rank_context().get_start_method())\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "TMPDIR": str(deep)})
+                          env={**os.environ, "TMPDIR": str(deep), SHARED_SERVER_VARIABLE: ""})
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "AF_UNIX path too long | spawn"

@@ -15,6 +15,7 @@ import pytest
 from conftest import ROOT, session_env, start_pytest
 
 from harness import versions
+from harness.controller.rank_server import SHARED_SERVER_VARIABLE
 
 RAISED = "import sys, pytest, harness.versions as v; v.MINIMUM['torch'] = '99.1'; sys.exit(pytest.main(sys.argv[1:]))"
 
@@ -88,7 +89,8 @@ def test_a_file_that_imports_the_harness_has_the_fork_server_started_as_it_is_co
                                                                  started=True))
     process = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--report-dir",
                               str(tmp_path / "reports"), str(tmp_path / "test_mine.py")], cwd=ROOT,
-                             env=session_env("versions"), capture_output=True, text=True, timeout=600)
+                             env=session_env("versions", **{SHARED_SERVER_VARIABLE: ""}),  # its own, as a user's
+                             capture_output=True, text=True, timeout=600)
     assert process.returncode == 0, (process.stdout + process.stderr)[-2000:]
 
 

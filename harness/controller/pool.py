@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import multiprocessing
 import os
 import shutil
 import signal
@@ -16,6 +15,7 @@ from multiprocessing.connection import wait as _wait_for
 from typing import Any, Callable
 
 from harness.controller.blame import mark_victims, protocol_fault, stuck_kinds
+from harness.controller.rank_server import rank_context, start_rank_server
 from harness.messages import (
     CellSpec,
     RankResult,
@@ -37,61 +37,6 @@ PROGRESS_ANSWER_S = 1.0
 # while a cell runs, how often the controller looks up from waiting for its ranks (``while_waiting``)
 WAIT_SLICE_S = 1.0
 _TAIL_CHARS = 4000
-
-
-# The module the ranks' fork server imports before it forks any rank.
-RANK_PRELOAD = "harness.rank.preload"
-
-
-def rank_context() -> Any:
-    """How ranks are started: forked from a server that has imported what every rank needs
-    (harness/rank/preload.py), where the platform has one and it could start; else spawned, each
-    rank importing it anew (the same ranks, seconds slower)."""
-    if "forkserver" not in multiprocessing.get_all_start_methods() or _rank_server["failed"]:
-        return multiprocessing.get_context("spawn")
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload([RANK_PRELOAD])  # a name: the controller must not import it
-    return ctx
-
-
-# Whether the fork server could not start (why, then), and whether it is ended at exit.
-_rank_server: dict[str, Any] = {"failed": "", "ends_at_exit": False}
-
-
-def start_rank_server() -> None:
-    """Start the ranks' fork server now, so that it imports torch while the controller does other
-    work (importing the case files), not when the first pool starts. Where there is none, or it
-    cannot start, ranks are spawned instead."""
-    ctx = rank_context()
-    if ctx.get_start_method() != "forkserver":
-        return
-    from multiprocessing import forkserver
-
-    try:
-        forkserver.ensure_running()
-    except OSError as exc:
-        # its socket is a file in the temporary folder: under a deep TMPDIR the path can be longer
-        # than a Unix socket's address may be ("AF_UNIX path too long")
-        _rank_server["failed"] = str(exc) or type(exc).__name__
-        return
-    if not _rank_server["ends_at_exit"]:
-        atexit.register(_end_rank_server)
-        _rank_server["ends_at_exit"] = True
-
-
-def _end_rank_server() -> None:
-    """At exit, end the fork server at once. It would go by itself once it saw this process gone,
-    but only after its imports: a run that started it and then had no cell to run (every case
-    deselected, say) would leave it importing torch, and holding the run's output open, for seconds
-    after the run ended. Its ranks go with it (their parent-death signal)."""
-    from multiprocessing import forkserver
-
-    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
-    if pid is not None:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
 
 
 def wait(handles: list[Any], timeout: float) -> list[Any]:

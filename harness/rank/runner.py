@@ -75,13 +75,20 @@ def _release_fork_server() -> None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether the process is there and not a zombie. A controller killed outright stays a zombie
+    until whoever started it reaps it, who may first wait for the end of the run's output, which
+    the run's resource tracker holds for as long as a rank holds the tracker's pipe."""
     try:
         os.kill(pid, 0)  # PermissionError: it is there, as another user's
     except ProcessLookupError:
         return False
     except PermissionError:
         pass
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rpartition(b")")[2].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
 
 
 # accelerate reads its launcher's settings from ACCELERATE_* variables (`accelerate launch` sets

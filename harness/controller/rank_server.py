@@ -1,0 +1,180 @@
+"""What a local pool's ranks are forked from: a fork server that has imported what every rank needs
+(harness/rank/preload.py), started by this process, or one another process started and shares.
+
+A session starts its own server as it collects its first case file and kills it when it exits (its
+ranks go with it). A process that starts many sessions one after another (the harness's own test
+suite) can start one server for all of them and name it to them in GRADSYNC_HARNESS_RANK_SERVER
+(``start_shared_server``): each then forks its ranks from that one instead of importing torch and
+accelerate into a server of its own, seconds of CPU a session. A session adopts a shared server only
+where its own would be the same: the same interpreter, the same start-up code (``sitecustomize``,
+``usercustomize``) and the same torch, accelerate and harness found where the server found them, a
+Python whose fork server takes a client without a key (3.14 adds one), and the server still there;
+else it starts its own, as without the variable. It never ends a server it did not start. A rank
+forked from a shared server is not its controller's child: it leaves when its controller is gone
+(``runner._die_with_parent`` polls for it).
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import json
+import multiprocessing
+import os
+import signal
+import sys
+from typing import Any
+
+# The module the ranks' fork server imports before it forks any rank.
+RANK_PRELOAD = "harness.rank.preload"
+# A fork server another process started, for this one's ranks (``start_shared_server``'s value);
+# empty or unset: this process starts its own.
+SHARED_SERVER_VARIABLE = "GRADSYNC_HARNESS_RANK_SERVER"
+# What makes a fresh interpreter's imports what they are: where each of these is found (None: not
+# found). A rank is a fork of its server, with the server's modules, not the session's.
+_FOUND = ("sitecustomize", "usercustomize", "torch", "accelerate", "harness")
+
+# Whether the fork server could not start (why, then), whether it is ended at exit, the pid of a
+# shared server this process forks from (never ended here), and that of one it started for others.
+_rank_server: dict[str, Any] = {"failed": "", "ends_at_exit": False, "shared": None, "for_others": set()}
+
+
+def rank_context() -> Any:
+    """How ranks are started: forked from a server that has imported what every rank needs, where
+    the platform has one and it could start; else spawned, each rank importing it anew (the same
+    ranks, seconds slower)."""
+    if "forkserver" not in multiprocessing.get_all_start_methods() or _rank_server["failed"]:
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([RANK_PRELOAD])  # a name: the controller must not import it
+    return ctx
+
+
+def start_rank_server() -> None:
+    """Have the ranks' fork server running now, so that it imports torch while the controller does
+    other work (importing the case files), not when the first pool starts: the shared one named in
+    SHARED_SERVER_VARIABLE where it can be adopted, else one of this process's own. Where there is
+    none, or it cannot start, ranks are spawned instead."""
+    ctx = rank_context()
+    if ctx.get_start_method() != "forkserver" or _rank_server["shared"] is not None:
+        return
+    from multiprocessing import forkserver
+
+    if _adopt_shared_server(forkserver._forkserver):
+        return
+    try:
+        forkserver.ensure_running()
+    except OSError as exc:
+        # its socket is a file in the temporary folder: under a deep TMPDIR the path can be longer
+        # than a Unix socket's address may be ("AF_UNIX path too long")
+        _rank_server["failed"] = str(exc) or type(exc).__name__
+        return
+    if not _rank_server["ends_at_exit"]:
+        atexit.register(_end_rank_server)
+        _rank_server["ends_at_exit"] = True
+
+
+def _end_rank_server() -> None:
+    """At exit, end this process's own fork server at once. It would go by itself once it saw this
+    process gone, but only after its imports: a run that started it and then had no cell to run
+    (every case deselected, say) would leave it importing torch, and holding the run's output open,
+    for seconds after the run ended. Its ranks go with it (their parent-death signal)."""
+    from multiprocessing import forkserver
+
+    if _rank_server["shared"] is not None:
+        return
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    if pid is not None:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def start_shared_server() -> tuple[Any, str]:
+    """Start a fork server of this process's (apart from the one its own pools use) for the sessions
+    it will start, and return it with the value of SHARED_SERVER_VARIABLE that names it to them. It
+    ends when this process does, or at ``end_shared_server``."""
+    from multiprocessing import forkserver
+
+    server = forkserver.ForkServer()
+    server.set_forkserver_preload([RANK_PRELOAD])
+    server.ensure_running()
+    value = json.dumps({"pid": server._forkserver_pid, "address": server._forkserver_address,
+                        "python": sys.prefix, "found": _found(), "preload": RANK_PRELOAD})
+    _rank_server["for_others"].add(server._forkserver_pid)  # this process's own pools keep their own server
+    return server, value
+
+
+def end_shared_server(server: Any) -> None:
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is not None:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except OSError:
+            pass
+        server._forkserver_pid = None
+
+
+def shared_server_pid() -> int | None:
+    """The pid of the shared server this process forks its ranks from, if it adopted one."""
+    return _rank_server["shared"]
+
+
+def _adopt_shared_server(server: Any) -> bool:
+    """Make multiprocessing's fork server of this process the shared one named in the environment,
+    where it is one this process's own would equal and this Python's fork server can be pointed at
+    it: its address, its pid, and an end of a pipe of this process's own to hand each rank where
+    the server's starter hands the end the server watches. multiprocessing checks that a server it
+    started is still its child before each fork (``ensure_running``); this one is not, so that check
+    is replaced, for this server object alone, by the resource tracker's start it also makes."""
+    value = os.environ.get(SHARED_SERVER_VARIABLE, "")
+    try:
+        named = json.loads(value) if value else None
+    except ValueError:
+        named = None
+    if not isinstance(named, dict) or named.get("python") != sys.prefix or named.get("preload") != RANK_PRELOAD \
+            or named.get("found") != _found():
+        return False
+    attributes = ("_lock", "_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid")
+    if not all(hasattr(server, a) for a in attributes) or hasattr(server, "_forkserver_authkey"):
+        return False
+    pid, address = named.get("pid"), named.get("address")
+    if not isinstance(pid, int) or not isinstance(address, str) or not os.path.exists(address) or not _alive(pid) \
+            or pid in _rank_server["for_others"]:
+        return False
+    from multiprocessing import resource_tracker
+
+    with server._lock:
+        if server._forkserver_pid is not None:
+            return False
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        server._forkserver_address = address
+        server._forkserver_alive_fd = write_end
+        server._forkserver_pid = pid
+        server.ensure_running = resource_tracker.ensure_running
+    _rank_server["shared"] = pid
+    return True
+
+
+def _found() -> dict[str, str | None]:
+    found = {}
+    for name in _FOUND:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        found[name] = None if spec is None else spec.origin
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True

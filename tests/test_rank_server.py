@@ -1,0 +1,135 @@
+"""A fork server shared by the sessions a process starts (harness/controller/rank_server.py): a
+session whose own server would be the same forks its ranks from the shared one and never ends it; a
+session whose start-up differs (a sitecustomize of its own, another interpreter) or that is told
+nothing starts its own; a rank of the shared server goes when its controller is killed outright."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, wait_until
+
+from harness.controller import rank_server
+
+# which server a session took, and with an argument "ranks" its pool of two and the parent of each rank
+POOL = """
+import os, sys
+from harness.controller import rank_server
+from harness.controller.pool import PoolSet
+pools = PoolSet(backend="gloo")
+pools.prepare()
+if sys.argv[1:] == ["which"]:
+    print(rank_server.shared_server_pid(), rank_server._rank_server["ends_at_exit"])
+    raise SystemExit(0)
+try:
+    parents = [int(open(f"/proc/{p.pid}/status").read().split("PPid:")[1].split()[0])
+               for p in pools.get(2).processes]
+    print(parents, rank_server.shared_server_pid())
+    sys.stdout.flush()
+    if sys.argv[1:]:
+        open(sys.argv[1], "w").write(" ".join(str(p.pid) for p in pools.get(2).processes))
+        signal = __import__("signal")
+        signal.pause()
+finally:
+    pools.close()
+"""
+
+
+@pytest.fixture(scope="module")
+def shared():
+    server, value = rank_server.start_shared_server()
+    try:
+        yield json.loads(value)["pid"], value
+    finally:
+        rank_server.end_shared_server(server)
+
+
+def _session(value: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    environ = {**os.environ, "PYTHONPATH": str(ROOT), rank_server.SHARED_SERVER_VARIABLE: value, **env}
+    return subprocess.run([sys.executable, "-c", POOL, *args], capture_output=True, text=True, timeout=300,
+                          env=environ, cwd=ROOT, check=False)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_a_session_forks_its_ranks_from_the_shared_server_and_leaves_it_running(shared):
+    pid, value = shared
+    done = _session(value)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == [f"[{pid},", f"{pid}]", str(pid)]
+    assert _alive(pid)  # the session's exit ended its pools, not the server it shared
+    again = _session(value)
+    assert again.returncode == 0 and again.stdout.split()[-1] == str(pid), again.stderr[-3000:]
+
+
+@pytest.mark.parametrize("how", ["empty", "another sitecustomize", "another interpreter", "server gone", "garbled"])
+def test_a_session_whose_own_server_would_differ_starts_its_own(shared, tmp_path, how):
+    _, value = shared
+    env = {}
+    if how == "empty":
+        value = ""
+    elif how == "another sitecustomize":  # as tests/planted/gloo_avg_sums plants a defect in every process
+        (tmp_path / "sitecustomize.py").write_text("")
+        env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{ROOT}"
+    elif how == "another interpreter":
+        value = json.dumps({**json.loads(value), "python": "/elsewhere"})
+    elif how == "server gone":
+        value = json.dumps({**json.loads(value), "pid": 2**22 + 1})
+    else:
+        value = value[:-3]
+    done = _session(value, "which", **env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["None", "True"]  # a server of its own, ended at its exit
+
+
+def test_the_process_that_started_it_keeps_its_own_pools_on_a_server_of_its_own(shared):
+    pid, value = shared
+    os.environ[rank_server.SHARED_SERVER_VARIABLE] = value
+    try:
+        from distributed import run_on_ranks
+
+        parents = run_on_ranks(_parent, 2)
+        assert len(set(parents)) == 1 and pid not in parents
+    finally:
+        os.environ.pop(rank_server.SHARED_SERVER_VARIABLE)
+
+
+def _parent(rank: int, world_size: int) -> int:
+    return os.getppid()
+
+
+def test_a_rank_of_the_shared_server_goes_when_its_session_is_killed_outright(shared, tmp_path):
+    """Its parent is the shared server, which stays: the rank sees its controller gone, a zombie
+    until this test reaps it, and leaves."""
+    pid, value = shared
+    ranks_file = tmp_path / "ranks"
+    environ = {**os.environ, "PYTHONPATH": str(ROOT), rank_server.SHARED_SERVER_VARIABLE: value}
+    session = subprocess.Popen([sys.executable, "-c", POOL, str(ranks_file)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=environ, cwd=ROOT)
+    try:
+        wait_until(lambda: ranks_file.exists() and ranks_file.read_text().strip(), session, "the pool started")
+        ranks = [int(p) for p in ranks_file.read_text().split()]
+        assert all(_alive(r) for r in ranks)
+        session.send_signal(signal.SIGKILL)
+        session.communicate(timeout=60)  # the run's output ends: no rank holds it open
+    finally:
+        if session.poll() is None:
+            session.kill()
+    assert session.returncode == -signal.SIGKILL
+    deadline = time.monotonic() + 30
+    while any(_alive(r) for r in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [r for r in ranks if _alive(r)] == [] and _alive(pid)
