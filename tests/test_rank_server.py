@@ -11,17 +11,18 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from conftest import ROOT, wait_until
 
 from harness.controller import rank_server
+from harness.rank.runner import process_alive
 
 # which server a session took, and with an argument "ranks" its pool of two and the parent of each rank
 POOL = """
 import os, sys
 from harness.controller import rank_server
+from harness.rank.runner import process_alive
 from harness.controller.pool import PoolSet
 pools = PoolSet(backend="gloo")
 pools.prepare()
@@ -57,20 +58,12 @@ def _session(value: str, *args: str, **env: str) -> subprocess.CompletedProcess:
                           env=environ, cwd=ROOT, check=False)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def test_a_session_forks_its_ranks_from_the_shared_server_and_leaves_it_running(shared):
     pid, value = shared
     done = _session(value)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == [f"[{pid},", f"{pid}]", str(pid)]
-    assert _alive(pid)  # the session's exit ended its pools, not the server it shared
+    assert process_alive(pid)  # the session's exit ended its pools, not the server it shared
     again = _session(value)
     assert again.returncode == 0 and again.stdout.split()[-1] == str(pid), again.stderr[-3000:]
 
@@ -122,7 +115,7 @@ def test_a_rank_of_the_shared_server_goes_when_its_session_is_killed_outright(sh
     try:
         wait_until(lambda: ranks_file.exists() and ranks_file.read_text().strip(), session, "the pool started")
         ranks = [int(p) for p in ranks_file.read_text().split()]
-        assert all(_alive(r) for r in ranks)
+        assert all(process_alive(r) for r in ranks)
         session.send_signal(signal.SIGKILL)
         session.communicate(timeout=60)  # the run's output ends: no rank holds it open
     finally:
@@ -130,6 +123,6 @@ def test_a_rank_of_the_shared_server_goes_when_its_session_is_killed_outright(sh
             session.kill()
     assert session.returncode == -signal.SIGKILL
     deadline = time.monotonic() + 30
-    while any(_alive(r) for r in ranks) and time.monotonic() < deadline:
+    while any(process_alive(r) for r in ranks) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert [r for r in ranks if _alive(r)] == [] and _alive(pid)
+    assert [r for r in ranks if process_alive(r)] == [] and process_alive(pid)

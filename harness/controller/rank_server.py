@@ -25,6 +25,8 @@ import signal
 import sys
 from typing import Any
 
+from harness.rank.runner import process_alive
+
 # The module the ranks' fork server imports before it forks any rank.
 RANK_PRELOAD = "harness.rank.preload"
 # A fork server another process started, for this one's ranks (``start_shared_server``'s value);
@@ -130,8 +132,10 @@ def _adopt_shared_server(server: Any) -> bool:
     started is still its child before each fork (``ensure_running``); this one is not, so that check
     is replaced, for this server object alone, by the resource tracker's start it also makes."""
     value = os.environ.get(SHARED_SERVER_VARIABLE, "")
+    if not value or getattr(server, "_forkserver_pid", None) is not None:  # unnamed, or a server of its own
+        return False
     try:
-        named = json.loads(value) if value else None
+        named = json.loads(value)
     except ValueError:
         named = None
     if not isinstance(named, dict) or named.get("python") != sys.prefix or named.get("preload") != RANK_PRELOAD \
@@ -141,8 +145,8 @@ def _adopt_shared_server(server: Any) -> bool:
     if not all(hasattr(server, a) for a in attributes) or hasattr(server, "_forkserver_authkey"):
         return False
     pid, address = named.get("pid"), named.get("address")
-    if not isinstance(pid, int) or not isinstance(address, str) or not os.path.exists(address) or not _alive(pid) \
-            or pid in _rank_server["for_others"]:
+    if not isinstance(pid, int) or not isinstance(address, str) or not os.path.exists(address) \
+            or not process_alive(pid) or pid in _rank_server["for_others"]:
         return False
     from multiprocessing import resource_tracker
 
@@ -168,13 +172,3 @@ def _found() -> dict[str, str | None]:
             spec = None
         found[name] = None if spec is None else spec.origin
     return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True

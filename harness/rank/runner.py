@@ -45,7 +45,7 @@ def _die_with_parent(controller_pid: int) -> None:
         armed = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) == 0
     except (OSError, AttributeError):
         armed = False
-    if os.getppid() != parent_pid or not _alive(controller_pid):
+    if os.getppid() != parent_pid or not process_alive(controller_pid):
         os._exit(70)  # the parent, or the controller, went before the signal was armed
     if parent_pid != controller_pid:
         _release_fork_server()
@@ -55,7 +55,7 @@ def _die_with_parent(controller_pid: int) -> None:
     def watch() -> None:
         while True:
             time.sleep(0.5)
-            if os.getppid() != parent_pid or not _alive(controller_pid):
+            if os.getppid() != parent_pid or not process_alive(controller_pid):
                 os._exit(70)
 
     threading.Thread(target=watch, name="harness-parent-watch", daemon=True).start()
@@ -74,7 +74,7 @@ def _release_fork_server() -> None:
         server._forkserver_alive_fd = None
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """Whether the process is there and not a zombie. A controller killed outright stays a zombie
     until whoever started it reaps it, who may first wait for the end of the run's output, which
     the run's resource tracker holds for as long as a rank holds the tracker's pipe."""
