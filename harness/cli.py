@@ -214,7 +214,7 @@ def _world_size(text: str) -> int:
 
 def run_selfcheck(args: argparse.Namespace) -> int:
     # the rank pool and fault injection: imported only for this command
-    from harness import catalogue
+    from harness import catalogue, heap
     from harness.render.selfcheck import fault_list, progress_line, render
     from harness.selfcheck import run as selfcheck
     from harness.selfcheck.faults import FAULTS
@@ -223,7 +223,8 @@ def run_selfcheck(args: argparse.Namespace) -> int:
         sys.stdout.write(fault_list(FAULTS.values()))
         return EXIT_OK
     try:
-        cases = catalogue.discover(args.cases_dir or catalogue.default_cases_dir())
+        with heap.imports_frozen():  # the case files import torch (harness/heap.py)
+            cases = catalogue.discover(args.cases_dir or catalogue.default_cases_dir())
         unknown = sorted(set(args.sensitivity_cases or ()) - {case.name for case in cases})
         if unknown:
             raise UsageError(f"--sensitivity-cases: unknown case {', '.join(map(repr, unknown))}")

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from harness import heap
 from harness.catalogue import CaseRef
 from harness.controller.cells import cell_id, run_cell
 from harness.controller.options import DEFAULT_CASE_TIMEOUT_S, DEFAULT_SEED, OptionError, Settings, resolve
@@ -88,7 +89,8 @@ class HarnessState:
         self.created = ""
         self.write_error = ""
         self.signals_installed = False
-        self.pools_prepared = False
+        self.case_file_seen = False
+        self.collector_paused = False
         self._environment: dict[str, Any] | None = None
         # a long cell's line: from a thread under xdist's controller (its workers run the cells); where
         # the cells run in this process, from the wait for their ranks, with pytest's capture lifted
@@ -142,19 +144,19 @@ class HarnessState:
         self.reports_written = [str(p) for p in write_reports(matrix, self.settings.report_dir, texts=self.cell_texts)]
         self.matrix = matrix
 
-    def prepare_pools(self, file_path: Path) -> None:
-        """When the first test module that names the harness is about to be imported, start what the
-        pools' ranks are forked from (harness/rank/preload.py): it imports torch on one core while
-        this process imports the case files (and torch) on the other, a second or two of every
-        run. The plugin is loaded in every pytest run where the harness is installed: a run with no
-        such file starts nothing; nor does one under a launcher, whose ranks are its own, or one
-        that only collects."""
-        if self.pools_prepared or self.launch is not None or self.config.option.collectonly:
+    def before_case_files(self, file_path: Path) -> None:
+        """When the first test module that names the harness is about to be imported, pause the
+        garbage collector until the collection ends (harness/heap.py), and start what the pools'
+        ranks are forked from (harness/rank/preload.py): it imports torch on one core while this
+        process imports the case files (and torch) on the other, a second or two of every run; not
+        under a launcher (whose ranks are its own) or in a run that only collects. The plugin is
+        loaded in every pytest run where the harness is installed: one with no such file is left as it is."""
+        if self.case_file_seen or file_path.suffix != ".py" or "harness" not in _source(file_path):
             return
-        if file_path.suffix != ".py" or "harness" not in _source(file_path):
-            return
-        self.pools_prepared = True
-        self.pools.prepare()
+        self.case_file_seen = True
+        self.collector_paused = heap.pause()
+        if self.launch is None and not self.config.option.collectonly:
+            self.pools.prepare()
 
     def pytest_keyboard_interrupt(self, excinfo: Any) -> None:
         self.interrupted = True
@@ -296,7 +298,7 @@ def pytest_collectstart(collector: pytest.Collector) -> None:
     # a test module about to be imported (not every file pytest passes on its way to the arguments)
     state = collector.config.stash.get(STATE, None)
     if state is not None and isinstance(collector, pytest.Module):
-        state.prepare_pools(collector.path)
+        state.before_case_files(collector.path)
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -322,6 +324,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 def pytest_collection_finish(session: pytest.Session) -> None:
     # After deselection (-k, -m): the cells this run is expected to finish.
     state = session.config.stash[STATE]
+    heap.resume(state.collector_paused)  # the collection is over, or failed
+    state.collector_paused = False
     state.expected_ids = {i.nodeid for i in session.items if _cell_world_size(i)}
     state.progress.expect(len(state.expected_ids))
 

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 import pytest
 
+from harness import heap
 from harness.controller.options import (
     DEFAULT_CASE_TIMEOUT_S,
     OptionError,
@@ -150,6 +151,7 @@ def main(argv: Sequence[str]) -> int:
         _say(info, str(exc))  # the same on every rank: said once
         return EXIT_USAGE
     launcher.export(info)
+    paused = heap.pause()  # until the rank has joined, torch and accelerate imported (harness/heap.py)
     from harness.rank import runner as rank_side
 
     dropped = rank_side.drop_launcher_settings()
@@ -175,6 +177,7 @@ def main(argv: Sequence[str]) -> int:
     except Exception as exc:
         _say(info, f"could not join the launch: {' '.join(str(exc).split())[:500]}", everyone=True)
         return EXIT_START
+    heap.resume(paused)
     if info.rank != 0:
         return follow(runtime, channel)
     from harness.launch.group import LaunchedGroup

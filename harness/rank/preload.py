@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 
+from harness import heap
+
 # The threads torch's OpenMP runtime starts with are read from the environment when it loads:
 # a rank computes on one thread (``runner.limit_threads``), and so does the server it is forked from.
 os.environ["OMP_NUM_THREADS"] = "1"
@@ -23,11 +25,14 @@ os.environ.setdefault("ACCELERATE_DISABLE_RICH", "1")
 # first tensor, which this server may make before it forks the ranks
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
-import torch  # noqa: E402
-import torch._dynamo  # noqa: E402,F401  (imported lazily by a rank's first optimizer: a second)
-import torch.distributed  # noqa: E402,F401
-from accelerate import Accelerator  # noqa: E402,F401
+# the collector paused while torch, accelerate and the rank side are imported, and what they leave
+# alive frozen out of its reach, in this server and so in every rank forked from it (harness/heap.py)
+with heap.imports_frozen():
+    import torch  # noqa: E402
+    import torch._dynamo  # noqa: E402,F401  (imported lazily by a rank's first optimizer: a second)
+    import torch.distributed  # noqa: E402,F401
+    from accelerate import Accelerator  # noqa: E402,F401
 
-from harness.rank import context, runner  # noqa: E402,F401
+    from harness.rank import context, runner  # noqa: E402,F401
 
-torch.set_num_threads(1)
+    torch.set_num_threads(1)

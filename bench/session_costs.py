@@ -1,0 +1,77 @@
+"""What a pytest session of the harness costs on this machine before its first cell: the CPU and wall
+time of a session that only collects one case file, and of a run of one cell, on a fork server of its
+own (as a user's run) and on one it adopts (as the harness's own tests' sessions do: docs/contributing.md).
+
+The CPU is the machine's busy time over the command (/proc/stat: every process the session starts,
+its fork server and ranks among them), so run it on an otherwise idle machine. Median of --repeats.
+
+Run: python bench/session_costs.py [--repeats 5]
+Prints a table; targets live here, not in timed tests (machines are shared and noisy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from harness.controller import rank_server  # noqa: E402
+
+PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+ONE_CELL = ["cases/test_fused_loss.py", "--world-sizes", "2", "-k", "fp32-ws2"]
+
+
+def busy_s() -> float:
+    """The machine's busy CPU time so far, in seconds (/proc/stat's first line)."""
+    with open("/proc/stat", encoding="ascii") as stat:
+        user, nice, system, _idle, _iowait, irq, softirq, *_ = map(int, stat.readline().split()[1:])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(command: list[str], env: dict[str, str], repeats: int) -> tuple[float, float]:
+    """The median busy CPU and wall seconds of ``command``, run from the checkout ``repeats`` times."""
+    cpu, wall = [], []
+    for _ in range(repeats):
+        busy, started = busy_s(), time.perf_counter()
+        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+        wall.append(time.perf_counter() - started)
+        cpu.append(busy_s() - busy)
+        if result.returncode not in (0, 5):
+            raise SystemExit(f"{' '.join(command)} exited {result.returncode}:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
+    return statistics.median(cpu), statistics.median(wall)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    own = {**os.environ, rank_server.SHARED_SERVER_VARIABLE: ""}
+    server, value = rank_server.start_shared_server()
+    shared = {**os.environ, rank_server.SHARED_SERVER_VARIABLE: value}
+    rows = [
+        ("python -c 'import torch' (for scale)", [sys.executable, "-c", "import torch"], own),
+        ("collect one case file", [*PYTEST, "--collect-only", "cases/test_fused_loss.py"], own),
+        ("one cell, its own fork server", [*PYTEST, *ONE_CELL], own),
+        ("one cell, an adopted fork server", [*PYTEST, *ONE_CELL], shared),
+    ]
+    try:
+        measured = [(name, *measure(command, env, args.repeats)) for name, command, env in rows]
+    finally:
+        rank_server.end_shared_server(server)
+    width = max(len(name) for name, *_ in measured)
+    print(f"{'session':<{width}}  CPU s  wall s")
+    print(f"{'-' * width}  -----  ------")
+    for name, cpu, wall in measured:
+        print(f"{name:<{width}}  {cpu:5.2f}  {wall:6.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
