@@ -129,16 +129,23 @@ os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 # One fork server for the ranks of every pytest session this process starts (SHARED_SERVER_VARIABLE,
 # harness/controller/rank_server.py): each session would otherwise import torch and accelerate into a
 # server of its own, about 2.6 s of CPU, and the tests start about a hundred. Started once the tests
-# to run are known, where one of them is not quick. A test of what a session's own server does (its
-# start as the case files are collected; the end of the run's ranks when the run is interrupted)
-# passes the variable empty: that session starts its own.
+# to run are known, where one of them is a test of the suite that is not quick (a session under test
+# loads this file too when it collects tests/planted/). A test of what a session's own server does
+# (its start as the case files are collected; the end of the run's ranks when the run is
+# interrupted) passes the variable empty: that session starts its own.
 SHARED_RANK_SERVER: dict = {"server": None, "pid": None}
+
+
+def _of_the_suite(item) -> bool:
+    """A test of the harness's own suite that is not quick: not a cell of a session under test, which
+    loads this file too when it collects a case file of tests/planted/."""
+    return Path(str(item.fspath)).parent == TESTS_DIR and not is_quick(item)
 
 
 def pytest_collection_finish(session):
     from harness.controller import rank_server
 
-    if SHARED_RANK_SERVER["server"] is not None or all(is_quick(item) for item in session.items):
+    if SHARED_RANK_SERVER["server"] is not None or not any(_of_the_suite(item) for item in session.items):
         return
     if rank_server.rank_context().get_start_method() != "forkserver":
         return

@@ -1,7 +1,9 @@
 """A fork server shared by the sessions a process starts (harness/controller/rank_server.py): a
 session whose own server would be the same forks its ranks from the shared one and never ends it; a
 session whose start-up differs (a sitecustomize of its own, another interpreter) or that is told
-nothing starts its own; a rank of the shared server goes when its controller is killed outright."""
+nothing starts its own; a rank of the shared server goes when its controller is killed outright; a
+session under test, which loads the suite's conftest.py as it collects tests/planted/, starts no
+shared server of its own."""
 
 from __future__ import annotations
 
@@ -126,3 +128,27 @@ def test_a_rank_of_the_shared_server_goes_when_its_session_is_killed_outright(sh
     while any(process_alive(r) for r in ranks) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert [r for r in ranks if process_alive(r)] == [] and process_alive(pid)
+
+
+# a plugin of the session under test: whether the suite's conftest.py, which that session loads too as
+# it collects tests/planted/, started a shared server of its own there (tryfirst: before it ends it)
+CONFTEST_PROBE = '''
+import json, os, sys
+import pytest
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_unconfigure(config):
+    conftest = sys.modules.get("conftest")
+    with open(os.environ["CONFTEST_PROBE"], "w", encoding="utf-8") as out:
+        json.dump({"loaded": conftest is not None,
+                   "server": None if conftest is None else conftest.SHARED_RANK_SERVER["pid"]}, out)
+'''
+
+
+def test_a_session_under_test_starts_no_shared_server_of_its_own(run_pytest, tmp_path):
+    (tmp_path / "conftest_probe.py").write_text(CONFTEST_PROBE, encoding="utf-8")
+    out = tmp_path / "probe.txt"
+    session = run_pytest("-p", "conftest_probe", "tests/planted/planted_cases.py", "-k", "left_out", "--world-sizes", "1",
+                         PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path}", CONFTEST_PROBE=str(out))
+    assert session.returncode == 0, session.stdout[-3000:] + session.stderr[-3000:]
+    assert json.loads(out.read_text(encoding="utf-8")) == {"loaded": True, "server": None}
