@@ -256,6 +256,9 @@ def pytest_cmdline_main(config):
         config.option.numprocesses = SUITE_WORKERS
     if config.option.dist == "no":
         config.option.dist = "loadfile"
+        # in the order of collection, LONGEST_FILES first (xdist's own order is by count of tests, most
+        # first: the files of many quick tests, then the long ones, the longest last of all)
+        config.option.loadscopereorder = False
 
 
 def pytest_configure(config):
@@ -277,7 +280,7 @@ QUICK_MODULES = {
     "test_faults", "test_fp16", "test_launch", "test_layout", "test_matrix_input", "test_matrix_page", "test_merge",
     "test_options", "test_oracle", "test_progress", "test_report", "test_schedule", "test_selfcheck", "test_sweep",
     "test_timeline", "test_tokens", "test_unchecked", "test_verdict", "test_versions", "test_workflow",
-    "test_wrappers", "test_mesh",
+    "test_wrappers", "test_mesh", "test_suite",
 }
 SLOW_FIXTURES = {"run_pytest", "left_out_run", "perturbed_run", "browser", "planted", "fault_cells", "token_cells", "agents_run", "pool_run",
                  "faults_run", "faults_session", "two_ranks", "runner", "installed", "mesh_cells", "terminal_layouts"}
@@ -318,11 +321,13 @@ def is_quick(item) -> bool:
             and not SLOW_FIXTURES & set(getattr(item, "fixturenames", ())))
 
 
-# The files that take longest (each half a minute to a minute and a quarter, from the durations CI
-# prints), run first: the xdist workers take files in collection order, and a long file taken last
-# would leave the other worker idle at the end.
-LONGEST_FILES = ("test_launch.py", "test_plugin.py", "test_selfcheck.py", "test_script.py", "test_script_wrappers.py", "test_example.py",
-                 "test_wrappers.py", "test_parallel.py", "test_mesh.py", "test_rank_faults.py", "test_matrix_input.py")
+# The files that take longest (from 20 s to a minute and a quarter each, in a serial run), longest
+# first: the xdist workers take files in collection order (``loadscopereorder`` off), and a long file
+# taken last would leave the other worker idle at the end.
+LONGEST_FILES = ("test_selfcheck.py", "test_launch.py", "test_plugin.py", "test_script.py", "test_fused_check.py",
+                 "test_script_wrappers.py", "test_progress.py", "test_wrappers.py", "test_watch.py", "test_trainer.py",
+                 "test_mesh.py", "test_example.py", "test_deepspeed.py", "test_sensitivity.py", "test_rank_faults.py",
+                 "test_matrix_input.py", "test_parallel.py")
 
 
 def pytest_collection_modifyitems(items):
