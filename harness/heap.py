@@ -3,9 +3,9 @@
 Importing torch and accelerate makes about 300,000 objects that live as long as the process. While
 they are being made, the collector walks all of them again at every full collection, and after it,
 at every full collection of the process's life. Paused while they are imported, and with what is
-alive then frozen out of its reach (``gc.freeze``), a session's controller takes about 1.1 s of
-CPU instead of 1.7, and a run of one cell on its own fork server 2.5 s instead of 3.9
-(bench/README.md, "The controller's imports"). Everything made later is collected as before.
+alive then frozen out of its reach (``gc.freeze``), a session of one cell takes about 1.2 s of CPU
+instead of 2.1 on an adopted fork server, and 2.6 s instead of 3.9 on its own (bench/README.md, "The
+controller's imports"). Everything made later is collected as before.
 
 Paused: by the plugin, from the first case file a session imports to the end of its collection
 (harness/plugin.py); by the fork server the pools' ranks are forked from, while it preloads
