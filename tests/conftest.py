@@ -139,7 +139,7 @@ SHARED_RANK_SERVER: dict = {"server": None, "pid": None}
 def _of_the_suite(item) -> bool:
     """A test of the harness's own suite that is not quick: not a cell of a session under test, which
     loads this file too when it collects a case file of tests/planted/."""
-    return Path(str(item.fspath)).parent == TESTS_DIR and not is_quick(item)
+    return item.path.parent == TESTS_DIR and not is_quick(item)
 
 
 def pytest_collection_finish(session):

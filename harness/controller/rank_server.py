@@ -83,14 +83,8 @@ def _end_rank_server() -> None:
     for seconds after the run ended. Its ranks go with it (their parent-death signal)."""
     from multiprocessing import forkserver
 
-    if _rank_server["shared"] is not None:
-        return
-    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
-    if pid is not None:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
+    if _rank_server["shared"] is None:
+        _kill(getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None))
 
 
 def start_shared_server() -> tuple[Any, str]:
@@ -109,14 +103,23 @@ def start_shared_server() -> tuple[Any, str]:
 
 
 def end_shared_server(server: Any) -> None:
-    pid = getattr(server, "_forkserver_pid", None)
-    if pid is not None:
-        try:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        except OSError:
-            pass
+    """End a server of ``start_shared_server``'s, its ranks with it, and reap it."""
+    if _kill(getattr(server, "_forkserver_pid", None), reap=True):
         server._forkserver_pid = None
+
+
+def _kill(pid: int | None, *, reap: bool = False) -> bool:
+    """SIGKILL a fork server of this process's (``pid``; None: there is none), and with ``reap`` wait
+    for it; whether there was one."""
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, signal.SIGKILL)
+        if reap:
+            os.waitpid(pid, 0)
+    except OSError:
+        pass
+    return True
 
 
 def shared_server_pid() -> int | None:
