@@ -267,6 +267,22 @@ def pytest_configure(config):
     # suite's time goes; --durations given on the command line wins
     if config.option.durations is None:
         config.option.durations = 15
+    # the suite's own pools (hundreds) fork from a server that has also imported what only some cells
+    # use (harness/rank/preload_all.py), as the sessions' shared one has
+    if _names_the_suite(config) and config.option.markexpr != "quick":
+        from harness.controller import rank_server
+
+        rank_server.preload_all()
+
+
+def _names_the_suite(config) -> bool:
+    """Whether the command names tests of the suite itself (tests/, or files in it), not only those of
+    tests/planted/ that a session under test collects (it loads this file too)."""
+    for arg in config.args:
+        path = (config.invocation_params.dir / arg.split("::")[0]).resolve()
+        if path == TESTS_DIR or path.parent == TESTS_DIR:
+            return True
+    return False
 
 
 # The quick subset, `pytest -m quick tests/` (under a minute; docs/contributing.md): the tests of the

@@ -70,3 +70,10 @@ def run_on_ranks(function: Callable[..., Any], world_size: int, *args: Any, time
                     process.kill()
                     process.join()
     return [got[r] for r in range(world_size)]
+
+
+def loaded(rank: int, world_size: int, names: tuple[str, ...]) -> list[str]:
+    """Which of the modules ``names`` a rank has loaded (for ``run_on_ranks``)."""
+    import sys
+
+    return [name for name in names if name in sys.modules]

@@ -41,7 +41,8 @@ SUBPACKAGES = ("rank", "wrappers", "controller", "launch", "matrix", "render", "
 RANK_LAYERS = ("rank.numerics", "wrappers", "rank.oracle", "rank.judging", "rank", "rank.process")
 LAYER_PACKAGES = ("numerics", "oracle", "judging")  # harness/rank/<layer>/
 # Directly in harness/rank/, the rank's process: what a pool's or a launcher's rank runs per cell.
-RANK_PROCESS = {"harness.rank.runner", "harness.rank.preload", "harness.rank.raises", "harness.rank.script_cells"}
+RANK_PROCESS = {"harness.rank.runner", "harness.rank.preload", "harness.rank.preload_all", "harness.rank.raises",
+                "harness.rank.script_cells"}
 # The planted faults run inside the ranks (the self-check's ``run`` is the controller's).
 FAULT_MODULES = {"harness.selfcheck.planted", "harness.selfcheck.faults", "harness.selfcheck.faults_deepspeed",
                  "harness.selfcheck.faults_fsdp", "harness.selfcheck.faults_tokens",

@@ -3,10 +3,12 @@ session whose own server would be the same forks its ranks from the shared one a
 session whose start-up differs (a sitecustomize of its own, another interpreter) or that is told
 nothing starts its own; a rank of the shared server goes when its controller is killed outright; a
 session under test, which loads the suite's conftest.py as it collects tests/planted/, starts no
-shared server of its own."""
+shared server of its own. A process that runs many pools has its ranks forked with the libraries
+only some cells import already loaded, and nothing printed of it; a session's own server, not."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -70,7 +72,8 @@ def test_a_session_forks_its_ranks_from_the_shared_server_and_leaves_it_running(
     assert again.returncode == 0 and again.stdout.split()[-1] == str(pid), again.stderr[-3000:]
 
 
-@pytest.mark.parametrize("how", ["empty", "another sitecustomize", "another interpreter", "server gone", "garbled"])
+@pytest.mark.parametrize("how", ["empty", "another sitecustomize", "another interpreter", "another HF_HUB_OFFLINE",
+                                 "server gone", "garbled"])
 def test_a_session_whose_own_server_would_differ_starts_its_own(shared, tmp_path, how):
     _, value = shared
     env = {}
@@ -79,6 +82,8 @@ def test_a_session_whose_own_server_would_differ_starts_its_own(shared, tmp_path
     elif how == "another sitecustomize":  # as tests/planted/gloo_avg_sums plants a defect in every process
         (tmp_path / "sitecustomize.py").write_text("")
         env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{ROOT}"
+    elif how == "another HF_HUB_OFFLINE":  # read as huggingface_hub loads, in the server: its ranks' is the server's
+        env["HF_HUB_OFFLINE"] = "0" if os.environ.get("HF_HUB_OFFLINE") == "1" else "1"
     elif how == "another interpreter":
         value = json.dumps({**json.loads(value), "python": "/elsewhere"})
     elif how == "server gone":
@@ -139,8 +144,9 @@ import pytest
 @pytest.hookimpl(tryfirst=True)
 def pytest_unconfigure(config):
     conftest = sys.modules.get("conftest")
+    rank_server = sys.modules["harness.controller.rank_server"]
     with open(os.environ["CONFTEST_PROBE"], "w", encoding="utf-8") as out:
-        json.dump({"loaded": conftest is not None,
+        json.dump({"loaded": conftest is not None, "preload": rank_server._rank_server["preload"],
                    "server": None if conftest is None else conftest.SHARED_RANK_SERVER["pid"]}, out)
 '''
 
@@ -151,4 +157,33 @@ def test_a_session_under_test_starts_no_shared_server_of_its_own(run_pytest, tmp
     session = run_pytest("-p", "conftest_probe", "tests/planted/planted_cases.py", "-k", "left_out", "--world-sizes", "1",
                          PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path}", CONFTEST_PROBE=str(out))
     assert session.returncode == 0, session.stdout[-3000:] + session.stderr[-3000:]
-    assert json.loads(out.read_text(encoding="utf-8")) == {"loaded": True, "server": None}
+    # nor a server of its own that imports what its cells do not use (harness/rank/preload_all.py)
+    assert json.loads(out.read_text(encoding="utf-8")) == {"loaded": True, "preload": rank_server.RANK_PRELOAD,
+                                                           "server": None}
+
+
+# what only some cells import (harness/rank/preload_all.py), and which of it a rank has loaded before
+# any cell, forked from a server of its process's own; with an argument "all", of a process that runs
+# many pools (the self-check's, the test suite's)
+OPTIONAL = ("transformers.trainer", "deepspeed", "torch._inductor.compile_fx")
+LOADED = f"""
+import json, sys
+from harness.controller import rank_server
+from distributed import loaded, run_on_ranks
+if sys.argv[1:] == ["all"]:
+    rank_server.preload_all()
+print(json.dumps(run_on_ranks(loaded, 1, {OPTIONAL!r})))
+"""
+
+
+def test_the_ranks_of_a_process_that_runs_many_pools_start_with_what_only_some_cells_import():
+    environ = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", rank_server.SHARED_SERVER_VARIABLE: ""}
+    runs = {which: subprocess.run([sys.executable, "-c", LOADED, which], capture_output=True, text=True, timeout=300,
+                                  env=environ, cwd=ROOT, check=False) for which in ("own", "all")}
+    for done in runs.values():
+        assert done.returncode == 0, done.stderr[-3000:]
+    # a session's own server: a rank imports them at its first cell that uses them
+    assert json.loads(runs["own"].stdout) == [[]]
+    installed = [name for name in OPTIONAL if importlib.util.find_spec(name.split(".")[0]) is not None]
+    assert json.loads(runs["all"].stdout) == [installed] and "torch._inductor.compile_fx" in installed
+    assert runs["all"].stderr == ""  # DeepSpeed's word on the accelerator it picked, as it loads, is not the run's

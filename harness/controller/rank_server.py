@@ -5,13 +5,15 @@ A session starts its own server as it collects its first case file and kills it 
 ranks go with it). A process that starts many sessions one after another (the harness's own test
 suite) can start one server for all of them and name it to them in GRADSYNC_HARNESS_RANK_SERVER
 (``start_shared_server``): each then forks its ranks from that one instead of importing torch and
-accelerate into a server of its own, seconds of CPU a session. A session adopts a shared server only
-where its own would be the same: the same interpreter, the same start-up code (``sitecustomize``,
-``usercustomize``) and the same torch, accelerate and harness found where the server found them, a
-Python whose fork server takes a client without a key (3.14 adds one), and the server still there;
-else it starts its own, as without the variable. It never ends a server it did not start. A rank
-forked from a shared server is not its controller's child: it leaves when its controller is gone
-(``runner._die_with_parent`` polls for it).
+accelerate into a server of its own, seconds of CPU a session; the shared one also imports the
+libraries only some cells use (harness/rank/preload_all.py). A session adopts a shared server only
+where its own would fork the same ranks: the same interpreter, the same start-up code
+(``sitecustomize``, ``usercustomize``), the same torch, accelerate and harness found where the server
+found them, the same settings of what those read from the environment as they load (HF_HUB_OFFLINE,
+say), a Python whose fork server takes a client without a key (3.14 adds one), and the server still
+there; else it starts its own, as without the variable. It never ends a server it did not start. A
+rank forked from a shared server is not its controller's child: it leaves when its controller is
+gone (``runner._die_with_parent`` polls for it).
 """
 
 from __future__ import annotations
@@ -27,18 +29,29 @@ from typing import Any
 
 from harness.rank.runner import process_alive
 
-# The module the ranks' fork server imports before it forks any rank.
+# The module the ranks' fork server imports before it forks any rank; and the one that also imports
+# the libraries only some cells use, for a process that runs many pools (``preload_all``).
 RANK_PRELOAD = "harness.rank.preload"
+RANK_PRELOAD_ALL = "harness.rank.preload_all"
 # A fork server another process started, for this one's ranks (``start_shared_server``'s value);
 # empty or unset: this process starts its own.
 SHARED_SERVER_VARIABLE = "GRADSYNC_HARNESS_RANK_SERVER"
 # What makes a fresh interpreter's imports what they are: where each of these is found (None: not
 # found). A rank is a fork of its server, with the server's modules, not the session's.
 _FOUND = ("sitecustomize", "usercustomize", "torch", "accelerate", "harness")
+# ... and what they read from the environment as they load, kept in module constants: huggingface_hub
+# its HF_HUB_OFFLINE and HF_HOME, DeepSpeed its DS_ACCELERATOR, torch its TORCH_LOGS and dynamo's and
+# inductor's settings. A rank has what its server read, whatever the rank's own environment says.
+_READ_AS_THEY_LOAD = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DS_", "DEEPSPEED_", "TORCH", "PYTORCH_")
+# Of those, what torch itself writes there as it loads, to hand on to its own subprocesses: it differs
+# between a server and a session only by when each loaded torch.
+_WRITTEN_BY_TORCH = ("TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK")
 
 # Whether the fork server could not start (why, then), whether it is ended at exit, the pid of a
-# shared server this process forks from (never ended here), and that of one it started for others.
-_rank_server: dict[str, Any] = {"failed": "", "ends_at_exit": False, "shared": None, "for_others": set()}
+# shared server this process forks from (never ended here), that of one it started for others, and
+# what this process's own server preloads.
+_rank_server: dict[str, Any] = {"failed": "", "ends_at_exit": False, "shared": None, "for_others": set(),
+                                "preload": RANK_PRELOAD}
 
 
 def rank_context() -> Any:
@@ -48,8 +61,15 @@ def rank_context() -> Any:
     if "forkserver" not in multiprocessing.get_all_start_methods() or _rank_server["failed"]:
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload([RANK_PRELOAD])  # a name: the controller must not import it
+    ctx.set_forkserver_preload([_rank_server["preload"]])  # a name: the controller must not import it
     return ctx
+
+
+def preload_all() -> None:
+    """Have this process's own fork server, if it starts later, also import the libraries only some
+    cells use (harness/rank/preload_all.py): for a process that will run many pools, which would
+    otherwise import them in each rank that runs such a cell."""
+    _rank_server["preload"] = RANK_PRELOAD_ALL
 
 
 def start_rank_server() -> None:
@@ -94,10 +114,11 @@ def start_shared_server() -> tuple[Any, str]:
     from multiprocessing import forkserver
 
     server = forkserver.ForkServer()
-    server.set_forkserver_preload([RANK_PRELOAD])
+    server.set_forkserver_preload([RANK_PRELOAD_ALL])  # it serves many sessions, of many pools
     server.ensure_running()
     value = json.dumps({"pid": server._forkserver_pid, "address": server._forkserver_address,
-                        "python": sys.prefix, "found": _found(), "preload": RANK_PRELOAD})
+                        "python": sys.prefix, "found": _found(), "preload": RANK_PRELOAD_ALL,
+                        "environment": _read_as_they_load()})
     _rank_server["for_others"].add(server._forkserver_pid)  # this process's own pools keep their own server
     return server, value
 
@@ -141,8 +162,10 @@ def _adopt_shared_server(server: Any) -> bool:
         named = json.loads(value)
     except ValueError:
         named = None
-    if not isinstance(named, dict) or named.get("python") != sys.prefix or named.get("preload") != RANK_PRELOAD \
-            or named.get("found") != _found():
+    # a server that also imports the optional libraries forks the same ranks (harness/rank/preload_all.py)
+    if not isinstance(named, dict) or named.get("python") != sys.prefix \
+            or named.get("preload") not in (RANK_PRELOAD, RANK_PRELOAD_ALL) or named.get("found") != _found() \
+            or named.get("environment") != _read_as_they_load():
         return False
     attributes = ("_lock", "_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid")
     if not all(hasattr(server, a) for a in attributes) or hasattr(server, "_forkserver_authkey"):
@@ -164,6 +187,11 @@ def _adopt_shared_server(server: Any) -> bool:
         server.ensure_running = resource_tracker.ensure_running
     _rank_server["shared"] = pid
     return True
+
+
+def _read_as_they_load() -> dict[str, str]:
+    return {name: value for name, value in os.environ.items()
+            if name.startswith(_READ_AS_THEY_LOAD) and name not in _WRITTEN_BY_TORCH}
 
 
 def _found() -> dict[str, str | None]:

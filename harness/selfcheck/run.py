@@ -11,6 +11,7 @@ from harness.catalogue import CaseRef
 from harness.controller.cells import run_cell, settings_for
 from harness.controller.options import DEFAULT_CASE_TIMEOUT_S, DEFAULT_SEED, Settings
 from harness.controller.pool import PoolSet, PoolStartError
+from harness.controller.rank_server import preload_all
 from harness.decorator import PRECISIONS, Variant
 from harness.matrix.schema import Cell
 from harness.records import BAD_STATUSES, Failure, Status
@@ -117,6 +118,7 @@ class Runner:
         self.world_size = world_size
         self.settings = Settings(world_sizes=(world_size,), backend=backend, device="cpu", report_dir="reports",
                                  case_timeout_s=case_timeout_s, seed=seed, gpu_count=0)
+        preload_all()  # the whole catalogue, clean and with each fault, on this pool and the next
         self.pools = PoolSet(backend=backend)
 
     def __enter__(self) -> "Runner":
