@@ -72,8 +72,8 @@ def test_a_session_forks_its_ranks_from_the_shared_server_and_leaves_it_running(
     assert again.returncode == 0 and again.stdout.split()[-1] == str(pid), again.stderr[-3000:]
 
 
-@pytest.mark.parametrize("how", ["empty", "another sitecustomize", "another interpreter", "another HF_HUB_OFFLINE",
-                                 "server gone", "garbled"])
+@pytest.mark.parametrize("how", ["empty", "another sitecustomize", "another transformers", "another interpreter",
+                                 "another HF_HUB_OFFLINE", "server gone", "garbled"])
 def test_a_session_whose_own_server_would_differ_starts_its_own(shared, tmp_path, how):
     _, value = shared
     env = {}
@@ -81,6 +81,10 @@ def test_a_session_whose_own_server_would_differ_starts_its_own(shared, tmp_path
         value = ""
     elif how == "another sitecustomize":  # as tests/planted/gloo_avg_sums plants a defect in every process
         (tmp_path / "sitecustomize.py").write_text("")
+        env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{ROOT}"
+    elif how == "another transformers":  # as tests/test_versions.py hides it: the server imported the installed one
+        (tmp_path / "transformers").mkdir()
+        (tmp_path / "transformers" / "__init__.py").write_text("raise ImportError('hidden')\n")
         env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{ROOT}"
     elif how == "another HF_HUB_OFFLINE":  # read as huggingface_hub loads, in the server: its ranks' is the server's
         env["HF_HUB_OFFLINE"] = "0" if os.environ.get("HF_HUB_OFFLINE") == "1" else "1"

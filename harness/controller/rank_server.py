@@ -8,8 +8,8 @@ suite) can start one server for all of them and name it to them in GRADSYNC_HARN
 accelerate into a server of its own, seconds of CPU a session; the shared one also imports the
 libraries only some cells use (harness/rank/preload_all.py). A session adopts a shared server only
 where its own would fork the same ranks: the same interpreter, the same start-up code
-(``sitecustomize``, ``usercustomize``), the same torch, accelerate and harness found where the server
-found them, the same settings of what those read from the environment as they load (HF_HUB_OFFLINE,
+(``sitecustomize``, ``usercustomize``), the same torch, accelerate, harness, transformers and DeepSpeed
+found where the server found them, the same settings of what those read from the environment as they load (HF_HUB_OFFLINE,
 say), a Python whose fork server takes a client without a key (3.14 adds one), and the server still
 there; else it starts its own, as without the variable. It never ends a server it did not start. A
 rank forked from a shared server is not its controller's child: it leaves when its controller is
@@ -37,8 +37,9 @@ RANK_PRELOAD_ALL = "harness.rank.preload_all"
 # empty or unset: this process starts its own.
 SHARED_SERVER_VARIABLE = "GRADSYNC_HARNESS_RANK_SERVER"
 # What makes a fresh interpreter's imports what they are: where each of these is found (None: not
-# found). A rank is a fork of its server, with the server's modules, not the session's.
-_FOUND = ("sitecustomize", "usercustomize", "torch", "accelerate", "harness")
+# found), the libraries a server imports for some cells with them (harness/rank/preload_all.py). A
+# rank is a fork of its server, with the server's modules, not the session's.
+_FOUND = ("sitecustomize", "usercustomize", "torch", "accelerate", "harness", "transformers", "deepspeed")
 # ... and what they read from the environment as they load, kept in module constants: huggingface_hub
 # its HF_HUB_OFFLINE and HF_HOME, DeepSpeed its DS_ACCELERATOR, torch its TORCH_LOGS and dynamo's and
 # inductor's settings. A rank has what its server read, whatever the rank's own environment says.
