@@ -1,6 +1,8 @@
 """What a pytest session of the harness costs on this machine before its first cell: the CPU and wall
 time of a session that only collects one case file, and of a run of one cell, on a fork server of its
 own (as a user's run) and on one it adopts (as the harness's own tests' sessions do: docs/contributing.md).
+And what the libraries only some cells use cost a pool: its first Trainer, compiled and DeepSpeed cells
+at world size 2, each rank importing them, or forked from a server that did (harness/rank/preload_all.py).
 
 The CPU is the machine's busy time over the command (/proc/stat: every process the session starts,
 its fork server and ranks among them), so run it on an otherwise idle machine. Median of --repeats.
@@ -26,6 +28,32 @@ from harness.controller import rank_server  # noqa: E402
 
 PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
 ONE_CELL = ["cases/test_fused_loss.py", "--world-sizes", "2", "-k", "fp32-ws2"]
+# A pool of two running the first cell of a Trainer case, a compiled one and a DeepSpeed one; with an
+# argument "all", its fork server also imports the libraries those use (rank_server.preload_all).
+OPTIONAL_CELLS = """
+import sys
+from pathlib import Path
+from harness.catalogue import load_case_file
+from harness.controller import rank_server
+from harness.controller.cells import run_cell
+from harness.controller.options import resolve
+from harness.controller.pool import PoolSet
+from harness.wrappers.prepare import cell_variants
+if sys.argv[1:] == ["all"]:
+    rank_server.preload_all()
+settings = resolve(world_sizes="2", backend="gloo", report_dir="reports", case_timeout="300", seed="1234")
+pools = PoolSet(backend="gloo")
+try:
+    for path, name, variant in [("cases/test_trainer.py", "trainer_classifier", "steps=2-fp32"),
+                                ("cases/test_fused_loss.py", "fused_loss", "fp32-compile=aot_eager"),
+                                ("cases/test_fused_loss.py", "fused_loss", "fp32-wrapper=deepspeed-z1")]:
+        case = next(c for c in load_case_file(Path(path)) if c.name == name)
+        every = cell_variants(case.info.variants, case.info.wrappers, ("ddp", "deepspeed-z1"))
+        cell = run_cell(pools, case, next(v for v in every if v.name == variant), 2, settings)
+        assert cell.status not in ("error", "fail"), (name, variant, cell.status, cell.summary)
+finally:
+    pools.close()
+"""
 
 
 def busy_s() -> float:
@@ -53,16 +81,20 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     own = {**os.environ, rank_server.SHARED_SERVER_VARIABLE: ""}
+    rows = [
+        ("python -c 'import torch' (for scale)", [sys.executable, "-c", "import torch"]),
+        ("collect one case file", [*PYTEST, "--collect-only", "cases/test_fused_loss.py"]),
+        ("one cell, its own fork server", [*PYTEST, *ONE_CELL]),
+        ("Trainer, compiled, DeepSpeed cells, ranks import", [sys.executable, "-c", OPTIONAL_CELLS]),
+        ("the same, the server imported them", [sys.executable, "-c", OPTIONAL_CELLS, "all"]),
+    ]
+    measured = [(name, *measure(command, own, args.repeats)) for name, command in rows]
+    # the shared server started now, and given one session first: its imports are not the sessions'
     server, value = rank_server.start_shared_server()
     shared = {**os.environ, rank_server.SHARED_SERVER_VARIABLE: value}
-    rows = [
-        ("python -c 'import torch' (for scale)", [sys.executable, "-c", "import torch"], own),
-        ("collect one case file", [*PYTEST, "--collect-only", "cases/test_fused_loss.py"], own),
-        ("one cell, its own fork server", [*PYTEST, *ONE_CELL], own),
-        ("one cell, an adopted fork server", [*PYTEST, *ONE_CELL], shared),
-    ]
     try:
-        measured = [(name, *measure(command, env, args.repeats)) for name, command, env in rows]
+        measure([*PYTEST, *ONE_CELL], shared, 1)
+        measured.insert(3, ("one cell, an adopted fork server", *measure([*PYTEST, *ONE_CELL], shared, args.repeats)))
     finally:
         rank_server.end_shared_server(server)
     width = max(len(name) for name, *_ in measured)
