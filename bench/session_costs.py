@@ -28,6 +28,9 @@ from harness.controller import rank_server  # noqa: E402
 
 PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
 ONE_CELL = ["cases/test_fused_loss.py", "--world-sizes", "2", "-k", "fp32-ws2"]
+# `python -m harness watch` of a small script, one cell at world size 2 (its controller imports no torch)
+WATCH = [sys.executable, "-m", "harness", "watch", "tests/planted/scripts/hand_loop.py", "--nproc", "2",
+         "--num-steps", "2", "--report-dir", "reports/session-costs", "--", "--accumulation", "2"]
 # A pool of two running the first cell of a Trainer case, a compiled one and a DeepSpeed one; with an
 # argument "all", its fork server also imports the libraries those use (rank_server.preload_all).
 OPTIONAL_CELLS = """
@@ -95,6 +98,7 @@ def main() -> int:
     try:
         measure([*PYTEST, *ONE_CELL], shared, 1)
         measured.insert(3, ("one cell, an adopted fork server", *measure([*PYTEST, *ONE_CELL], shared, args.repeats)))
+        measured.insert(4, ("watch a script, one cell, an adopted server", *measure(WATCH, shared, args.repeats)))
     finally:
         rank_server.end_shared_server(server)
     width = max(len(name) for name, *_ in measured)

@@ -301,13 +301,18 @@ def test_fault_injection_is_imported_only_for_a_cell_with_a_fault(fault):
 
 def test_the_public_api_and_the_plugin_import_no_torch():
     """The controller (pytest, every xdist worker) never needs torch: the decorator, the public names
-    that need none, and the plugin load without it; RankContext and Oracle import it on first use."""
-    probe = ("import sys, harness, harness.plugin\n"
+    that need none, the plugin, and the cells of `python -m harness watch` (whose controller imports no
+    case file of the user's) load without it; RankContext and Oracle import it on first use."""
+    from harness.messages import WATCH_ENVIRONMENT
+
+    probe = ("import sys, harness, harness.plugin, harness.rank.script_cells\n"
              "from harness import case, grid, Diagnosis, MicroStep, PRECISIONS, ALL_PRECISIONS\n"
              "assert 'torch' not in sys.modules, 'torch imported'\n"
              "from harness import RankContext, Oracle\n"
              "assert 'torch' in sys.modules and RankContext.__module__ == 'harness.rank.context'\n"
              "assert sorted(harness.__all__) == sorted(n for n in harness.__all__ if hasattr(harness, n))\n")
+    watched = json.dumps({"path": "train.py", "argv": [], "name": "train", "precisions": [], "loss": None,
+                          "num_steps": None, "contract": "accelerate"})
     done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", WATCH_ENVIRONMENT: watched})
     assert done.returncode == 0, done.stderr[-3000:]

@@ -5,12 +5,13 @@ rank by the harness's pytest plugin like any case. The command passes what to ru
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harness.decorator import Variant, case
 from harness.messages import WATCH_ENVIRONMENT, watched
-from harness.rank.context import RankContext
-from harness.rank.script import run_script
+
+if TYPE_CHECKING:
+    from harness.rank.context import RankContext
 # the variant of a cell that keeps the script's own mixed precision
 AS_WRITTEN = "as-written"
 
@@ -37,6 +38,8 @@ WATCHED = configuration()
 @case(WATCHED["name"], variants=variants(WATCHED["precisions"]), wrappers=["ddp"])
 def test_script(ctx: RankContext) -> None:
     """The script run unedited on every rank, its first Accelerator the cell's, every step checked."""
+    from harness.rank.script import run_script  # here: the run's controller never imports torch
+
     run_script(ctx, WATCHED["path"], WATCHED["argv"], loss=WATCHED["loss"], num_steps=WATCHED["num_steps"],
                contract=WATCHED["contract"], precision=ctx.variant.get("precision"),
                settings=WATCHED.get("accelerate_settings") or {}, tiny_model=bool(WATCHED.get("tiny_model")))
