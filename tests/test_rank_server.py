@@ -1,7 +1,7 @@
 """A fork server shared by the sessions a process starts (harness/controller/rank_server.py): a
 session whose own server would be the same forks its ranks from the shared one and never ends it; a
-session whose start-up differs (a sitecustomize of its own, another interpreter) or that is told
-nothing starts its own; a rank of the shared server goes when its controller is killed outright; a
+session whose start-up differs (a sitecustomize of its own, another interpreter, another
+transformers, another HF_HUB_OFFLINE) or that is told nothing starts its own; a rank of the shared server goes when its controller is killed outright; a
 session under test, which loads the suite's conftest.py as it collects tests/planted/, starts no
 shared server of its own. A process that runs many pools has its ranks forked with the libraries
 only some cells import already loaded, and nothing printed of it; a session's own server, not."""

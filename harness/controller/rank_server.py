@@ -8,12 +8,12 @@ suite) can start one server for all of them and name it to them in GRADSYNC_HARN
 accelerate into a server of its own, seconds of CPU a session; the shared one also imports the
 libraries only some cells use (harness/rank/preload_all.py). A session adopts a shared server only
 where its own would fork the same ranks: the same interpreter, the same start-up code
-(``sitecustomize``, ``usercustomize``), the same torch, accelerate, harness, transformers and DeepSpeed
-found where the server found them, the same settings of what those read from the environment as they load (HF_HUB_OFFLINE,
-say), a Python whose fork server takes a client without a key (3.14 adds one), and the server still
-there; else it starts its own, as without the variable. It never ends a server it did not start. A
-rank forked from a shared server is not its controller's child: it leaves when its controller is
-gone (``runner._die_with_parent`` polls for it).
+(``sitecustomize``, ``usercustomize``), the same torch, accelerate, harness, transformers and
+DeepSpeed found where the server found them, the same settings of what those read from the
+environment as they load (HF_HUB_OFFLINE, say), a Python whose fork server takes a client without a
+key (3.14 adds one), and the server still there; else it starts its own, as without the variable.
+It never ends a server it did not start. A rank forked from a shared server is not its controller's
+child: it leaves when its controller is gone (``runner._die_with_parent`` polls for it).
 """
 
 from __future__ import annotations
@@ -165,8 +165,8 @@ def _adopt_shared_server(server: Any) -> bool:
         named = None
     # a server that also imports the optional libraries forks the same ranks (harness/rank/preload_all.py)
     if not isinstance(named, dict) or named.get("python") != sys.prefix \
-            or named.get("preload") not in (RANK_PRELOAD, RANK_PRELOAD_ALL) or named.get("found") != _found() \
-            or named.get("environment") != _read_as_they_load():
+            or named.get("preload") not in (RANK_PRELOAD, RANK_PRELOAD_ALL) \
+            or named.get("found") != _found() or named.get("environment") != _read_as_they_load():
         return False
     attributes = ("_lock", "_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid")
     if not all(hasattr(server, a) for a in attributes) or hasattr(server, "_forkserver_authkey"):

@@ -19,8 +19,9 @@ import sys
 from harness import heap
 from harness.rank import preload  # noqa: F401  (first: its thread settings hold for what follows)
 
-# What some cells import: the Trainer cases (and a script's own Trainer), the deepspeed-* wrappers,
-# the compile variants' inductor (aot_eager compiles through its decompositions too).
+# What some cells import: the Trainer cases (and a script's own Trainer), the deepspeed-* wrappers, and
+# the compiled variants (a first aot_eager compile imports 600 modules, much of inductor and networkx
+# among them; inductor's compile_fx imports them all).
 OPTIONAL = ("transformers.trainer", "deepspeed", "torch._inductor.compile_fx")
 
 

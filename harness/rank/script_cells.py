@@ -12,6 +12,7 @@ from harness.messages import WATCH_ENVIRONMENT, watched
 
 if TYPE_CHECKING:
     from harness.rank.context import RankContext
+
 # the variant of a cell that keeps the script's own mixed precision
 AS_WRITTEN = "as-written"
 
