@@ -6,7 +6,7 @@ ranks go with it). A process that starts many sessions one after another (the ha
 suite) can start one server for all of them and name it to them in GRADSYNC_HARNESS_RANK_SERVER
 (``start_shared_server``): each then forks its ranks from that one instead of importing torch and
 accelerate into a server of its own, seconds of CPU a session; the shared one also imports the
-libraries only some cells use (harness/rank/preload_all.py). A session adopts a shared server only
+libraries only some cells use (harness/rank/preload_all.py), but on a host with a GPU driver. A session adopts a shared server only
 where its own would fork the same ranks: the same interpreter, the same start-up code
 (``sitecustomize``, ``usercustomize``), the same torch, accelerate, harness, transformers and
 DeepSpeed found where the server found them, the same settings of what those read from the
@@ -27,6 +27,7 @@ import signal
 import sys
 from typing import Any
 
+from harness.controller.options import GPU_DEVICE_FILES
 from harness.rank.runner import process_alive
 
 # The module the ranks' fork server imports before it forks any rank; and the one that also imports
@@ -70,7 +71,14 @@ def preload_all() -> None:
     """Have this process's own fork server, if it starts later, also import the libraries only some
     cells use (harness/rank/preload_all.py): for a process that will run many pools, which would
     otherwise import them in each rank that runs such a cell."""
-    _rank_server["preload"] = RANK_PRELOAD_ALL
+    _rank_server["preload"] = _for_many_pools()
+
+
+def _for_many_pools() -> str:
+    """What a server for many pools preloads: RANK_PRELOAD_ALL, but on a host with a GPU driver. There
+    DeepSpeed asks torch for the GPUs as it loads, and a fork server must never initialise CUDA (no
+    rank forked from it could use the GPU): each rank imports what its cells use, as before."""
+    return RANK_PRELOAD if any(os.path.exists(path) for path in GPU_DEVICE_FILES) else RANK_PRELOAD_ALL
 
 
 def start_rank_server() -> None:
@@ -115,10 +123,11 @@ def start_shared_server() -> tuple[Any, str]:
     from multiprocessing import forkserver
 
     server = forkserver.ForkServer()
-    server.set_forkserver_preload([RANK_PRELOAD_ALL])  # it serves many sessions, of many pools
+    preload = _for_many_pools()  # it serves many sessions, of many pools
+    server.set_forkserver_preload([preload])
     server.ensure_running()
     value = json.dumps({"pid": server._forkserver_pid, "address": server._forkserver_address,
-                        "python": sys.prefix, "found": _found(), "preload": RANK_PRELOAD_ALL,
+                        "python": sys.prefix, "found": _found(), "preload": preload,
                         "environment": _read_as_they_load()})
     _rank_server["for_others"].add(server._forkserver_pid)  # this process's own pools keep their own server
     return server, value

@@ -7,7 +7,9 @@ each pool that runs such a cell: three times that in a pool of three ranks, agai
 restarted after a fault. A run of a cell or two pays it without gain, and waits for it (the server
 is still importing when its first pool starts): a session's own server imports them only where its
 process asked (``rank_server.preload_all``: the self-check, the harness's own test suite), and a
-shared server always (``rank_server.start_shared_server``). The ranks' cells are the same either way.
+shared server always (``rank_server.start_shared_server``); neither on a host with a GPU driver,
+where DeepSpeed asks torch for the GPUs as it loads and a fork server must never initialise CUDA. The
+ranks' cells are the same either way.
 """
 
 from __future__ import annotations
