@@ -6,14 +6,14 @@ ranks go with it). A process that starts many sessions one after another (the ha
 suite) can start one server for all of them and name it to them in GRADSYNC_HARNESS_RANK_SERVER
 (``start_shared_server``): each then forks its ranks from that one instead of importing torch and
 accelerate into a server of its own, seconds of CPU a session; the shared one also imports the
-libraries only some cells use (harness/rank/preload_all.py), but on a host with a GPU driver. A session adopts a shared server only
-where its own would fork the same ranks: the same interpreter, the same start-up code
-(``sitecustomize``, ``usercustomize``), the same torch, accelerate, harness, transformers and
-DeepSpeed found where the server found them, the same settings of what those read from the
-environment as they load (HF_HUB_OFFLINE, say), a Python whose fork server takes a client without a
-key (3.14 adds one), and the server still there; else it starts its own, as without the variable.
-It never ends a server it did not start. A rank forked from a shared server is not its controller's
-child: it leaves when its controller is gone (``runner._die_with_parent`` polls for it).
+libraries only some cells use (harness/rank/preload_all.py), except on a host with a GPU driver. A
+session adopts a shared server only where its own would fork the same ranks: the same interpreter,
+the same start-up code (``sitecustomize``, ``usercustomize``), the same torch, accelerate, harness,
+transformers and DeepSpeed found where the server found them, the same settings of what those read
+from the environment as they load (HF_HUB_OFFLINE, say), a Python whose fork server takes a client
+without a key (3.14 adds one), and the server still there; else it starts its own, as without the
+variable. It never ends a server it did not start. A rank forked from a shared server is not its
+controller's child: it leaves when its controller is gone (``runner._die_with_parent`` polls for it).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def preload_all() -> None:
 
 
 def _for_many_pools() -> str:
-    """What a server for many pools preloads: RANK_PRELOAD_ALL, but on a host with a GPU driver. There
+    """What a server for many pools preloads: RANK_PRELOAD_ALL, except on a host with a GPU driver. There
     DeepSpeed asks torch for the GPUs as it loads, and a fork server must never initialise CUDA (no
     rank forked from it could use the GPU): each rank imports what its cells use, as before."""
     return RANK_PRELOAD if any(os.path.exists(path) for path in GPU_DEVICE_FILES) else RANK_PRELOAD_ALL
