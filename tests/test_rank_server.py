@@ -20,7 +20,7 @@ import pytest
 from conftest import ROOT, wait_until
 
 from harness.controller import rank_server
-from harness.controller.options import GPU_DEVICE_FILES
+from harness.controller import options
 from harness.rank.runner import process_alive
 
 # which server a session took, and with an argument "ranks" its pool of two and the parent of each rank
@@ -190,7 +190,7 @@ def test_the_ranks_of_a_process_that_runs_many_pools_start_with_what_only_some_c
     # a session's own server: a rank imports them at its first cell that uses them
     assert json.loads(runs["own"].stdout) == [[]]
     installed = [name for name in OPTIONAL if importlib.util.find_spec(name.split(".")[0]) is not None]
-    if any(os.path.exists(path) for path in GPU_DEVICE_FILES):
+    if options.gpu_driver_present():
         installed = []  # a fork server never initialises CUDA, which DeepSpeed's import can
     assert json.loads(runs["all"].stdout) == [installed]
     assert runs["all"].stderr == ""  # DeepSpeed's word on the accelerator it picked, as it loads, is not the run's
@@ -203,10 +203,10 @@ def test_on_a_host_with_a_gpu_driver_a_server_for_many_pools_preloads_only_what_
     driver.write_text("")
     saved = rank_server._rank_server["preload"]
     try:
-        monkeypatch.setattr(rank_server, "GPU_DEVICE_FILES", (str(driver),))
+        monkeypatch.setattr(options, "GPU_DEVICE_FILES", (str(driver),))
         rank_server.preload_all()
         assert rank_server._rank_server["preload"] == rank_server.RANK_PRELOAD
-        monkeypatch.setattr(rank_server, "GPU_DEVICE_FILES", (str(tmp_path / "none"),))
+        monkeypatch.setattr(options, "GPU_DEVICE_FILES", (str(tmp_path / "none"),))
         rank_server.preload_all()
         assert rank_server._rank_server["preload"] == rank_server.RANK_PRELOAD_ALL
     finally:

@@ -121,12 +121,17 @@ def probe_gpus(command: Sequence[str] | None = None, *, timeout_s: float = 120.0
         return 0
 
 
+def gpu_driver_present() -> bool:
+    """Whether a GPU driver torch's CUDA or ROCm build uses is on this host (one of GPU_DEVICE_FILES)."""
+    return any(os.path.exists(path) for path in GPU_DEVICE_FILES)
+
+
 def count_gpus() -> int:
     """GPUs this session's ranks can use (CUDA_VISIBLE_DEVICES and HIP_VISIBLE_DEVICES apply)."""
     cached = os.environ.get(GPU_COUNT_VARIABLE, "")
     if cached.isdigit():
         return int(cached)
-    gpus = probe_gpus() if any(os.path.exists(path) for path in GPU_DEVICE_FILES) else 0
+    gpus = probe_gpus() if gpu_driver_present() else 0
     os.environ[GPU_COUNT_VARIABLE] = str(gpus)
     return gpus
 

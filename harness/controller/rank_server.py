@@ -27,7 +27,7 @@ import signal
 import sys
 from typing import Any
 
-from harness.controller.options import GPU_DEVICE_FILES
+from harness.controller.options import gpu_driver_present
 from harness.rank.runner import process_alive
 
 # The module the ranks' fork server imports before it forks any rank; and the one that also imports
@@ -45,9 +45,10 @@ _FOUND = ("sitecustomize", "usercustomize", "torch", "accelerate", "harness", "t
 # its HF_HUB_OFFLINE and HF_HOME, DeepSpeed its DS_ACCELERATOR, torch its TORCH_LOGS and dynamo's and
 # inductor's settings. A rank has what its server read, whatever the rank's own environment says.
 _READ_AS_THEY_LOAD = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DS_", "DEEPSPEED_", "TORCH", "PYTORCH_")
-# Of those, what torch itself writes there as it loads, to hand on to its own subprocesses: it differs
-# between a server and a session only by when each loaded torch.
-_WRITTEN_BY_TORCH = ("TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK")
+# Of those, what the libraries write there themselves as they load (torch its inductor's cache folder,
+# for its own subprocesses; DeepSpeed PYTORCH_NVML_BASED_CUDA_CHECK): they differ between a server and
+# a session only by what each has loaded yet.
+_WRITTEN_AS_THEY_LOAD = ("TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK")
 
 # Whether the fork server could not start (why, then), whether it is ended at exit, the pid of a
 # shared server this process forks from (never ended here), that of one it started for others, and
@@ -78,7 +79,7 @@ def _for_many_pools() -> str:
     """What a server for many pools preloads: RANK_PRELOAD_ALL, except on a host with a GPU driver. There
     DeepSpeed asks torch for the GPUs as it loads, and a fork server must never initialise CUDA (no
     rank forked from it could use the GPU): each rank imports what its cells use, as before."""
-    return RANK_PRELOAD if any(os.path.exists(path) for path in GPU_DEVICE_FILES) else RANK_PRELOAD_ALL
+    return RANK_PRELOAD if gpu_driver_present() else RANK_PRELOAD_ALL
 
 
 def start_rank_server() -> None:
@@ -201,7 +202,7 @@ def _adopt_shared_server(server: Any) -> bool:
 
 def _read_as_they_load() -> dict[str, str]:
     return {name: value for name, value in os.environ.items()
-            if name.startswith(_READ_AS_THEY_LOAD) and name not in _WRITTEN_BY_TORCH}
+            if name.startswith(_READ_AS_THEY_LOAD) and name not in _WRITTEN_AS_THEY_LOAD}
 
 
 def _found() -> dict[str, str | None]:
