@@ -4,10 +4,13 @@ once, interrupted runs keep their finished cells, and no process outlives a sess
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -216,16 +219,33 @@ def cells_in(report_dir):
 
 
 FINISHED = [("finishes1", "pass"), ("finishes2", "pass")]  # the cells before the blocked one
+# A run's fork server listens on a socket in its TMPDIR, at pymp-XXXXXXXX/listener-XXXXXXXX, and a Unix
+# socket's address holds 107 bytes of path
+SOCKET_PATH_MAX, SOCKET_IN_TEMP = 107, len("/pymp-XXXXXXXX/listener-XXXXXXXX")
 
 
-def interrupt_half_way(tmp_path, how, extra, ctrl_c="handled"):
+@pytest.fixture
+def run_temp():
+    """A TMPDIR for a run under test, whose pools' folders the test looks for afterwards: a folder
+    of its own, short enough for the run's fork server. One in tmp_path (pytest's folder, then the
+    test's name) was about 110 bytes with the socket: the server could not start, and every rank
+    of those runs was spawned, importing torch and accelerate itself (a minute of CPU over these
+    tests; tests/test_pool.py covers that fallback on purpose)."""
+    temp = Path(tempfile.mkdtemp(prefix="gsync-"))
+    try:
+        assert len(os.fsencode(temp)) + SOCKET_IN_TEMP <= SOCKET_PATH_MAX, f"{temp}: too deep for a fork server"
+        yield temp
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def interrupt_half_way(tmp_path, temp, how, extra, ctrl_c="handled"):
     """Start a run whose third cell blocks until the run is ended, and end it ``how`` once the run
-    says it is there: the outcome cannot depend on the machine's speed. ``ctrl_c``: start_pytest's."""
+    says it is there: the outcome cannot depend on the machine's speed. ``temp``: its TMPDIR;
+    ``ctrl_c``: start_pytest's."""
     progress = tmp_path / "progress"
     progress.mkdir()
     report_dir = tmp_path / "reports"
-    temp = tmp_path / "tmp"
-    temp.mkdir()
     # a case timeout longer than any wait here: the blocked cell ends by the signal, never by its timeout
     process, token = start_pytest([*extra, PLANTED, "-k", "planted_blocks_half_way", "--world-sizes", "2",
                                    "--case-timeout", "3600"], report_dir, ctrl_c=ctrl_c,
@@ -262,9 +282,9 @@ def interrupt_half_way(tmp_path, how, extra, ctrl_c="handled"):
     ],
 )
 def test_an_interrupted_run_writes_the_finished_cells_marks_the_matrix_incomplete_and_leaves_nothing_behind(
-    tmp_path, how, extra, ctrl_c
+    tmp_path, run_temp, how, extra, ctrl_c
 ):
-    returncode, stdout, report_dir, token, temp = interrupt_half_way(tmp_path, how, extra, ctrl_c)
+    returncode, stdout, report_dir, token, temp = interrupt_half_way(tmp_path, run_temp, how, extra, ctrl_c)
     assert returncode == pytest.ExitCode.INTERRUPTED, stdout
     matrix = json.loads((report_dir / "matrix.json").read_text())
     assert matrix["complete"] is False
@@ -275,9 +295,9 @@ def test_an_interrupted_run_writes_the_finished_cells_marks_the_matrix_incomplet
     assert [p.name for p in temp.iterdir() if p.name.startswith("harness-")] == []  # the pools' folders
 
 
-def test_a_run_killed_outright_keeps_every_finished_cell_in_its_reports(tmp_path):
+def test_a_run_killed_outright_keeps_every_finished_cell_in_its_reports(tmp_path, run_temp):
     """SIGKILL runs no code: the reports must already hold each cell as it finished."""
-    returncode, _, report_dir, token, _ = interrupt_half_way(tmp_path, lambda p: p.kill(), [])
+    returncode, _, report_dir, token, _ = interrupt_half_way(tmp_path, run_temp, lambda p: p.kill(), [])
     assert returncode == -signal.SIGKILL
     matrix = json.loads((report_dir / "matrix.json").read_text())
     assert matrix["complete"] is False
@@ -286,9 +306,8 @@ def test_a_run_killed_outright_keeps_every_finished_cell_in_its_reports(tmp_path
     assert wait_for_no_processes(token) == []
 
 
-def test_a_finished_run_marks_its_matrix_complete_and_removes_the_pools_folders(tmp_path):
-    temp = tmp_path / "tmp"
-    temp.mkdir()
+def test_a_finished_run_marks_its_matrix_complete_and_removes_the_pools_folders(tmp_path, run_temp):
+    temp = run_temp
     process, token = start_pytest(["cases/test_fused_loss.py", "-k", "fp32-ws", "--world-sizes", "1,2"],
                                   tmp_path / "reports", TMPDIR=str(temp))
     stdout, _ = process.communicate(timeout=600)
