@@ -305,13 +305,19 @@ def test_after_a_hang_every_rank_exits_non_zero_and_none_is_left(faults_run):
     assert faults_run.seconds < 120
 
 
+# rank 1 as if on another host (a planted sitecustomize): rank 0 cannot see its process
+ANOTHER_HOST = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent / "planted" / "another_host"), str(ROOT)])}
+
+
 def test_a_rank_that_dies_is_an_error_and_every_later_cell_is_not_run(tmp_path):
+    """On rank 0's own host a dead rank is found by its process, gone from the process table (on
+    another host, by its silence: the next test)."""
     run = two_torchrun_agents([PLANTED, "-k", "kill", "--case-timeout", "30"], tmp_path)
     cells = run.cells()
     killed = cells[("planted_rank_fault", "kill")]
     assert killed["status"] == "error"
-    assert killed["summary"].startswith(f"rank 1 on {socket.gethostname()} died (")
-    assert killed["duration_s"] < 30  # found by its silence, not by the cell's timeout
+    assert killed["summary"].startswith(f"rank 1 on {socket.gethostname()} died (its process, pid "), killed["summary"]
+    assert killed["duration_s"] < 30  # found by its process, not by the cell's timeout
     assert cells[("planted_rank_fault", "after_kill")]["summary"].startswith("not run: rank 1 on ")
     assert run.returncodes[0] == 1
     assert wait_for_no_processes(run.token) == []
@@ -363,15 +369,52 @@ def test_accelerate_launch_is_a_launch_whose_settings_do_not_change_the_cells(tm
 
 def test_when_the_launcher_stops_a_nodes_ranks_the_running_cell_still_names_who_died(tmp_path):
     """torchrun stops every rank of a node (SIGTERM) when one of them dies: rank 0, on that node,
-    still ends the cell naming the dead rank, and records the rest as not run because of it."""
+    still ends the cell naming the dead rank, and records the rest as not run because of it. Rank 1
+    is as if on another host, so that only the launcher's signal, and then rank 1's silence, tell
+    rank 0 (on this host rank 0 could find it dead first, by its process)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "harness", "launch",
                PLANTED, "-k", "kill", "--case-timeout", "30", "--report-dir", str(tmp_path), "-p", "no:cacheprovider"]
-    run = start([command], tmp_path)
+    run = start([command], tmp_path, extra_env=[ANOTHER_HOST])
     cells = run.cells()
     host = socket.gethostname()
-    assert cells[("planted_rank_fault", "kill")]["summary"].startswith(f"rank 1 on {host} died (")
+    assert cells[("planted_rank_fault", "kill")]["summary"].startswith(f"rank 1 on {host} died (no answer within ")
     assert cells[("planted_rank_fault", "after_kill")]["summary"] == \
         f"not run: rank 1 on {host} died in planted_rank_fault[kill]"
     assert run.returncodes == [1] and run.matrix["complete"] is True
     assert wait_for_no_processes(run.token) == []
+
+
+# --- a rank's process, as rank 0 finds it on its own host (harness/launch/liveness.py) ----------
+
+
+def test_a_live_process_is_not_gone_and_one_on_another_host_or_unknown_is_never_called_gone():
+    from harness.launch import liveness
+
+    me = liveness.identity()
+    assert me is not None and me["pid"] == os.getpid()
+    assert not liveness.gone(me, me)
+    dead = {**me, "pid": 2 ** 22 + 1}  # above any pid this kernel gives (pid_max is at most 2**22)
+    assert liveness.gone(dead, me)
+    assert not liveness.gone({**dead, "boot": "another host's"}, me)  # its process table is not this one
+    assert not liveness.gone({**dead, "pid_namespace": "pid:[1]"}, me)
+    assert not liveness.gone(None, me) and not liveness.gone(dead, None)
+
+
+def test_a_process_that_exited_a_zombie_and_a_reused_pid_are_gone():
+    from harness.launch import liveness
+
+    me = liveness.identity()
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        with open(f"/proc/{child.pid}/stat", "rb") as f:
+            started = int(f.read().rpartition(b")")[2].split()[19])
+        peer = {**me, "pid": child.pid, "started": started}
+        assert not liveness.gone(peer, me)
+        assert liveness.gone({**peer, "started": started - 1}, me)  # the pid is another process's now
+        child.stdin.close()
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # it exited; not reaped: a zombie
+        assert liveness.gone(peer, me)
+    finally:
+        child.wait()
+    assert liveness.gone(peer, me)

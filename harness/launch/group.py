@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from harness.controller.blame import collective_error, mark_victims, protocol_fault, stuck_kinds
 from harness.controller.pool import GRACE_S, WAIT_SLICE_S, GroupLost
+from harness.launch import liveness
 from harness.launch.channel import Channel, message_key, result_key
 from harness.launch.rank import COLLECTIVE_MARGIN_S, RankRuntime, run_guarded
 from harness.messages import CellSpec, RankResult, Rejoin, RunCell, Shutdown
@@ -28,6 +29,8 @@ from harness.rank import runner as rank_side
 from harness.records import CellOutcome, FaultKind, RankFault, RankOutcome
 
 LOST_AFTER_S = 5.0  # a rank whose heartbeat stands still this long during a cell has died
+# how often rank 0 looks for the processes of the ranks on its own host (harness/launch/liveness.py)
+LOOK_S = 0.2
 ASK_WAIT_S = 5.0  # how long stuck ranks get to say how far they got (a live one answers within a second)
 REJOIN_S = 60.0  # how long every rank gets to join the new process group after a fault
 BYE_WAIT_S = 3.0  # at the end, how long the others get to leave before rank 0 (maybe the store's host) exits
@@ -86,10 +89,14 @@ class Executor:
 class LaunchedGroup:
     """The launch's ranks, driven from rank 0; the PoolSet interface the plugin and cells.py use."""
 
-    def __init__(self, runtime: RankRuntime, channel: Channel, hosts: list[str]) -> None:
+    def __init__(self, runtime: RankRuntime, channel: Channel, hosts: list[str],
+                 processes: list[dict[str, Any] | None] | None = None) -> None:
         self.runtime = runtime
         self.channel = channel
         self.hosts = hosts
+        # each rank's process (liveness.identity), and rank 0's: a rank on this host found gone is lost at once
+        self.processes = processes or [None] * len(hosts)
+        self.me = liveness.identity()
         self.world_size = runtime.info.world_size
         self.executor = Executor(runtime)
         self.sent = 0
@@ -157,7 +164,7 @@ class LaunchedGroup:
         now = time.monotonic()
         deadline, first_fault_at, seen = now + timeout_s, None, 0
         beats: dict[int, tuple[int, float]] = {r: (-1, now) for r in pending if r != 0}
-        next_beat_check, sleep = now + 1.0, 0.0005
+        next_beat_check, next_look, sleep = now + 1.0, now + LOOK_S, 0.0005
         next_tick = now + WAIT_SLICE_S
         while pending:
             now = time.monotonic()
@@ -190,6 +197,11 @@ class LaunchedGroup:
                     elif now - since > LOST_AFTER_S and rank in pending:
                         outcome.faults.append(self._lost(rank, f"no heartbeat for {now - since:.0f} s"))
                         pending.discard(rank)
+            if followers and now >= next_look:
+                next_look = now + LOOK_S
+                for rank in self._gone(pending - {0}):
+                    outcome.faults.append(self._lost_here(rank))
+                    pending.discard(rank)
             if first_fault_at is None and outcome.faults:
                 first_fault_at = now
             sleep = 0.0005 if got else min(sleep * 2, 0.01)
@@ -223,10 +235,19 @@ class LaunchedGroup:
         return RankFault(rank, FaultKind.LOST, f"{why}: the process died, or its host did (its exit status and "
                                                f"output are in the launcher's log on {self.hosts[rank]})")
 
+    def _gone(self, ranks: set[int]) -> list[int]:
+        """Those of ``ranks`` on rank 0's own host whose process has ended."""
+        return [rank for rank in sorted(ranks) if liveness.gone(self.processes[rank], self.me)]
+
+    def _lost_here(self, rank: int) -> RankFault:
+        return RankFault(rank, FaultKind.LOST, f"its process, pid {self.processes[rank]['pid']}, has ended: its exit "
+                                               f"status and output are in the launcher's log on {self.hosts[rank]}")
+
     def _stuck(self, pending: set[int], *, after_fault: bool) -> list[RankFault]:
         """Ask the ranks that gave no result how far they got and where they are; blame from that."""
         progress: dict[int, int | None] = {}
         stacks: dict[int, str] = {}
+        faults: list[RankFault] = []
         if 0 in pending:
             progress[0], stacks[0] = rank_side.collectives_issued(), self.executor.stack()
         silent = set(pending - {0})
@@ -239,10 +260,16 @@ class LaunchedGroup:
                     if self.channel.has(f"answer/{self.asked}/{rank}"):
                         progress[rank], stacks[rank] = self.channel.take(f"answer/{self.asked}/{rank}")
                         silent.discard(rank)
+                gone = self._gone(silent)  # no answer will come: not waited for
+                if gone:
+                    faults += [self._lost_here(rank) for rank in gone]
+                    silent.difference_update(gone)
+                    pending = pending - set(gone)
                 time.sleep(0.02)
-        faults = [self._lost(rank, f"no answer within {ASK_WAIT_S:g} s") for rank in sorted(silent)]
+        faults += [self._lost(rank, f"no answer within {ASK_WAIT_S:g} s") for rank in sorted(silent)]
         answered = sorted(pending - silent)
-        kinds = stuck_kinds(answered, after_fault=after_fault or bool(silent), progress=progress, stacks=stacks)
+        kinds = stuck_kinds(answered, after_fault=after_fault or bool(silent) or bool(faults), progress=progress,
+                            stacks=stacks)
         return faults + [RankFault(rank, kinds[rank], stacks.get(rank, "")) for rank in answered]
 
     def _after_faults(self, faults: list[RankFault], spec: CellSpec) -> None:
@@ -298,5 +325,5 @@ class LaunchedGroup:
         deadline = time.monotonic() + BYE_WAIT_S
         waiting = set(range(1, self.world_size))
         while waiting and time.monotonic() < deadline:
-            waiting = {r for r in waiting if not self.channel.has(f"bye/{r}")}
+            waiting = {r for r in waiting if not self.channel.has(f"bye/{r}")} - set(self._gone(waiting))
             time.sleep(0.02)

@@ -160,6 +160,7 @@ def main(argv: Sequence[str]) -> int:
     except OptionError as exc:
         _say(info, str(exc), everyone=True)
         return EXIT_USAGE
+    from harness.launch import liveness
     from harness.launch.channel import Channel, connect
     from harness.launch.rank import RankRuntime, follow, start_watch
 
@@ -170,8 +171,9 @@ def main(argv: Sequence[str]) -> int:
 
         me = {"rank": info.rank, "host": info.host, "node": info.node_rank, "local_rank": info.local_rank,
               "local_world_size": info.local_world_size, "device": _device_name(backend, runtime.device)}
-        peers: list[Any] = [None] * info.world_size
-        dist.all_gather_object(peers, me)
+        gathered: list[Any] = [None] * info.world_size
+        dist.all_gather_object(gathered, (me, liveness.identity()))  # each rank's process: rank 0's to watch
+        peers, processes = [p for p, _ in gathered], [q for _, q in gathered]
         channel = Channel(connect(info))
         start_watch(runtime, driver=info.rank == 0)
     except Exception as exc:
@@ -182,7 +184,7 @@ def main(argv: Sequence[str]) -> int:
         return follow(runtime, channel)
     from harness.launch.group import LaunchedGroup
 
-    group = LaunchedGroup(runtime, channel, hosts=[p["host"] for p in peers])
+    group = LaunchedGroup(runtime, channel, hosts=[p["host"] for p in peers], processes=processes)
     status = EXIT_START
     try:
         # the harness is imported already (this command), too early for pytest to rewrite its asserts
