@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import NOT_THE_SESSIONS_PLUGINS, ROOT
 from test_docs import documented_run, fenced_blocks
 from test_launch import free_port
 
@@ -27,7 +27,8 @@ PAGE = ROOT / "docs" / "script.md"
 
 
 def environment() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER")}
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}
+    return {**env, "PYTEST_ADDOPTS": NOT_THE_SESSIONS_PLUGINS}
 
 
 def watch(report_dir: Path, script: Path, *options: str, args: tuple[str, ...] = (), cwd: Path | None = None,
