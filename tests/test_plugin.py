@@ -228,9 +228,9 @@ SOCKET_PATH_MAX, SOCKET_IN_TEMP = 107, len("/pymp-XXXXXXXX/listener-XXXXXXXX")
 def run_temp():
     """A TMPDIR for a run under test, whose pools' folders the test looks for afterwards: a folder
     of its own, short enough for the run's fork server. One in tmp_path (pytest's folder, then the
-    test's name) was about 110 bytes with the socket: the server could not start, and every rank
-    of those runs was spawned, importing torch and accelerate itself (a minute of CPU over these
-    tests; tests/test_pool.py covers that fallback on purpose)."""
+    test's name) came to 109 bytes with the socket under xdist: the server could not start, and
+    every rank of those runs was spawned, importing torch and accelerate itself (15 of 55 CPU-s of
+    these eight tests; tests/test_pool.py covers that fallback on purpose)."""
     temp = Path(tempfile.mkdtemp(prefix="gsync-"))
     try:
         assert len(os.fsencode(temp)) + SOCKET_IN_TEMP <= SOCKET_PATH_MAX, f"{temp}: too deep for a fork server"
