@@ -401,17 +401,21 @@ def test_a_live_process_is_not_gone_and_one_on_another_host_or_unknown_is_never_
     assert not liveness.gone(None, me) and not liveness.gone(dead, None)
 
 
+CHILD_SAYS_WHO = ("import json, sys\nfrom harness.launch import liveness\n"
+                  "print(json.dumps(liveness.identity()), flush=True)\nsys.stdin.read()\n")
+
+
 def test_a_process_that_exited_a_zombie_and_a_reused_pid_are_gone():
     from harness.launch import liveness
 
     me = liveness.identity()
-    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    child = subprocess.Popen([sys.executable, "-c", CHILD_SAYS_WHO], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
-        with open(f"/proc/{child.pid}/stat", "rb") as f:
-            started = int(f.read().rpartition(b")")[2].split()[19])
-        peer = {**me, "pid": child.pid, "started": started}
+        peer = json.loads(child.stdout.readline())  # as a rank sends it
+        assert peer["pid"] == child.pid
         assert not liveness.gone(peer, me)
-        assert liveness.gone({**peer, "started": started - 1}, me)  # the pid is another process's now
+        assert liveness.gone({**peer, "started": peer["started"] - 1}, me)  # the pid is another process's now
         child.stdin.close()
         os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # it exited; not reaped: a zombie
         assert liveness.gone(peer, me)

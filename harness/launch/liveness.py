@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from harness.rank.runner import process_alive
+
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 
@@ -36,26 +38,16 @@ def gone(peer: dict[str, Any] | None, mine: dict[str, Any] | None) -> bool:
     False wherever that table cannot say (another host, another pid namespace, no identity)."""
     if not peer or not mine or (peer.get("boot"), peer.get("pid_namespace")) != (mine["boot"], mine["pid_namespace"]):
         return False
-    try:
-        state, started = _stat(int(peer["pid"]))
-    except FileNotFoundError:
-        return True
-    except (OSError, IndexError, ValueError):
-        return False
-    return started != peer["started"] or state in ("Z", "X")
+    pid = int(peer["pid"])
+    return not process_alive(pid) or _started(pid) not in (None, peer["started"])
 
 
 def _started(pid: int) -> int | None:
+    """The process's start time (``man 5 proc``: field 22 of its stat), or None where it cannot be read.
+    The name (field 2) may hold spaces and parentheses: the fields after it are counted from its last
+    ')'."""
     try:
-        return _stat(pid)[1]
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rpartition(b")")[2].split()[19])
     except (OSError, IndexError, ValueError):
         return None
-
-
-def _stat(pid: int) -> tuple[str, int]:
-    """The process's state letter and start time (``man 5 proc``: fields 3 and 22 of its stat);
-    FileNotFoundError where there is no such process. The name (field 2) may hold spaces and
-    parentheses: the fields after it are counted from its last ')'."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        rest = f.read().rpartition(b")")[2].split()
-    return rest[0].decode(), int(rest[19])
