@@ -1,10 +1,11 @@
 """A fork server shared by the sessions a process starts (harness/controller/rank_server.py): a
 session whose own server would be the same forks its ranks from the shared one and never ends it; a
 session whose start-up differs (a sitecustomize of its own, another interpreter, another
-transformers, another HF_HUB_OFFLINE) or that is told nothing starts its own; a rank of the shared server goes when its controller is killed outright; a
-session under test, which loads the suite's conftest.py as it collects tests/planted/, starts no
-shared server of its own. A process that runs many pools has its ranks forked with the libraries
-only some cells import already loaded, and nothing printed of it; a session's own server, not."""
+transformers, another HF_HUB_OFFLINE) or that is told nothing starts its own; a rank of the shared
+server goes when its controller is killed outright; a session under test, which loads the suite's
+conftest.py as it collects tests/planted/, starts no shared server of its own. A process that runs
+many pools has its ranks forked with the libraries only some cells import already loaded, and
+nothing printed of it; a session's own server, not."""
 
 from __future__ import annotations
 
@@ -19,8 +20,7 @@ import time
 import pytest
 from conftest import ROOT, wait_until
 
-from harness.controller import rank_server
-from harness.controller import options
+from harness.controller import options, rank_server
 from harness.rank.runner import process_alive
 
 # which server a session took, and with an argument "ranks" its pool of two and the parent of each rank
@@ -190,6 +190,7 @@ def test_the_ranks_of_a_process_that_runs_many_pools_start_with_what_only_some_c
     # a session's own server: a rank imports them at its first cell that uses them
     assert json.loads(runs["own"].stdout) == [[]]
     installed = [name for name in OPTIONAL if importlib.util.find_spec(name.split(".")[0]) is not None]
+    assert "torch._inductor.compile_fx" in installed  # at least one: the check below is not of nothing
     if options.gpu_driver_present():
         installed = []  # a fork server never initialises CUDA, which DeepSpeed's import can
     assert json.loads(runs["all"].stdout) == [installed]
