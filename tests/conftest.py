@@ -172,14 +172,16 @@ def pytest_unconfigure(config):
 NOT_THE_SESSIONS_PLUGINS = "-p no:hypothesispytest -p no:anyio"
 
 
-def session_env(token: str, **extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env["HARNESS_TEST_TOKEN"] = token
-    env["PYTHONPATH"] = str(ROOT)
-    env.pop("PYTEST_XDIST_WORKER", None)
-    env["PYTEST_ADDOPTS"] = NOT_THE_SESSIONS_PLUGINS  # and none of the run's own options
-    env.update(extra)
+def plain_env() -> dict[str, str]:
+    """This process's environment for a command under test: not an xdist worker's, and none of the
+    run's own pytest options (only NOT_THE_SESSIONS_PLUGINS)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}
+    env["PYTEST_ADDOPTS"] = NOT_THE_SESSIONS_PLUGINS
     return env
+
+
+def session_env(token: str, **extra: str) -> dict[str, str]:
+    return {**plain_env(), "HARNESS_TEST_TOKEN": token, "PYTHONPATH": str(ROOT), **extra}
 
 
 def start_pytest(args: list[str], report_dir: Path, *, ctrl_c: str = "handled",

@@ -8,7 +8,6 @@ command and torchrun run the same. Real ranks, gloo, the installed accelerate, r
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import NOT_THE_SESSIONS_PLUGINS, ROOT
+from conftest import ROOT, plain_env
 from test_docs import documented_run, fenced_blocks
 from test_launch import free_port
 
@@ -26,11 +25,6 @@ CLASSIFIER = EXAMPLE / "scripts" / "train_classifier.py"
 PAGE = ROOT / "docs" / "script.md"
 
 
-def environment() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}
-    return {**env, "PYTEST_ADDOPTS": NOT_THE_SESSIONS_PLUGINS}
-
-
 def watch(report_dir: Path, script: Path, *options: str, args: tuple[str, ...] = (), cwd: Path | None = None,
           launcher: tuple[str, ...] = (sys.executable,), **settings: str) -> tuple[subprocess.CompletedProcess, dict]:
     """``python -m harness watch SCRIPT OPTIONS -- ARGS``; the result and the matrix's cells by (variant,
@@ -38,7 +32,7 @@ def watch(report_dir: Path, script: Path, *options: str, args: tuple[str, ...] =
     command = [*launcher, "-m", "harness", "watch", str(script), "--report-dir", str(report_dir), *options]
     if args:
         command += ["--", *args]
-    result = subprocess.run(command, cwd=cwd or report_dir.parent, env={**environment(), **settings},
+    result = subprocess.run(command, cwd=cwd or report_dir.parent, env={**plain_env(), **settings},
                             capture_output=True, text=True, timeout=600)
     matrix_file = report_dir / "matrix.json"
     assert matrix_file.exists(), result.stdout[-3000:] + result.stderr[-3000:]
@@ -167,7 +161,7 @@ def test_a_failing_cells_rerun_command_runs_it_again_alone(mistakes, tmp_path):
     rerun = shlex.split(cells[("as-written", 2)]["rerun"])
     assert rerun[:4] == ["python", "-m", "harness", "watch"] and rerun[-2:] == ["--mistake", "step_at_zero"]
     report_dir = Path(rerun[rerun.index("--report-dir") + 1])
-    result = subprocess.run([sys.executable, *rerun[1:]], cwd=tmp_path, env=environment(), capture_output=True,
+    result = subprocess.run([sys.executable, *rerun[1:]], cwd=tmp_path, env=plain_env(), capture_output=True,
                             text=True, timeout=600)
     again = json.loads((report_dir / "matrix.json").read_text())["cells"]
     assert result.returncode == 1 and [(c["variant"], c["world_size"], c["status"]) for c in again] == [
@@ -270,7 +264,7 @@ def test_under_torchrun_the_launchers_processes_are_the_ranks(tmp_path):
     # a world size other than the launcher's stops every rank with one line
     other = subprocess.run([*launcher[:-1], f"127.0.0.1:{free_port()}", "-m", "harness", "watch", str(HAND_LOOP),
                             "--world-sizes", "4", "--report-dir", str(tmp_path / "other")], cwd=tmp_path,
-                           env=environment(), capture_output=True, text=True, timeout=600)
+                           env=plain_env(), capture_output=True, text=True, timeout=600)
     assert other.returncode != 0 and not (tmp_path / "other" / "matrix.json").exists()
     assert "--world-sizes: the launcher started 2 ranks; under a launcher the world size is the launcher's" in \
         other.stdout + other.stderr
@@ -300,7 +294,7 @@ def test_under_accelerate_launch_its_settings_are_the_scripts(tmp_path):
     (["watch", str(HAND_LOOP), "--world-sizes", "0"], "world sizes of 1 or more"),
 ])
 def test_bad_input_to_the_command_is_one_line_and_exit_2(argv, says):
-    result = subprocess.run([sys.executable, "-m", "harness", *argv], env=environment(), capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "harness", *argv], env=plain_env(), capture_output=True,
                             text=True, timeout=120)
     # one line saying what was wrong (argparse's usage above it for a malformed option)
     line = result.stderr.strip().splitlines()[-1]

@@ -6,14 +6,13 @@ what to give instead. Real ranks, gloo, the installed accelerate."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from conftest import NOT_THE_SESSIONS_PLUGINS, ROOT
+from conftest import ROOT, plain_env
 from test_docs import GUIDE, counts_line, documented_run, fenced_blocks
 
 EXAMPLE = ROOT / "examples" / "my_project"
@@ -23,10 +22,8 @@ CASES = "tests/planted/watch_cases.py"
 def run_example(project: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
     """``pytest ARGS`` from the example's own folder, as a user runs it (its pyproject puts
     my_project on the path), against this checkout's harness; the result and the cells by key."""
-    env = {**{k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"},
-           "PYTEST_ADDOPTS": NOT_THE_SESSIONS_PLUGINS}
     result = subprocess.run([sys.executable, "-m", "pytest", *args, "-p", "no:cacheprovider"],
-                            cwd=project, env=env, capture_output=True, text=True, timeout=900)
+                            cwd=project, env=plain_env(), capture_output=True, text=True, timeout=900)
     matrix = json.loads((project / "reports" / "matrix.json").read_text())
     return result, {(c["case"], c["variant"], c["world_size"]): c for c in matrix["cells"]}
 
