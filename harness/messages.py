@@ -13,7 +13,7 @@ from harness.timeline import TimelineRecorder
 
 # What ``python -m harness watch SCRIPT`` asks of every process of its run, ranks included: the script,
 # its arguments and the specification's options, as JSON in this environment variable
-# (harness/launch/watch.py writes it; harness/rank/script_cells.py and harness/controller/script.py read it).
+# (harness/launch/watch.py writes it; harness/rank/script/cells.py and harness/controller/script.py read it).
 WATCH_ENVIRONMENT = "GRADSYNC_WATCH"
 
 

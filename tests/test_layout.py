@@ -13,8 +13,8 @@ The rank side is layered, each layer importing only those below it (``RANK_LAYER
 wrapper's) <- ``wrappers`` <- ``rank.oracle`` (the replicas, the schedule, the reductions, the token
 weights: what every rank must hold) <- ``rank.judging`` (the checks, the diagnoses, the recorder, the
 judging of the reductions) <- ``rank`` (the case's side: the context, the watch, the Trainer, the
-models and data, a script's watch) <- ``rank.process`` (the runner a rank calls per cell, and what it
-preloads).
+models and data, and ``rank/script/``, a script's run and watch) <- ``rank.process`` (the runner a
+rank calls per cell, and what it preloads).
 """
 
 from __future__ import annotations
@@ -40,9 +40,11 @@ SUBPACKAGES = ("rank", "wrappers", "controller", "launch", "matrix", "render", "
 # The rank side's layers, bottom first: each may import those before it, none after it.
 RANK_LAYERS = ("rank.numerics", "wrappers", "rank.oracle", "rank.judging", "rank", "rank.process")
 LAYER_PACKAGES = ("numerics", "oracle", "judging")  # harness/rank/<layer>/
+# harness/rank/<room>/: a room of the case's side (``rank``), in a folder of its own
+RANK_ROOMS = ("script",)
 # Directly in harness/rank/, the rank's process: what a pool's or a launcher's rank runs per cell.
 RANK_PROCESS = {"harness.rank.runner", "harness.rank.preload", "harness.rank.preload_all", "harness.rank.raises",
-                "harness.rank.script_cells"}
+                "harness.rank.script.cells"}
 # The planted faults run inside the ranks (the self-check's ``run`` is the controller's).
 FAULT_MODULES = {"harness.selfcheck.planted", "harness.selfcheck.faults", "harness.selfcheck.faults_deepspeed",
                  "harness.selfcheck.faults_fsdp", "harness.selfcheck.faults_tokens",
@@ -110,7 +112,8 @@ def harness_imports(path: Path) -> set[str]:
 
 
 MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
-PACKAGES = {f"harness.{p}" for p in SUBPACKAGES} | {f"harness.rank.{p}" for p in LAYER_PACKAGES}
+PACKAGES = ({f"harness.{p}" for p in SUBPACKAGES} | {f"harness.rank.{p}" for p in LAYER_PACKAGES}
+            | {f"harness.rank.{p}" for p in RANK_ROOMS})
 
 
 def allowed(importer: str, imported: str) -> bool:
@@ -305,7 +308,7 @@ def test_the_public_api_and_the_plugin_import_no_torch():
     case file of the user's) load without it; RankContext and Oracle import it on first use."""
     from harness.messages import WATCH_ENVIRONMENT
 
-    probe = ("import sys, harness, harness.plugin, harness.rank.script_cells\n"
+    probe = ("import sys, harness, harness.plugin, harness.rank.script.cells\n"
              "from harness import case, grid, Diagnosis, MicroStep, PRECISIONS, ALL_PRECISIONS\n"
              "assert 'torch' not in sys.modules, 'torch imported'\n"
              "from harness import RankContext, Oracle\n"

@@ -1,4 +1,4 @@
-"""A training script checked as it is: ``python -m harness watch SCRIPT`` (harness/rank/script.py,
+"""A training script checked as it is: ``python -m harness watch SCRIPT`` (harness/rank/script/run.py,
 docs/script.md). The example project's unedited script passes at world sizes 1 and 2 in fp32 and bf16;
 a script that accumulates by hand passes under its declared window and fails under another; each
 mistake planted in one unedited script fails with its diagnosis at its step; what the harness cannot
@@ -208,7 +208,7 @@ def test_what_the_script_raises_is_said_with_the_scripts_line_it_came_through(tm
                           HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf-home"))
     cell = cells[("as-written", 1)]
     assert result.returncode == 1 and cell["status"] == "error"
-    assert cell["summary"].startswith("rank 0 raised harness.rank.script.ScriptFailed: OSError: ")
+    assert cell["summary"].startswith("rank 0 raised harness.rank.script.run.ScriptFailed: OSError: ")
     line = next(n for n, text in enumerate(HAND_LOOP.read_text().splitlines(), 1) if "no-such-checkpoint" in text)
     call = 'AutoConfig.from_pretrained("gradsync-harness/no-such-checkpoint")'
     assert cell["summary"].endswith(f"(at hand_loop.py:{line}: {call})")

@@ -1,5 +1,5 @@
 """A script whose own Accelerator asks for FSDP or DeepSpeed (its plugin, or accelerate launch's config)
-runs under that wrapper, the cell saying so (harness/rank/script_plugins.py, docs/script.md "FSDP and
+runs under that wrapper, the cell saying so (harness/rank/script/plugins.py, docs/script.md "FSDP and
 DeepSpeed"): each wrapper passes a correct unedited script and fails a planted mistake with its diagnosis;
 DeepSpeed's own clipping is the oracle's; a setting the oracle does not model is one line naming it.
 Real ranks, gloo, the installed accelerate and DeepSpeed, real processes."""

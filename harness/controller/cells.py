@@ -87,7 +87,7 @@ def run_cell(pools: PoolSet, case: CaseRef, variant: Variant, world_size: int, s
     # whatever pytest's rootdir (an installed catalogue lies outside it)
     runnable = nodeid(case, variant.name, world_size)
     node = node or runnable
-    if case.path.name == SCRIPT_CELLS and watched() is not None:  # `python -m harness watch SCRIPT`'s cell
+    if case.path.parts[-2:] == SCRIPT_CELLS and watched() is not None:  # `python -m harness watch SCRIPT`'s cell
         rerun = watch_rerun(world_size=world_size, variant=variant.name, case_timeout_s=settings.case_timeout_s,
                             report_dir=os.path.join(settings.report_dir, RERUN_DIR))
     else:

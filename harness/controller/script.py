@@ -9,7 +9,7 @@ from typing import Any
 from harness.decorator import ALL_PRECISIONS
 from harness.messages import watched
 
-SCRIPT_CELLS = "script_cells.py"  # harness/rank/script_cells.py: the cells' case file
+SCRIPT_CELLS = ("script", "cells.py")  # harness/rank/script/cells.py, under harness/rank: the cells' case file
 
 
 def rerun_command(*, world_size: int, variant: str, report_dir: str, case_timeout_s: float) -> str:

@@ -1,6 +1,6 @@
 """``python -m harness watch SCRIPT [options] [-- SCRIPT ARGUMENTS]``: a training script run unedited on
-N ranks with every step checked (harness/rank/script.py), its cells judged and reported as any case's
-(docs/script.md). Locally the harness's rank pools run it (pytest on harness/rank/script_cells.py); under
+N ranks with every step checked (harness/rank/script/run.py), its cells judged and reported as any case's
+(docs/script.md). Locally the harness's rank pools run it (pytest on harness/rank/script/cells.py); under
 torchrun, srun or ``accelerate launch`` the launcher's processes are the ranks (``harness launch``)."""
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def run_watch(args: argparse.Namespace) -> int:
     })
     import harness.rank
 
-    cells = str(Path(harness.rank.__file__).with_name(SCRIPT_CELLS))
+    cells = str(Path(harness.rank.__file__).parent.joinpath(*SCRIPT_CELLS))
     # no ini file of the working directory's project (its addopts, its plugins) changes the run
     options = ["--report-dir", str(args.report_dir), "--case-timeout", f"{args.case_timeout:g}",
                "-p", "no:cacheprovider", "-c", os.devnull]

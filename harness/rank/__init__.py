@@ -8,9 +8,9 @@
 - ``judging``: the checks against the oracle, the diagnoses, the recorder, the judging of the
   wrapper's reductions;
 - the case's side, directly here: the cell's context, ``ctx.watch``, the Trainer, the models and
-  data, a script's watch;
+  data; and in ``script/``, a script run as it is (``python -m harness watch``) and its watch;
 - the rank's process, directly here: the runner (``runner.run_cell``) that a pool's or a launcher's
-  rank calls per cell, what it preloads, and the cells of a watched script.
+  rank calls per cell, what it preloads, and the cells of a watched script (``script/cells.py``).
 
 Each also imports the core modules of ``harness``; the runner, ``harness.selfcheck``'s planted faults
 only for a cell that names one. Never the controller, the launch path, the reports.

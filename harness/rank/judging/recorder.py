@@ -33,9 +33,9 @@ class Recorder:
     # recorded where one would have run, so that the cell says so
     unchecked: dict[str, str] = field(default_factory=dict)
     # what the harness changed of the user's own settings to run the cell (a script's Accelerator
-    # arguments: harness/rank/script.py), by setting, each as ``was -> now``; said in the summary
+    # arguments: harness/rank/script/run.py), by setting, each as ``was -> now``; said in the summary
     forced: dict[str, str] = field(default_factory=dict)
-    # the wrapper a script's own Accelerator asked for (harness/rank/script_plugins.py), or ""
+    # the wrapper a script's own Accelerator asked for (harness/rank/script/plugins.py), or ""
     wrapper: str = ""
     # the backend's probed defects (``PROBED``, harness/decorator.py) the cell's syncs went through
     defects: set[str] = field(default_factory=set)

@@ -75,7 +75,7 @@ class Oracle(CheckCalls):
         ends (RankContext does); without it each is sent at once. ``window_length``: under
         ``contract="full_batch"``, how many micro-batches the window of the backward being run has.
         ``weights``: the models to copy where ``models`` no longer hold their whole weights (a script's
-        models sharded in place by prepare: harness/rank/script.py)."""
+        models sharded in place by prepare: harness/rank/script/run.py)."""
         refuse_options(models, precision=config.precision,
                        both_optimizers=optimizer is not None and optimizers is not None, num_steps=config.num_steps,
                        contract=config.contract, window_length=window_length, scheduler_steps=scheduler_steps)

@@ -1,4 +1,4 @@
-"""``python -m harness watch --tiny-model`` (harness/rank/script.py): a script's pretrained transformers
+"""``python -m harness watch --tiny-model`` (harness/rank/script/run.py): a script's pretrained transformers
 models built of their own configs shrunk, with random weights; the sync is checked the same on a model
 of two layers as on the checkpoint's, in a fraction of the time."""
 

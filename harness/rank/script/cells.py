@@ -39,7 +39,7 @@ WATCHED = configuration()
 @case(WATCHED["name"], variants=variants(WATCHED["precisions"]), wrappers=["ddp"])
 def test_script(ctx: RankContext) -> None:
     """The script run unedited on every rank, its first Accelerator the cell's, every step checked."""
-    from harness.rank.script import run_script  # here: the run's controller never imports torch
+    from harness.rank.script.run import run_script  # here: the run's controller never imports torch
 
     run_script(ctx, WATCHED["path"], WATCHED["argv"], loss=WATCHED["loss"], num_steps=WATCHED["num_steps"],
                contract=WATCHED["contract"], precision=ctx.variant.get("precision"),

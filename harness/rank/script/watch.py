@@ -1,4 +1,4 @@
-"""The watch of a script's own Accelerator (``python -m harness watch``, harness/rank/script.py): the
+"""The watch of a script's own Accelerator (``python -m harness watch``, harness/rank/script/run.py): the
 models, optimizers and schedulers it prepares found as it prepares them, and the oracle made of them
 before its first batch, with copies of its optimizers and schedulers as it made them.
 """

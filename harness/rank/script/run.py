@@ -35,9 +35,9 @@ import torch
 from torch import nn
 
 from harness.rank.context import MIXED_PRECISION
-from harness.rank.script_plugins import asked_wrapper, carry_over
-from harness.rank.script_watch import WHO, ScriptWatch
-from harness.rank.tiny_model import tiny_pretrained
+from harness.rank.script.plugins import asked_wrapper, carry_over
+from harness.rank.script.watch import WHO, ScriptWatch
+from harness.rank.script.tiny_model import tiny_pretrained
 from harness.rank.watch import LoopRefused
 
 if TYPE_CHECKING:
