@@ -101,6 +101,7 @@ class RankResult:
     timeline: TimelineRecorder | None = None  # every check by micro-step (harness/timeline.py)
     unchecked: dict[str, str] = field(default_factory=dict)  # checks that could not run here: their reasons
     forced: dict[str, str] = field(default_factory=dict)  # the user's settings the harness changed: was -> now
+    said: dict[str, str] = field(default_factory=dict)  # what the harness chose or noticed, by topic: said
     wrapper: str = ""  # the wrapper a script's own plugin asked for (``python -m harness watch``), or ""
     # the backend's probed defects (``PROBED``, harness/decorator.py) that the cell went through on this rank
     defects: list[str] = field(default_factory=list)

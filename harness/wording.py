@@ -244,6 +244,11 @@ def evidence_summary(cell: Cell) -> str:
     return f"{text}; max |diff| {cell.max_abs_diff:.3g}" + unchecked_suffix(cell.unchecked)
 
 
+def said_suffix(said: Mapping[str, str]) -> str:
+    """What the harness chose or noticed in a cell that changes no verdict, by topic, or nothing."""
+    return "".join(f"; {topic}: {text}" for topic, text in said.items())
+
+
 def wrapper_suffix(wrapper: str) -> str:
     """The wrapper a script's own plugin asked for, which the cell ran under, or nothing."""
     return f"; under {wrapper}, as the script's Accelerator asks" if wrapper else ""

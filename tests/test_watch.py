@@ -102,8 +102,9 @@ def test_each_usual_mistake_fails_with_its_diagnosis_and_what_cannot_be_inferred
         assert cell["status"] == "fail", (case, variant, cell["summary"])
         return {f["kind"] for f in cell["failures"]}
 
-    # the correct loops pass: accelerate's idiom and accumulation by hand, under DDP and FSDP2, with
-    # dropout of 0.5 replayed for the oracle without the case asking
+    # the correct loops pass: accelerate's idiom and accumulation by hand (each window's batches drawn
+    # one a backward, or all before its first backward), under DDP and FSDP2, with dropout of 0.5
+    # replayed for the oracle without the case asking
     for (case, variant, ws), cell in cells.items():
         if case in ("watch_accumulate", "watch_by_hand"):
             assert cell["status"] == "pass", (case, variant, cell["summary"])
@@ -134,7 +135,8 @@ def test_each_usual_mistake_fails_with_its_diagnosis_and_what_cannot_be_inferred
     other = cells[("watch_fsdp2_other_optimizer", "fp32-wrapper=fsdp2", 2)]
     assert other["status"] == "fail" and {(f["checked"], f["kind"]) for f in other["failures"]} == {("param", "mismatch")}
     refused = {
-        "windows_first": "the loop drew 2 batches from its prepared dataloader 1 before one backward",
+        "out_of_order": "the loop's backward took batch 2 of epoch 0 of the prepared dataloader 1 before batch 1 of "
+                        "epoch 0 of the prepared dataloader 1, drawn before it",
         "unprepared_data": "accelerator.backward with no batch drawn since the last backward from a dataloader "
                            "the loop prepared",
         "own_accelerator": "the loop made a second Accelerator; take the one the case gives it",

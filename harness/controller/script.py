@@ -23,7 +23,7 @@ def rerun_command(*, world_size: int, variant: str, report_dir: str, case_timeou
         parts += ["--loss", str(asked["loss"])]
     if asked.get("num_steps"):
         parts += ["--num-steps", str(asked["num_steps"])]
-    if asked.get("contract", "accelerate") != "accelerate":
+    if asked.get("contract"):
         parts += ["--contract", str(asked["contract"])]
     if asked.get("tiny_model"):
         parts += ["--tiny-model"]

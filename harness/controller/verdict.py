@@ -94,7 +94,9 @@ def judge(
     cell.forced = dict(sorted({k: v for r in results for k, v in r.forced.items()}.items()))
     cell.wrapper = results[0].wrapper
     cell = _judge_checks(cell, results, detects)
-    cell.summary += wording.wrapper_suffix(cell.wrapper) + wording.forced_suffix(cell.forced)
+    said = dict(sorted({k: v for r in results for k, v in r.said.items()}.items()))
+    cell.summary += (wording.said_suffix(said) + wording.wrapper_suffix(cell.wrapper)
+                     + wording.forced_suffix(cell.forced))
     return cell
 
 

@@ -18,7 +18,7 @@ from harness.controller.script import SCRIPT_CELLS
 from harness.decorator import ALL_PRECISIONS as PRECISIONS
 from harness.launch.environment import LaunchError, detect
 from harness.messages import WATCH_ENVIRONMENT
-from harness.rank.oracle.schedule import CONTRACTS
+from harness.rank.oracle.schedule import SCRIPT_CONTRACTS
 
 
 class WatchUsage(Exception):
@@ -117,10 +117,13 @@ def add_watch_parser(subparsers: Any) -> None:
             "mixed_precision), only what the cell needs forced (cpu=True on a CPU host; a --precision)\n"
             "and said in the cell's summary. The models it prepares, their optimizers and schedulers,\n"
             "its training dataloader's batches, its backwards, accumulate and clip are followed; each\n"
-            "micro-batch is checked against the oracle: the model's own .loss on the batch (or --loss),\n"
-            "accelerate's accumulation contract with the Accelerator's steps (or --num-steps for a loop\n"
-            "that accumulates by hand with no_sync). A second Accelerator, evaluation, gather and\n"
-            "printing are left alone. A script the harness cannot follow is an error cell saying why.\n"
+            "micro-batch is checked against the oracle: the model's own .loss on the batch, called as the\n"
+            "script called its model (or --loss), accelerate's accumulation contract with the\n"
+            "Accelerator's steps (or --num-steps for a loop that accumulates by hand with no_sync), or\n"
+            "the token contract for a loop that passes num_items_in_batch. Each backward belongs to the\n"
+            "batch its forward was given, so a loop that draws a window first is followed too. A second\n"
+            "Accelerator, evaluation, gather and printing are left alone. A script the harness cannot\n"
+            "follow is an error cell saying why.\n"
             "Reports as for `pytest cases/`: --report-dir/matrix.{json,md,html}."
         ),
         epilog=(
@@ -148,9 +151,12 @@ def add_watch_parser(subparsers: Any) -> None:
     parser.add_argument("--num-steps", type=_count("micro-batches", 1), default=None, metavar="K",
                         help="the micro-batches of a window, for a loop that accumulates by hand under an "
                              "Accelerator of one step (default: the Accelerator's gradient_accumulation_steps)")
-    parser.add_argument("--contract", choices=CONTRACTS, default="accelerate",
-                        help="accelerate: each micro-batch's loss divided by the steps (default); full_batch: "
-                             "each window the mean over the micro-batches it really had")
+    parser.add_argument("--contract", choices=SCRIPT_CONTRACTS, default=None,
+                        help="accelerate: each micro-batch's loss divided by the steps; full_batch: each window "
+                             "the mean over the micro-batches it really had; tokens: each window the mean over "
+                             "every valid label token of the global window (default: tokens where the script "
+                             "passes num_items_in_batch to its model, else accelerate; the cell's summary says "
+                             "which was chosen)")
     parser.add_argument("--tiny-model", action="store_true",
                         help="build every pretrained transformers model the script loads (from_pretrained) of its "
                              "own config shrunk to 2 layers of width 32, with random weights: the checkpoint's "

@@ -4,7 +4,7 @@ against accelerate's sharding contract, and its class's iteration patched to tel
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 # the attribute a watched dataloader carries its watch in
@@ -19,13 +19,32 @@ class Loader:
     expected: int  # the batches each rank's prepared loader must yield per epoch (the contract)
     epochs: int = 0  # iterations begun
     seen: int = 0  # batches drawn in the current iteration
-    pending: int = 0  # batches drawn since the last backward
-    batch: Any = None  # a copy of the last batch drawn, as drawn
-    rng: Any = None  # the RNG state when it was drawn (the loop's forward runs under it)
+    # the batches drawn that no backward has taken yet, oldest first (a loop that draws a window's
+    # batches before their backwards holds several)
+    drawn: list[Drawn] = field(default_factory=list)
     trained: bool = False  # a backward has taken one of its batches
 
     def name(self) -> str:
         return f"prepared dataloader {self.number}"
+
+
+@dataclass
+class Drawn:
+    """One batch a watched loader yielded, until a backward takes it."""
+
+    loader: Loader
+    epoch: int  # 0-based iteration of its loader
+    seen: int  # 1-based, in its iteration
+    batch: Any  # a copy, as drawn
+    rng: Any  # the RNG state when it was drawn (the forward's, where no forward of it is seen)
+    tensors: list[Any]  # the batch's own tensors, held so that their ids stay theirs
+
+    def holds(self, ids: set[int]) -> bool:
+        """Whether any of the tensors ``ids`` names is one of this batch's own."""
+        return any(id(t) in ids for t in self.tensors)
+
+    def where(self) -> str:
+        return f"batch {self.seen} of epoch {self.epoch} of the {self.loader.name()}"
 
 
 def follow_iteration(cls: type, watch_class: type, restore: list[Callable[[], None]]) -> None:

@@ -311,6 +311,7 @@ def run_cell(spec: CellSpec, rank: int, device: Any) -> RankResult:
         timeline=recorder.timeline if recorder else None,
         unchecked=dict(recorder.unchecked) if recorder else {},
         forced=dict(recorder.forced) if recorder else {},
+        said=dict(recorder.said) if recorder else {},
         wrapper=recorder.wrapper if recorder else "",
         defects=sorted(recorder.defects) if recorder else [],
         duration_s=time.perf_counter() - started,

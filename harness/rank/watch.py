@@ -2,9 +2,10 @@
 own training function (docs/writing-a-case.md#a-loop-as-it-is-ctxwatch).
 
 The loop gets the case's Accelerator, instrumented on this instance only (the class and every other
-Accelerator are untouched), and the objects it prepares: the prepared dataloaders' batches say which
-micro-batch each ``accelerator.backward`` belongs to, and the micro-step the accumulation contract
-gives it (the schedule, from the loader's length); ``accumulate`` says where the loop reads
+Accelerator are untouched), and the objects it prepares: each ``accelerator.backward`` belongs to the
+drawn batch its model's forward was given (harness/rank/forwards.py; else the one batch drawn since the
+last backward), which has the micro-step the accumulation contract gives it (the schedule, from the
+loader's length): a loop that draws a window's batches first is followed too; ``accumulate`` says where the loop reads
 ``sync_gradients``; ``clip_grad_norm_`` where it clips and what norm it got. The oracle runs the
 specification's loss on its replicas from a copy of the very batch the loop drew, under the RNG state
 the loop's forward ran under (dropout draws the same masks), and every backward and every micro-step's
@@ -27,8 +28,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from harness.rank.loaders import WATCH_ATTRIBUTE, Loader, dataloader_options, follow_iteration
+from harness.rank.forwards import Forward, Forwards, tensors_of
+from harness.rank.loaders import WATCH_ATTRIBUTE, Drawn, Loader, dataloader_options, follow_iteration
 from harness.rank.models import rng_state, under_rng_state
+from harness.rank.patching import patch
 from harness.rank.oracle.schedule import MicroStep, accumulation_schedule, window_lengths
 from harness.wrappers.prepared import unwrap
 
@@ -76,6 +79,9 @@ class Watch:
         self.schedule: list[list[MicroStep]] = []  # the contract's micro-steps, by epoch of the training loader
         self.loaders: dict[int, Loader] = {}  # by id of the prepared loader
         self.last_drawn: Loader | None = None
+        self._restore: list[Callable[[], None]] = []
+        # each training forward paired with the drawn batch it was given (a window drawn ahead)
+        self.forwards = Forwards(ctx.device, self._undone, self._restore)
         self.drawn_since_backward: list[Loader] = []
         self.training: Loader | None = None  # the loader whose batches the backwards take
         self.unsettled: MicroStep | None = None  # backed, its optimizer step and parameters not yet judged
@@ -85,7 +91,6 @@ class Watch:
         self.stopped = ""  # why the watch stopped checking (the schedule failed): the rest passes through
         self.rng_states: dict[int, Any] = {}
         self._iterations: set[type] = set()  # the loader classes whose iteration tells the watch
-        self._restore: list[Callable[[], None]] = []
 
     # the context manager
 
@@ -116,19 +121,8 @@ class Watch:
                               "must call accelerator.backward(loss) on batches drawn from a dataloader it prepared")
 
     def _patch(self, owner: Any, name: str, value: Any) -> None:
-        """Set ``owner.name`` for the watch; an instance's own method is put back by removing it."""
-        had = name in vars(owner)
-        before = vars(owner).get(name)
-        setattr(owner, name, value)
-
-        def restore() -> None:
-            if had:
-                setattr(owner, name, before)
-            else:
-                with contextlib.suppress(AttributeError):
-                    delattr(owner, name)
-
-        self._restore.append(restore)
+        """Set ``owner.name`` for as long as the watch lasts."""
+        patch(owner, name, value, self._restore)
 
     def _refuse_second_accelerator(self) -> None:
         """A loop that makes its own Accelerator runs outside the watch (and shares accelerate's
@@ -173,12 +167,23 @@ class Watch:
                                       f"({type(before).__name__}); give every model it trains to ctx.watch, by name")
                 return
             self.prepared[name] = after
+            self._follow_forwards(after)
         elif isinstance(before, DataLoader):
             self._watch_loader(before, after)
         elif isinstance(before, torch.optim.Optimizer):
             held = self.optimizers[self._owner(before)]
             if not any(after is known for known in held):  # prepare calls prepare_optimizer: both tell
                 held.append(after)
+
+    def _follow_forwards(self, prepared: nn.Module) -> None:
+        """Pair the training forwards of a prepared model with the batches drawn: the loop calls the
+        prepared model, or the one it wraps."""
+        self.forwards.follow(prepared)
+        self.forwards.follow(unwrap(prepared))
+
+    def _undone(self) -> list[Drawn]:
+        """The batches drawn that no backward has taken yet, of every watched loader."""
+        return [d for state in self.loaders.values() for d in state.drawn]
 
     def _owner(self, optimizer: torch.optim.Optimizer) -> str:
         """The model whose parameters ``optimizer`` holds (each optimizer holds one model's)."""
@@ -236,7 +241,7 @@ class Watch:
         state = self.loaders[id(loader)]
         state.epochs += 1
         state.seen = 0
-        state.pending = 0
+        state.drawn.clear()
         for batch in batches:
             self._drawn(state, batch)
             yield batch
@@ -248,11 +253,9 @@ class Watch:
         state.seen += 1
         if self.stopped:
             return
-        if state.trained and state.pending:
-            self._refuse_ahead(state)
-        state.pending += 1
-        state.batch = tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, batch)
-        state.rng = rng_state(self.ctx.device)
+        copy = tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, batch)
+        own = tensors_of(batch)
+        state.drawn.append(Drawn(state, state.epochs - 1, state.seen, copy, rng_state(self.ctx.device), own))
         self.last_drawn = state
         if state not in self.drawn_since_backward:
             self.drawn_since_backward.append(state)
@@ -262,18 +265,11 @@ class Watch:
         self._settle()
         if state in self.drawn_since_backward:
             self.drawn_since_backward.remove(state)
-        state.pending = 0
         if not state.trained or self.stopped:
             return
         if not self.ctx.recorder.batch_count(what=f"the {state.name()}", epoch=state.epochs - 1, seen=state.seen,
                                              expected=state.expected):
             self.stopped = "its dataloader yielded another number of batches than the contract's"
-
-    def _refuse_ahead(self, state: Loader) -> None:
-        raise LoopRefused(f"{self.who}: the loop drew batch {state.seen} of epoch {state.epochs - 1} from its "
-                          f"{state.name()} before the backward of the one before it; the watch pairs each backward "
-                          "with the one batch drawn before it: for a loop that takes a window's batches first (to "
-                          "count its tokens), write the case with ctx.windows and the oracle (docs/writing-a-case.md)")
 
     # the loop's backward, accumulate and clip
 
@@ -288,25 +284,32 @@ class Watch:
 
         return backward
 
-    def _micro_step(self) -> tuple[Loader, MicroStep] | None:
-        """The micro-step of the backward about to run: the batch the loop drew last, where the
-        contract puts it (None past the contract's count: nothing more is judged). What cannot be
-        paired is refused before the backward runs."""
-        state = self.last_drawn
-        if state is not None and not state.pending and state is self.training and self.unsettled is not None:
+    def _micro_step(self) -> tuple[Drawn, Forward | None, MicroStep] | None:
+        """The micro-step of the backward about to run: the drawn batch its forward was given (else
+        the one batch drawn since the last backward), where the contract puts it (None past the
+        contract's count: nothing more is judged). What cannot be paired is refused before the
+        backward runs."""
+        forward = self.forwards.take()
+        state = forward.drawn.loader if forward is not None else self.last_drawn
+        if forward is None and state is not None and not state.drawn and self.unsettled is not None:
             raise LoopRefused(f"{self.who}: a second accelerator.backward on batch {state.seen} of epoch "
                               f"{state.epochs - 1} of the {state.name()}; the specification gives one loss a batch: "
                               "for a loop with several losses a batch (a GAN's), write the case with the oracle beside "
                               "it (docs/writing-a-case.md)")
-        if state is None or not state.pending:
+        self._settle()  # a window drawn ahead: the last micro-step is over at this backward, not at a draw
+        if state is None or not state.drawn:
             raise LoopRefused(f"{self.who}: accelerator.backward with no batch drawn since the last backward from a "
                               "dataloader the loop prepared; the watch pairs each backward with the batch the loop "
                               "drew from a DataLoader it gave accelerator.prepare: prepare the loop's data source")
-        if state.pending > 1:
-            raise LoopRefused(f"{self.who}: the loop drew {state.pending} batches from its {state.name()} before one "
-                              "backward; the watch pairs each backward with the one batch drawn before it: for a loop "
-                              "that takes a window's batches first, write the case with ctx.windows and the oracle "
-                              "(docs/writing-a-case.md)")
+        if forward is None and len(state.drawn) > 1:
+            raise LoopRefused(f"{self.who}: the loop drew {len(state.drawn)} batches from its {state.name()} before "
+                              "one backward, and its model's forward was given none of their tensors; the watch "
+                              "pairs each backward with the batch its forward took (model(**batch)), or with the one "
+                              "batch drawn before it")
+        drawn = forward.drawn if forward is not None else state.drawn[0]
+        if drawn is not state.drawn[0]:
+            raise LoopRefused(f"{self.who}: the loop's backward took {drawn.where()} before {state.drawn[0].where()}, "
+                              "drawn before it; the watch follows a loop that takes its batches in the order drawn")
         others = [s.name() for s in self.drawn_since_backward if s is not state]
         if others:
             raise LoopRefused(f"{self.who}: the loop drew from its {' and '.join(others)} and its {state.name()} "
@@ -317,14 +320,16 @@ class Watch:
                               f"{state.name()}; the watch follows one training dataloader")
         self.training = state
         state.trained = True
-        point = self._point(state)
-        return None if point is None else (state, point)
+        state.drawn.pop(0)
+        self.drawn_since_backward.clear()
+        point = self._point(state, drawn)
+        return None if point is None else (drawn, forward, point)
 
-    def _point(self, state: Loader) -> MicroStep | None:
-        """The contract's micro-step for the ``seen``-th batch of the ``epochs``-th iteration (the
+    def _point(self, state: Loader, drawn: Drawn) -> MicroStep | None:
+        """The contract's micro-step for the ``seen``-th batch of the ``epoch``-th iteration (the
         schedule of that many epochs, so that windows run on across epochs where the contract says);
         None for a batch past the contract's count (the epoch's end reports it)."""
-        epoch, batch = state.epochs - 1, state.seen - 1
+        epoch, batch = drawn.epoch, drawn.seen - 1
         if batch >= state.expected:
             self.stopped = "its dataloader yielded more batches than the contract's"
             return None
@@ -338,15 +343,15 @@ class Watch:
         ctx.at_step = point.index
         return point
 
-    def _after_backward(self, state: Loader, point: MicroStep) -> None:
+    def _after_backward(self, drawn: Drawn, forward: Forward | None, point: MicroStep) -> None:
         oracle = self.oracle
         if self.accumulating:
             oracle.check_sync_flag(point, self.accelerator.sync_gradients)
-        batch, self.rng_states[point.index] = state.batch, state.rng
-        state.pending, state.batch, state.rng = 0, None, None
-        self.drawn_since_backward.clear()
+        batch = drawn.batch
+        self.rng_states[point.index] = forward.rng if forward is not None else drawn.rng
+        self._weigh(drawn, point)
         single = next(iter(self.originals)) if len(self.originals) == 1 else None
-        loss = self.loss
+        loss = self._loss_of(forward)
 
         def closure(replicas: dict[str, nn.Module]) -> torch.Tensor:
             return loss(replicas[single] if single is not None else replicas, batch)
@@ -356,6 +361,13 @@ class Watch:
         self.backwards += 1
         self.unsettled = point
         self.clipped = False
+
+    def _loss_of(self, forward: Forward | None) -> Callable[[Any, Any], torch.Tensor]:
+        """The specification's loss of the micro-batch ``forward`` ran (the case's ``loss``)."""
+        return self.loss
+
+    def _weigh(self, drawn: Drawn, point: MicroStep) -> None:
+        """Before the oracle's backward of ``drawn``: how its window weighs it (the contract's own)."""
 
     def replay(self, key: int) -> Any:
         """The RNG state the loop's forward of micro-step ``key`` ran under, for the oracle's forward."""

@@ -3,6 +3,7 @@ that accumulates, or with what the watch cannot infer; run only by tests/test_wa
 module). The loops know nothing of the harness: each is what a user would have written."""
 
 import contextlib
+import itertools
 
 import torch
 from torch import nn
@@ -41,14 +42,23 @@ def accumulate_loop(accelerator, model, data, *, divide=False, epochs=2):
                     optimizer.zero_grad()
 
 
-def by_hand(accelerator, model, data, *, steps=STEPS, mistake="", epochs=2):
-    """Accumulation by hand with ``no_sync``; ``mistake`` plants one of the usual ones."""
+def drawn_ahead(loader, steps):
+    """The loader's batches, each window's drawn before the first is given back (a loop that counts a
+    window's tokens first draws them so)."""
+    batches = iter(loader)
+    while window := list(itertools.islice(batches, steps)):
+        yield from window
+
+
+def by_hand(accelerator, model, data, *, steps=STEPS, mistake="", epochs=2, ahead=False):
+    """Accumulation by hand with ``no_sync``; ``mistake`` plants one of the usual ones; ``ahead``: each
+    window's batches drawn before its first backward."""
     loader = DataLoader(data, batch_size=3, shuffle=True)
     optimizers = make_optimizers(model)
     model, loader, *optimizers = accelerator.prepare(model, loader, *optimizers)
     forward_model = accelerator.unwrap_model(model) if mistake == "unwrapped_forward" else model
     for _ in range(epochs):
-        for step, batch in enumerate(loader):
+        for step, batch in enumerate(drawn_ahead(loader, steps) if ahead else loader):
             window_ends = (step + 1) % steps == 0 or step + 1 == len(loader)
             context = contextlib.nullcontext() if window_ends else accelerator.no_sync(model)
             if mistake == "forward_outside_no_sync":
@@ -84,12 +94,12 @@ def micro_batch(accelerator, model, optimizer, batch, *, losses=1):
         optimizer.zero_grad()
 
 
-def windows_first(accelerator, model, data):
-    """Takes each window's batches before its first backward (to count their tokens, say)."""
+def out_of_order(accelerator, model, data):
+    """Takes each window's batches first and backs them last first."""
     model, loader, optimizer = accelerator.prepare(model, DataLoader(data, batch_size=3), sgd(model))
     batches = iter(loader)
     for window in zip(batches, batches):
-        for batch in window:
+        for batch in reversed(window):
             micro_batch(accelerator, model, optimizer, batch)
 
 
@@ -138,12 +148,13 @@ def test_watch_accumulate(ctx):
         raise AssertionError(f"the watch holds the loop's optimizers as {held}")
 
 
-@case("watch_by_hand", variants=grid(steps=[2, 3], precision=PRECISIONS), wrappers=["ddp", "fsdp2"])
+@case("watch_by_hand", variants=grid(steps=[2, 3], draw=["each", "ahead"], precision=PRECISIONS),
+      wrappers=["ddp", "fsdp2"])
 def test_watch_by_hand(ctx):
     steps = ctx.variant["steps"]
     accelerator, model, watch = watched(ctx, accelerator_steps=1, clip_grad_norm=MAX_NORM, num_steps=steps)
     with watch:
-        by_hand(accelerator, model, dataset(), steps=steps)
+        by_hand(accelerator, model, dataset(), steps=steps, ahead=ctx.variant["draw"] == "ahead")
 
 
 # the guide's bug: accelerator.backward divides by the steps, and so does the loop
@@ -171,7 +182,7 @@ def test_watch_by_hand_mistake(ctx):
         by_hand(accelerator, model, dataset(), mistake=ctx.variant["mistake"])
 
 
-@case("watch_refused", variants=grid(loop=["windows_first", "unprepared_data", "own_accelerator",
+@case("watch_refused", variants=grid(loop=["out_of_order", "unprepared_data", "own_accelerator",
                                            "clip_unspecified", "two_losses_a_batch"]), wrappers=["ddp"])
 def test_watch_refused(ctx):
     loop = ctx.variant["loop"]
@@ -181,7 +192,7 @@ def test_watch_refused(ctx):
         if loop == "clip_unspecified":
             accumulate_loop(accelerator, model, dataset())
         else:
-            {"windows_first": windows_first, "unprepared_data": unprepared_data, "own_accelerator": own_accelerator,
+            {"out_of_order": out_of_order, "unprepared_data": unprepared_data, "own_accelerator": own_accelerator,
              "two_losses_a_batch": two_losses_a_batch}[loop](accelerator, model, dataset())
 
 

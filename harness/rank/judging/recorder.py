@@ -35,6 +35,9 @@ class Recorder:
     # what the harness changed of the user's own settings to run the cell (a script's Accelerator
     # arguments: harness/rank/script/run.py), by setting, each as ``was -> now``; said in the summary
     forced: dict[str, str] = field(default_factory=dict)
+    # what the harness chose or noticed that changes no verdict (a script's contract chosen from what the
+    # script shows, syncs the loop never suppressed), by topic; said in the summary
+    said: dict[str, str] = field(default_factory=dict)
     # the wrapper a script's own Accelerator asked for (harness/rank/script/plugins.py), or ""
     wrapper: str = ""
     # the backend's probed defects (``PROBED``, harness/decorator.py) the cell's syncs went through

@@ -12,6 +12,11 @@ from typing import Sequence
 # smaller. ``full_batch``: each window's gradient is the mean over the micro-batches the window really
 # had, the gradient of one batch holding all of them: a short window's micro-batches weigh more.
 CONTRACTS = ("accelerate", "full_batch")
+# A script's (``python -m harness watch --contract``) adds ``tokens``: each window's update is the one the
+# mean loss over every valid label token of the global window gives; the oracle holds it as
+# ``accelerate`` with each window weighed by its tokens (``Oracle.token_window``).
+TOKENS = "tokens"
+SCRIPT_CONTRACTS = (*CONTRACTS, TOKENS)
 
 
 @dataclass(frozen=True)

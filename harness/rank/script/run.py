@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import importlib
 import inspect
 import os
 import runpy
@@ -35,8 +34,9 @@ import torch
 from torch import nn
 
 from harness.rank.context import MIXED_PRECISION
+from harness.rank.script.loss import WHO, model_loss, named_loss
 from harness.rank.script.plugins import asked_wrapper, carry_over
-from harness.rank.script.watch import WHO, ScriptWatch
+from harness.rank.script.watch import ScriptWatch
 from harness.rank.script.tiny_model import tiny_pretrained
 from harness.rank.watch import LoopRefused
 
@@ -45,38 +45,6 @@ if TYPE_CHECKING:
 
 # accelerate's mixed_precision values, as the harness names the precisions
 PRECISION_OF = {asked: precision for precision, asked in MIXED_PRECISION.items()}
-
-
-def model_loss(model: nn.Module, batch: Any) -> torch.Tensor:
-    """The specification's loss of one micro-batch by default: the model's own ``.loss`` on it (a
-    transformers model returns one for a batch with ``labels``)."""
-    if not isinstance(batch, Mapping):
-        raise LoopRefused(f"{WHO}: the script's batches are {type(batch).__name__}, not a mapping of the model's "
-                          "inputs, so the model's own .loss cannot be the specification; give --loss module:function")
-    outputs = model(**batch)
-    loss = getattr(outputs, "loss", None)
-    if loss is None and isinstance(outputs, Mapping):
-        loss = outputs.get("loss")
-    if not isinstance(loss, torch.Tensor):
-        raise LoopRefused(f"{WHO}: the model ({type(model).__name__}) returns no .loss for the script's batches "
-                          f"(keys {sorted(batch)}; a transformers model returns one when the batch has labels); "
-                          "give --loss module:function, the loss of one micro-batch")
-    return loss
-
-
-def named_loss(spec: str) -> Callable[[Any, Any], torch.Tensor]:
-    """``module:function`` (importable from the working directory or the script's), the loss of one
-    micro-batch: ``function(model, batch)``, before any division by the accumulation steps."""
-    module_name, _, function = spec.partition(":")
-    if not module_name or not function:
-        raise LoopRefused(f"{WHO}: --loss {spec!r}: give module:function")
-    try:
-        loss = getattr(importlib.import_module(module_name), function)
-    except (ImportError, AttributeError) as exc:
-        raise LoopRefused(f"{WHO}: --loss {spec!r}: {type(exc).__name__}: {exc}") from None
-    if not callable(loss):
-        raise LoopRefused(f"{WHO}: --loss {spec!r} is not a function")
-    return loss  # type: ignore[no-any-return]
 
 
 class ScriptFailed(Exception):
@@ -107,7 +75,7 @@ class ScriptRun:
     """One run of a script on this rank, its first Accelerator adopted (``run``)."""
 
     def __init__(self, ctx: RankContext, path: str, argv: list[str], *, loss: str | None = None,
-                 num_steps: int | None = None, contract: str = "accelerate", precision: str | None = None,
+                 num_steps: int | None = None, contract: str | None = None, precision: str | None = None,
                  settings: Mapping[str, str] | None = None, tiny_model: bool = False) -> None:
         self.ctx = ctx
         self.path = os.path.abspath(path)
@@ -115,7 +83,7 @@ class ScriptRun:
         self.loss_name = loss
         self.loss: Callable[[Any, Any], torch.Tensor] = model_loss
         self.num_steps = num_steps
-        self.contract = contract
+        self.contract = contract  # None: chosen from the script (tokens where it passes num_items_in_batch)
         self.precision = precision  # the precision the command forces, or None for the script's own
         self.settings = dict(settings or {})  # the launcher's ACCELERATE_* settings: the script's environment
         self.tiny_model = tiny_model  # every pretrained transformers model shrunk (``tiny_pretrained``)
@@ -238,8 +206,8 @@ class ScriptRun:
         ctx._built(made, construct)
         for key, (was, now) in forced.items():  # said once the Accelerator is made, as it was asked
             ctx.recorder.forced[key] = f"{was!r} -> {now!r}"
-        watch = ScriptWatch(ctx, accelerator, loss=self.loss, num_steps=steps, contract=self.contract,
-                            clip_in_step=wrapper.clip if wrapper is not None else None)
+        watch = ScriptWatch(ctx, accelerator, loss=self.loss, num_steps=steps,
+                            contract=self.contract, clip_in_step=wrapper.clip if wrapper is not None else None)
         watch._instrument(accelerator)
         self.watch = watch
 

@@ -13,13 +13,14 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 import torch
 from torch import nn
 
-from harness.rank.loaders import dataloader_options
+from harness.rank.forwards import Forward
+from harness.rank.loaders import Drawn, dataloader_options
+from harness.rank.oracle.schedule import TOKENS, MicroStep
+from harness.rank.script.loss import WHO, counted_labels, model_loss
 from harness.rank.watch import LoopRefused, Watch
 
 if TYPE_CHECKING:
     from harness.rank.context import RankContext
-
-WHO = "watch"  # what a script's refusals say they come from
 
 
 class ScriptWatch(Watch):
@@ -29,10 +30,12 @@ class ScriptWatch(Watch):
     who = WHO
 
     def __init__(self, ctx: RankContext, accelerator: Any, *, loss: Callable[[Any, Any], torch.Tensor],
-                 num_steps: int, contract: str, clip_in_step: float | None = None) -> None:
+                 num_steps: int, contract: str | None, clip_in_step: float | None = None) -> None:
         super().__init__(ctx, accelerator, {}, loss=loss, clip_grad_norm=clip_in_step, scheduler=False,
                          num_steps=num_steps)
-        self.contract_name = contract
+        self.asked = contract  # the command's --contract, None where the script shows which it means
+        self.contract_name = "full_batch" if contract == "full_batch" else "accelerate"  # the oracle's
+        self.tokens = contract == TOKENS  # each window weighed by its valid label tokens on every rank
         # DeepSpeed clips inside its optimizer step, to its config's norm whatever the script's
         # clip_grad_norm_ asks (accelerate's returns the engine's norm and clips nothing): the oracle
         # clips there too, and the gradients are judged clipped by the parameters the step makes
@@ -108,6 +111,43 @@ class ScriptWatch(Watch):
         elif isinstance(before, DataLoader):
             self._watch_loader(before, after)
 
+    # the token contract
+
+    def _weigh(self, drawn: Drawn, point: MicroStep) -> None:
+        """The token contract, where the command asked for it or, asked for none, where the script
+        passes ``num_items_in_batch`` to its model (said in the cell's summary); at the first backward
+        of each window, the oracle counts the window's tokens."""
+        if self.asked is None and not self.tokens and self.forwards.counted:
+            self.tokens = True
+            self.ctx.recorder.said["contract"] = "tokens, as the script passes num_items_in_batch to its model"
+        if not self.tokens or not self._opens_window(point):
+            return
+        length = self.ctx._window_lengths[point.index]
+        window = [drawn, *drawn.loader.drawn][:length]
+        if len(window) < length:
+            raise LoopRefused(f"{WHO}: the token contract weighs each window by the valid label tokens of all its "
+                              f"micro-batches on every rank, counted at its first backward; the script had drawn "
+                              f"{len(window)} of the window's {length} micro-batches by then: draw a window's batches "
+                              "before its first backward (as a loop that passes num_items_in_batch does)")
+        model = next(iter(self.originals.values()))
+        self.oracle.token_window([counted_labels(model, d.batch) for d in window])
+
+    def _opens_window(self, point: MicroStep) -> bool:
+        """Whether ``point`` is the first micro-step of its accumulation window."""
+        flat = [p for epoch in self.schedule for p in epoch]
+        at = flat.index(point)
+        return at == 0 or flat[at - 1].optimizer_step
+
+    def _loss_of(self, forward: Forward | None) -> Callable[[Any, Any], torch.Tensor]:
+        """The model's own loss called as the script called its model (its keywords replayed; under the
+        token contract, summed over the batch's tokens), or the function ``--loss`` names."""
+        if self.loss is not model_loss:
+            return self.loss
+        keywords = forward.replayed(tokens=self.tokens) if forward is not None else {}
+        if forward is None and self.tokens:
+            keywords = {"num_items_in_batch": 1}
+        return lambda model, batch: model_loss(model, batch, keywords)
+
     def _drawn(self, state: Any, batch: Any) -> None:
         if not self.made and not self.stopped:
             self._make_oracle()
@@ -167,6 +207,8 @@ class ScriptWatch(Watch):
                 scheduler=scheduler if schedulers else None,
                 scheduler_steps=1 if split else self.ctx.world_size,
                 contract=self.contract_name, replay_rng=self.replay)
+        for prepared in self.prepared.values():  # once copied: a replica holds no hook of the watch's
+            self._follow_forwards(prepared)
 
     def _weights(self) -> dict[str, nn.Module] | None:
         """Under a wrapper that shards or partitions the models: each one as given to prepare, holding

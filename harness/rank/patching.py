@@ -1,0 +1,23 @@
+"""An attribute set for as long as a watch lasts (harness/rank/watch.py), and put back after it."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+
+def patch(owner: Any, name: str, value: Any, restore: list[Callable[[], None]]) -> None:
+    """Set ``owner.name`` to ``value`` and add to ``restore`` what puts it back: an instance's own
+    attribute (a method patched on one instance) is put back by removing it."""
+    had = name in vars(owner)
+    before = vars(owner).get(name)
+    setattr(owner, name, value)
+
+    def put_back() -> None:
+        if had:
+            setattr(owner, name, before)
+        else:
+            with contextlib.suppress(AttributeError):
+                delattr(owner, name)
+
+    restore.append(put_back)
