@@ -41,6 +41,12 @@ def test_diagnoses_wrong_scale_with_its_factor_even_a_small_one():
     assert kind == "wrong_scale" and factor == pytest.approx(1 + 1e-5, rel=1e-7)
 
 
+def test_a_factor_that_reads_as_one_is_no_scale():
+    # off by 3e-7 relative, beyond one rounding: a mismatch, never "scaled by 1"
+    h = hyp()
+    assert diagnose(h.expected.value * (1 + 3e-7), h) == ("mismatch", None)
+
+
 def test_diagnoses_stale_gradient_left_from_the_last_window():
     h = hyp()
     assert diagnose(h.expected.value + h.previous.value, h)[0] == "stale"

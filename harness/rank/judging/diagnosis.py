@@ -123,6 +123,12 @@ def fitted_weights(actual: torch.Tensor, base: torch.Tensor, parts: Sequence[tor
     return [float(w) for w in torch.linalg.lstsq(columns, target, driver="gelsd").solution.reshape(-1)]
 
 
+def is_a_scale(factor: float | None) -> bool:
+    """Whether a fitted factor names a scale: one that reads as 1 where the failure prints it (to six
+    digits, ``wording.KIND_TEXT``) says nothing, and the difference it leaves is a mismatch."""
+    return factor is not None and f"{factor:.6g}" != "1"
+
+
 # which fitted hypothesis a diagnosis took: its name, for the words of the failure
 SCALED, REWEIGHTED, REBASED = "scaled", "reweighted", "rebased"
 
@@ -174,7 +180,7 @@ def diagnose_with(actual: torch.Tensor, hyp: Hypotheses) -> tuple[FailureKind, f
     if scaled is None:
         factor = fitted_scale(actual, hyp.expected.value)
         scaled = None if factor is None else hyp.expected.scaled(factor)
-    if (scaled is not None and scaled_ok and not _matches(actual, hyp.expected)
+    if (scaled is not None and scaled_ok and is_a_scale(factor) and not _matches(actual, hyp.expected)
             and explains([(actual, scaled, hyp.expected)], margin=margin)):
         candidates.append((FailureKind.WRONG_SCALE, scaled, factor, SCALED))
     candidates += [(FailureKind.MISWEIGHTED, h, w, which) for h, w, which in reweighings()]
@@ -182,7 +188,7 @@ def diagnose_with(actual: torch.Tensor, hyp: Hypotheses) -> tuple[FailureKind, f
         # the model's fits do not explain it: this tensor alone scaled (a hook of one parameter), told by
         # its own fit with the margin (never a tensor of one element: one factor fits any)
         own = fitted_scale(actual, hyp.expected.value)
-        if own is not None and explains([(actual, hyp.expected.scaled(own), hyp.expected)]):
+        if is_a_scale(own) and explains([(actual, hyp.expected.scaled(own), hyp.expected)]):
             return FailureKind.WRONG_SCALE, own, SCALED
     if not candidates:
         return FailureKind.MISMATCH, None, None
