@@ -113,6 +113,19 @@ def lr_text(*, rank: int, where: str, optimizer: str, group: int, actual: float,
             f"{where}: is {actual:.6g}, the contract says {expected:.6g}")
 
 
+def unsuppressed_text(count: int) -> str:
+    """A loop's backwards that synced where their window has none, the loop never asking not to."""
+    return (f"{count} backward{'s' if count != 1 else ''} all-reduced inside {'their windows' if count != 1 else 'its window'} "
+            f"(the loop never asked for no_sync or accumulate there): correct, and no_sync would save "
+            f"{count} all-reduce{'s' if count != 1 else ''} a rank")
+
+
+def optimizer_stepped_text(*, rank: int, model: str, where: str) -> str:
+    """An optimizer step the schedule has not, as the optimizer itself says it (whether or not a parameter
+    moved for it: not one does at a learning rate of 0)."""
+    return f"optimizer of {model!r} on rank {rank} at {where}: {KIND_TEXT['stepped_early']} (its step() ran)"
+
+
 def batch_count_text(*, rank: int, what: str, epoch: int, seen: int, expected: int) -> str:
     return f"{what} on rank {rank} yielded {seen} batches in epoch {epoch}, the contract says {expected}"
 

@@ -111,7 +111,8 @@ def test_the_full_batch_contract_by_flag_weighs_a_short_window_by_its_own_micro_
 
 # each mistake: the diagnoses its first failing step must name, and that step
 MISTAKES = {
-    "step_at_zero": ({"stepped_early", "synced_early", "comm_unexpected"}, 1),
+    # the sync at step 1 is one the loop never suppressed: not a failure; step 2 ran under no_sync
+    "step_at_zero": ({"stepped_early"}, 1),
     "loss_not_divided": ({"wrong_scale"}, 1),
     "no_zero_grad": ({"stale"}, 3),
     "never_syncs": ({"not_synced", "comm_missing"}, 2),
@@ -146,7 +147,7 @@ def test_the_page_shows_the_mistakes_as_they_fail(mistakes):
     cell = cells[("as-written", 2)]
     assert shown("python -m harness watch tests/planted/scripts/hand_loop.py --nproc 2 --num-steps 2 -- "
                  "--mistake step_at_zero") == {("as-written", 2): cell["status"]}
-    quoted = next(b for b in fenced_blocks(page) if b.startswith("collectives of the backward on rank 0"))
+    quoted = next(b for b in fenced_blocks(page) if b.startswith("optimizer of 'model' on rank 0 at step 1"))
     said = {f["message"].splitlines()[0] for f in cell["failures"]}
     assert all(line in said for line in quoted.splitlines()), quoted
     table = {row.split("|")[1].strip().strip("`"): row.split("|")[3] for row in page.splitlines()
@@ -154,6 +155,39 @@ def test_the_page_shows_the_mistakes_as_they_fail(mistakes):
     assert set(table) == set(MISTAKES)
     for mistake, (expected, step) in MISTAKES.items():
         assert table[mistake].strip().startswith(f"{step}: ") and all(f"`{k}`" in table[mistake] for k in expected)
+
+
+def test_an_early_step_is_named_from_the_optimizer_whatever_the_learning_rate(tmp_path):
+    # a warm-up from a learning rate of 0: the early step moves no parameter, and is named all the same
+    result, cells = watch(tmp_path / "reports", HAND_LOOP, "--nproc", "2", "--num-steps", "2",
+                          args=("--accumulation", "2", "--mistake", "step_at_zero", "--warmup"))
+    cell = cells[("as-written", 2)]
+    assert result.returncode == 1 and cell["status"] == "fail", cell["summary"]
+    first = [f for f in cell["failures"] if f["step"] == 1]
+    assert {(f["kind"], f["param"]) for f in first} == {("stepped_early", "optimizer")}, cell["summary"]
+    assert first[0]["message"].endswith("the optimizer stepped where the schedule has no step (its step() ran)")
+    # the same warm-up in a loop that steps where the schedule does passes (its rates checked)
+    result, cells = watch(tmp_path / "right", HAND_LOOP, "--nproc", "2", "--num-steps", "2",
+                          args=("--accumulation", "2", "--warmup"))
+    assert result.returncode == 0 and cells[("as-written", 2)]["status"] == "pass", cells[("as-written", 2)]["summary"]
+
+
+def test_a_sync_the_loop_never_suppressed_passes_saying_what_no_sync_would_save(tmp_path):
+    result, cells = watch(tmp_path / "every", HAND_LOOP, "--world-sizes", "1,2", "--num-steps", "2",
+                          args=("--accumulation", "2", "--syncs", "every"))
+    assert result.returncode == 0, result.stdout[-3000:]
+    cell = cells[("as-written", 2)]
+    assert cell["status"] == "pass" and cell["comm_checks"] == 20, cell["summary"]
+    # 5 batches a rank an epoch in windows of 2, 2 epochs: 4 backwards a rank where a window has no sync
+    assert ("syncs: 4 backwards all-reduced inside their windows (the loop never asked for no_sync or accumulate "
+            "there): correct, and no_sync would save 4 all-reduces a rank") in cell["summary"]
+    assert "syncs:" not in cells[("as-written", 1)]["summary"]
+    # a mistake beside it is named as alone: the loss not divided by the steps is scaled by 2 at world size 2 too
+    result, cells = watch(tmp_path / "undivided", HAND_LOOP, "--nproc", "2", "--num-steps", "2",
+                          args=("--accumulation", "2", "--syncs", "every", "--mistake", "loss_not_divided"))
+    cell = cells[("as-written", 2)]
+    first = [f for f in cell["failures"] if f["step"] == 1]
+    assert {f["kind"] for f in first} == {"wrong_scale"} and "scaled by 2" in first[0]["message"], cell["summary"]
 
 
 def test_a_failing_cells_rerun_command_runs_it_again_alone(mistakes, tmp_path):
@@ -249,7 +283,8 @@ def test_the_launchers_accelerate_settings_are_the_scripts_own(tmp_path):
     assert "ignored_launcher_settings" not in cells["environment"]
     cell = cells[("as-written", 2)]
     first = [f for f in cell["failures"] if f["step"] == 1]
-    assert cell["status"] == "fail" and {"stepped_early", "synced_early"} <= {f["kind"] for f in first}
+    # (its sync at every batch is one it never asked not to make: not a failure)
+    assert cell["status"] == "fail" and {f["kind"] for f in first} == {"stepped_early"}, cell["summary"]
     assert "mixed_precision" not in cell.get("forced", {})
 
 

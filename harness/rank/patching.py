@@ -1,8 +1,9 @@
-"""An attribute set for as long as a watch lasts (harness/rank/watch.py), and put back after it."""
+"""Attributes set for as long as a watch lasts (harness/rank/watch.py), and put back after it."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable
 
 
@@ -21,3 +22,15 @@ def patch(owner: Any, name: str, value: Any, restore: list[Callable[[], None]]) 
                 delattr(owner, name)
 
     restore.append(put_back)
+
+
+def refuse_construction(cls: type, refusal: Exception, restore: list[Callable[[], None]]) -> None:
+    """Make constructing ``cls`` raise ``refusal`` until ``restore``'s entry runs."""
+    original = cls.__init__
+
+    @functools.wraps(original)
+    def init(*args: Any, **kwargs: Any) -> None:
+        raise refusal
+
+    cls.__init__ = init  # type: ignore[misc]
+    restore.append(lambda: setattr(cls, "__init__", original))

@@ -20,7 +20,7 @@ micro-step, which a step that changes nothing (an optimizer without gradients) d
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import functools
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
@@ -28,10 +28,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from harness import wording
+from harness.rank.asked import Asked
 from harness.rank.forwards import Forward, Forwards, tensors_of
 from harness.rank.loaders import WATCH_ATTRIBUTE, Drawn, Loader, dataloader_options, follow_iteration
 from harness.rank.models import rng_state, under_rng_state
-from harness.rank.patching import patch
+from harness.rank.patching import patch, refuse_construction
 from harness.rank.oracle.schedule import MicroStep, accumulation_schedule, window_lengths
 from harness.wrappers.prepared import unwrap
 
@@ -82,12 +84,13 @@ class Watch:
         self._restore: list[Callable[[], None]] = []
         # each training forward paired with the drawn batch it was given (a window drawn ahead)
         self.forwards = Forwards(ctx.device, self._undone, self._restore)
+        self.asked = Asked(self._restore)  # the loop's accumulate and no_sync blocks, its optimizers' steps
         self.drawn_since_backward: list[Loader] = []
         self.training: Loader | None = None  # the loader whose batches the backwards take
         self.unsettled: MicroStep | None = None  # backed, its optimizer step and parameters not yet judged
         self.clipped = False  # the oracle clipped this window
         self.backwards = 0
-        self.accumulating = 0  # depth of accelerator.accumulate(...) blocks open
+        self.unsuppressed = 0  # backwards that synced where their window has none, the loop never asking not to
         self.stopped = ""  # why the watch stopped checking (the schedule failed): the rest passes through
         self.rng_states: dict[int, Any] = {}
         self._iterations: set[type] = set()  # the loader classes whose iteration tells the watch
@@ -105,7 +108,9 @@ class Watch:
             if hasattr(accelerator, method):
                 self._patch(accelerator, method, self._preparing(getattr(accelerator, method)))
         self._patch(accelerator, "backward", self._backward(accelerator.backward))
-        self._patch(accelerator, "accumulate", self._accumulate(accelerator.accumulate))
+        self._patch(accelerator, "accumulate", self.asked.accumulate(accelerator.accumulate))
+        if hasattr(accelerator, "no_sync"):
+            self._patch(accelerator, "no_sync", self.asked.no_sync(accelerator.no_sync))
         if hasattr(accelerator, "clip_grad_norm_"):
             self._patch(accelerator, "clip_grad_norm_", self._clip(accelerator.clip_grad_norm_))
 
@@ -129,15 +134,9 @@ class Watch:
         process-wide state with the case's): refused when it is made."""
         from accelerate import Accelerator
 
-        original = Accelerator.__init__
-
-        @functools.wraps(original)
-        def init(*args: Any, **kwargs: Any) -> None:
-            raise LoopRefused(f"{self.who}: the loop made a second Accelerator; take the one the case gives it "
-                              "(ctx.accelerator(...), with the Accelerator's arguments there) as a parameter")
-
-        Accelerator.__init__ = init  # type: ignore[method-assign]
-        self._restore.append(lambda: setattr(Accelerator, "__init__", original))
+        refuse_construction(Accelerator, LoopRefused(
+            f"{self.who}: the loop made a second Accelerator; take the one the case gives it (ctx.accelerator(...), "
+            "with the Accelerator's arguments there) as a parameter"), self._restore)
 
     # what the loop prepares
 
@@ -174,12 +173,15 @@ class Watch:
             held = self.optimizers[self._owner(before)]
             if not any(after is known for known in held):  # prepare calls prepare_optimizer: both tell
                 held.append(after)
+                self.asked.count_steps(self._owner(before), after)
 
     def _follow_forwards(self, prepared: nn.Module) -> None:
         """Pair the training forwards of a prepared model with the batches drawn: the loop calls the
         prepared model, or the one it wraps."""
         self.forwards.follow(prepared)
         self.forwards.follow(unwrap(prepared))
+        if callable(getattr(prepared, "no_sync", None)) and "no_sync" not in vars(prepared):  # DDP's, FSDP1's own
+            self._patch(prepared, "no_sync", self.asked.no_sync(prepared.no_sync))
 
     def _undone(self) -> list[Drawn]:
         """The batches drawn that no backward has taken yet, of every watched loader."""
@@ -284,7 +286,7 @@ class Watch:
 
         return backward
 
-    def _micro_step(self) -> tuple[Drawn, Forward | None, MicroStep] | None:
+    def _micro_step(self) -> tuple[Drawn, Forward | None, MicroStep, bool] | None:
         """The micro-step of the backward about to run: the drawn batch its forward was given (else
         the one batch drawn since the last backward), where the contract puts it (None past the
         contract's count: nothing more is judged). What cannot be paired is refused before the
@@ -323,7 +325,7 @@ class Watch:
         state.drawn.pop(0)
         self.drawn_since_backward.clear()
         point = self._point(state, drawn)
-        return None if point is None else (drawn, forward, point)
+        return None if point is None else (drawn, forward, point, self.asked.no_sync_asked())
 
     def _point(self, state: Loader, drawn: Drawn) -> MicroStep | None:
         """The contract's micro-step for the ``seen``-th batch of the ``epoch``-th iteration (the
@@ -343,10 +345,19 @@ class Watch:
         ctx.at_step = point.index
         return point
 
-    def _after_backward(self, drawn: Drawn, forward: Forward | None, point: MicroStep) -> None:
+    def _after_backward(self, drawn: Drawn, forward: Forward | None, point: MicroStep, asked: bool) -> None:
         oracle = self.oracle
-        if self.accumulating:
+        if self.asked.accumulating:
             oracle.check_sync_flag(point, self.accelerator.sync_gradients)
+        judged = point
+        if not point.sync and not asked and self.ctx.world_size > 1 and self.ctx.spec.family == "ddp":
+            # a backward the loop never asked not to sync (no accumulate, no no_sync): DDP all-reduces it,
+            # which costs a collective and leaves the window's update as it is; the rank is judged synced
+            # (under FSDP, whose sharded accumulation, and DeepSpeed, whose boundaries are its own, the
+            # contract holds as it is)
+            judged = dataclasses.replace(point, sync=True)
+            self.unsuppressed += 1
+            self.ctx.recorder.said["syncs"] = wording.unsuppressed_text(self.unsuppressed)
         batch = drawn.batch
         self.rng_states[point.index] = forward.rng if forward is not None else drawn.rng
         self._weigh(drawn, point)
@@ -356,8 +367,8 @@ class Watch:
         def closure(replicas: dict[str, nn.Module]) -> torch.Tensor:
             return loss(replicas[single] if single is not None else replicas, batch)
 
-        oracle.backward(closure, sync=point.sync, rng=point.index)
-        oracle.check_grads(point, self.models())
+        oracle.backward(closure, sync=judged.sync, rng=point.index)
+        oracle.check_grads(judged, self.models())
         self.backwards += 1
         self.unsettled = point
         self.clipped = False
@@ -372,19 +383,6 @@ class Watch:
     def replay(self, key: int) -> Any:
         """The RNG state the loop's forward of micro-step ``key`` ran under, for the oracle's forward."""
         return under_rng_state(self.rng_states.pop(key), self.ctx.device)
-
-    def _accumulate(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
-        @contextlib.contextmanager
-        def accumulate(*models: Any) -> Iterator[None]:
-            with original(*models):
-                self.accumulating += 1
-                try:
-                    yield
-                finally:
-                    self.accumulating -= 1
-
-        return accumulate
 
     def _clip(self, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
@@ -434,9 +432,13 @@ class Watch:
         oracle = self.oracle
         if self.clip is not None and point.optimizer_step and not self.clipped:
             self._clip_oracle(point)
+        stepped = self.asked.take_steps()
         oracle.step(point)
         optimizers = {name: opts for name, opts in self.optimizers.items() if opts}
         oracle.check_params(point, self.models(), optimizers)
+        if not point.optimizer_step:
+            for name in stepped:
+                oracle.checks.stepped_early(point, name, optimizers.get(name))  # type: ignore[union-attr]
         if self.check_lr and optimizers:
             oracle.check_lr(point, optimizers)
 

@@ -319,6 +319,18 @@ class Checks:
                 anchoring.forget_previous(name)  # the rank cleared its gradients: nothing of them can linger
         anchoring.end_step()
 
+    def stepped_early(self, step: MicroStep, name: str, optimizers: Any) -> None:
+        """``name``'s optimizer stepped at ``step``, where the schedule has no step (its step hook says
+        so): named ``stepped_early`` from the step itself, so that a step that moved no parameter (a
+        learning rate of 0 in a warm-up) is named too, and the oracle takes over the optimizer's state,
+        so that its later steps are judged on their own."""
+        self.recorder.add(Failure(rank=self.rank, step=step.index, model=name, param="optimizer",
+                                  kind=FailureKind.STEPPED_EARLY, max_abs_diff=0.0, checked="param",
+                                  message=wording.optimizer_stepped_text(rank=self.rank, model=name,
+                                                                       where=step.where())))
+        if optimizers:
+            self.oracle.anchoring.adopt_optimizer_state(name, optimizers)
+
     @staticmethod
     def _wrong_update(update: torch.Tensor, expected: Expectation, stepped: bool) -> WrongUpdate | None:
         """None when the update is the oracle's."""

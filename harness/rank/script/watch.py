@@ -33,7 +33,7 @@ class ScriptWatch(Watch):
                  num_steps: int, contract: str | None, clip_in_step: float | None = None) -> None:
         super().__init__(ctx, accelerator, {}, loss=loss, clip_grad_norm=clip_in_step, scheduler=False,
                          num_steps=num_steps)
-        self.asked = contract  # the command's --contract, None where the script shows which it means
+        self.contract_asked = contract  # the command's --contract, None where the script shows which it means
         self.contract_name = "full_batch" if contract == "full_batch" else "accelerate"  # the oracle's
         self.tokens = contract == TOKENS  # each window weighed by its valid label tokens on every rank
         # DeepSpeed clips inside its optimizer step, to its config's norm whatever the script's
@@ -117,7 +117,7 @@ class ScriptWatch(Watch):
         """The token contract, where the command asked for it or, asked for none, where the script
         passes ``num_items_in_batch`` to its model (said in the cell's summary); at the first backward
         of each window, the oracle counts the window's tokens."""
-        if self.asked is None and not self.tokens and self.forwards.counted:
+        if self.contract_asked is None and not self.tokens and self.forwards.counted:
             self.tokens = True
             self.ctx.recorder.said["contract"] = "tokens, as the script passes num_items_in_batch to its model"
         if not self.tokens or not self._opens_window(point):
@@ -169,6 +169,7 @@ class ScriptWatch(Watch):
             name = self._owner(before)
             by_model[name].append(before)
             self.optimizers[name].append(after)
+            self.asked.count_steps(name, after)
 
         def optimizers_of(name: str) -> Callable[[nn.Module], tuple[torch.optim.Optimizer, ...]]:
             def make(replica: nn.Module) -> tuple[torch.optim.Optimizer, ...]:
@@ -181,7 +182,9 @@ class ScriptWatch(Watch):
 
             return make
 
-        schedulers = {id(s.optimizer): s for s in self.raw_schedulers}
+        # a scheduler made over the optimizer as made, or as prepared (after accelerator.prepare)
+        raw_of = {id(after): before for before, after in self.raw_optimizers}
+        schedulers = {id(raw_of.get(id(s.optimizer), s.optimizer)): s for s in self.raw_schedulers}
         unscheduled = [type(b).__name__ for b, _ in self.raw_optimizers if id(b) not in schedulers]
         if len(schedulers) != len(self.raw_schedulers) or (schedulers and unscheduled):
             raise LoopRefused(f"{WHO}: the script's schedulers do not each drive one of its optimizers "
@@ -191,7 +194,7 @@ class ScriptWatch(Watch):
         def scheduler(optimizer: torch.optim.Optimizer) -> Any:
             raw = copies[id(optimizer)]
             made = schedulers[id(raw)]
-            return copy.deepcopy(made, memo={id(raw): optimizer})
+            return copy.deepcopy(made, memo={id(raw): optimizer, id(made.optimizer): optimizer})
 
         split, _ = dataloader_options(self.accelerator)
         with_optimizer = bool(getattr(self.accelerator, "step_scheduler_with_optimizer", True))

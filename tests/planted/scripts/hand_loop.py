@@ -13,6 +13,11 @@ Mistakes:
   clip_every_batch  clips after every micro-batch, not once before the step
   plain_logits      the model returns logits and the script its own loss (with --loss, correct)
 
+``--syncs every`` never enters ``no_sync``: every micro-batch all-reduces, which costs communication
+and gives the same update at every optimizer step (correct, with or without a mistake beside it).
+``--warmup`` drives the optimizer with a linear warm-up from a learning rate of 0 (a prepared
+``LambdaLR``), so that a step taken early moves no parameter.
+
 ``--shape`` plants what the harness cannot follow (``iterable``: an IterableDataset; ``two_losses``:
 two backwards a batch; ``unprepared_model``: the model never given to ``prepare``) or what it leaves
 alone (``second_accelerator``: another Accelerator made after the first, for its ``print``), or a
@@ -68,6 +73,8 @@ def main():
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--mistake", choices=MISTAKES, default=None)
     parser.add_argument("--shape", choices=SHAPES, default=None)
+    parser.add_argument("--syncs", choices=("window", "every"), default="window")
+    parser.add_argument("--warmup", action="store_true")
     args = parser.parse_args()
     k, mistake, shape = args.accumulation, args.mistake, args.shape
     accelerator = Accelerator()
@@ -88,6 +95,8 @@ def main():
         optimizer, loader = accelerator.prepare(optimizer, loader)
     else:
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    if args.warmup:
+        scheduler = accelerator.prepare(torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: min(1.0, n / 4)))
     if shape == "second_accelerator":
         Accelerator().print("a second Accelerator, for printing")
     for _ in range(args.epochs):
@@ -97,7 +106,7 @@ def main():
                 boundary = step % k == 0
             else:
                 boundary = (step + 1) % k == 0 or step + 1 == len(loader)
-            syncing = boundary and mistake != "never_syncs"
+            syncing = (boundary or args.syncs == "every") and mistake != "never_syncs"
             with accelerator.no_sync(model) if not syncing else torch.enable_grad():
                 if mistake == "plain_logits":
                     loss = batches_loss(model, batch)
@@ -110,6 +119,8 @@ def main():
                 accelerator.clip_grad_norm_(model.parameters(), 0.5)
             if boundary:
                 optimizer.step()
+                if args.warmup:
+                    scheduler.step()
                 if mistake != "no_zero_grad":
                     optimizer.zero_grad()
 
