@@ -190,6 +190,18 @@ def test_a_sync_the_loop_never_suppressed_passes_saying_what_no_sync_would_save(
     assert {f["kind"] for f in first} == {"wrong_scale"} and "scaled by 2" in first[0]["message"], cell["summary"]
 
 
+def test_a_schedule_free_optimizers_mode_switches_are_made_on_the_oracles_copy_too(tmp_path):
+    # optimizer.train() and .eval() every epoch, as accelerate's schedule_free.py: each moves every
+    # parameter outside a step; the oracle's copy of the optimizer switches with it, bit for bit
+    pytest.importorskip("schedulefree")
+    result, cells = watch(tmp_path / "reports", HAND_LOOP, "--world-sizes", "1,2", "--num-steps", "2",
+                          args=("--accumulation", "2", "--optimizer", "schedule_free"))
+    assert result.returncode == 0, result.stdout[-3000:]
+    for ws in (1, 2):
+        cell = cells[("as-written", ws)]
+        assert cell["status"] == "pass" and cell["max_abs_diff"] == 0.0, cell["summary"]
+
+
 def test_a_failing_cells_rerun_command_runs_it_again_alone(mistakes, tmp_path):
     _, cells = mistakes["step_at_zero"]
     rerun = shlex.split(cells[("as-written", 2)]["rerun"])
@@ -219,6 +231,8 @@ REFUSED = {
     "iterable": "prepares a DataLoader of an IterableDataset",
     "two_losses": "a second accelerator.backward on batch 1 of epoch 0",
     "unprepared_model": "drew a batch from a prepared dataloader before it prepared a model",
+    # its weights put back between epochs: the oracle's copy cannot follow a load
+    "reload": "the script loads a state into its Classifier (load_state_dict) after its first batch",
 }
 
 

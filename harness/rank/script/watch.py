@@ -17,7 +17,9 @@ from harness.rank.forwards import Forward
 from harness.rank.loaders import Drawn, dataloader_options
 from harness.rank.oracle.schedule import TOKENS, MicroStep
 from harness.rank.script.loss import WHO, counted_labels, model_loss
+from harness.rank.script.moves import has_modes, mirror_modes, refuse_loads
 from harness.rank.watch import LoopRefused, Watch
+from harness.wrappers.prepared import unwrap
 
 if TYPE_CHECKING:
     from harness.rank.context import RankContext
@@ -212,6 +214,23 @@ class ScriptWatch(Watch):
                 contract=self.contract_name, replay_rng=self.replay)
         for prepared in self.prepared.values():  # once copied: a replica holds no hook of the watch's
             self._follow_forwards(prepared)
+        self._follow_moves(copies)
+
+    def _follow_moves(self, copies: Mapping[int, torch.optim.Optimizer]) -> None:
+        """What moves the parameters outside an optimizer step from now on (harness/rank/script/moves.py):
+        an optimizer's mode switch made on its oracle copies too, a load of a state refused."""
+        following = lambda: not self.stopped  # noqa: E731
+        mirrors: dict[int, list[torch.optim.Optimizer]] = {}
+        for clones in self.oracle.optimizers.values():
+            for clone in clones:
+                mirrors.setdefault(id(copies[id(clone)]), []).append(clone)
+        for raw, _ in self.raw_optimizers:
+            if has_modes(raw):
+                mirror_modes(raw, mirrors.get(id(raw), []), before=self._settle, patch=self._patch,
+                             following=following)
+        models = {id(m): m for prepared in self.prepared.values() for m in (prepared, unwrap(prepared))}
+        refuse_loads(models.values(), [raw for raw, _ in self.raw_optimizers], patch=self._patch,
+                     following=following)
 
     def _weights(self) -> dict[str, nn.Module] | None:
         """Under a wrapper that shards or partitions the models: each one as given to prepare, holding

@@ -15,6 +15,9 @@ Mistakes:
 
 ``--syncs every`` never enters ``no_sync``: every micro-batch all-reduces, which costs communication
 and gives the same update at every optimizer step (correct, with or without a mistake beside it).
+``--optimizer schedule_free`` trains with ``schedulefree.AdamWScheduleFree`` as accelerate's
+``examples/by_feature/schedule_free.py`` does: ``optimizer.train()`` before each epoch, ``optimizer.eval()``
+and an evaluation over a prepared loader after it (each switch moves every parameter).
 ``--warmup`` drives the optimizer with a linear warm-up from a learning rate of 0 (a prepared
 ``LambdaLR``), so that a step taken early moves no parameter.
 
@@ -32,7 +35,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 MISTAKES = ("step_at_zero", "loss_not_divided", "no_zero_grad", "never_syncs", "clip_every_batch", "plain_logits")
-SHAPES = ("iterable", "two_losses", "unprepared_model", "second_accelerator", "hub_checkpoint")
+SHAPES = ("iterable", "two_losses", "unprepared_model", "second_accelerator", "hub_checkpoint", "reload")
 
 
 class Stream(IterableDataset):
@@ -75,6 +78,7 @@ def main():
     parser.add_argument("--shape", choices=SHAPES, default=None)
     parser.add_argument("--syncs", choices=("window", "every"), default="window")
     parser.add_argument("--warmup", action="store_true")
+    parser.add_argument("--optimizer", choices=("sgd", "schedule_free"), default="sgd")
     args = parser.parse_args()
     k, mistake, shape = args.accumulation, args.mistake, args.shape
     accelerator = Accelerator()
@@ -90,7 +94,13 @@ def main():
     else:
         loader = DataLoader(data, batch_size=4, shuffle=True, collate_fn=collate)
     model = Classifier(plain=mistake == "plain_logits")
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if args.optimizer == "schedule_free":
+        import schedulefree
+
+        optimizer = schedulefree.AdamWScheduleFree(model.parameters(), lr=0.05, warmup_steps=2)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    evaluation = accelerator.prepare(DataLoader(data, batch_size=8, collate_fn=collate))
     if shape == "unprepared_model":
         optimizer, loader = accelerator.prepare(optimizer, loader)
     else:
@@ -101,6 +111,10 @@ def main():
         Accelerator().print("a second Accelerator, for printing")
     for _ in range(args.epochs):
         model.train()
+        if args.optimizer == "schedule_free":
+            optimizer.train()
+        if shape == "reload":  # the weights put back as they were: a load the oracle cannot follow
+            model.load_state_dict(model.state_dict())
         for step, batch in enumerate(loader):
             if mistake == "step_at_zero":
                 boundary = step % k == 0
@@ -123,6 +137,15 @@ def main():
                     scheduler.step()
                 if mistake != "no_zero_grad":
                     optimizer.zero_grad()
+        model.eval()
+        if args.optimizer == "schedule_free":
+            optimizer.eval()
+        correct = 0
+        for batch in evaluation:
+            with torch.no_grad():
+                predictions = model(**batch)["logits"].argmax(dim=-1)
+            predictions, labels = accelerator.gather_for_metrics((predictions, batch["labels"]))
+            correct += int((predictions == labels).sum())
 
 
 if __name__ == "__main__":
