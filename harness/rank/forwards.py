@@ -87,12 +87,32 @@ class Forwards:
     def _forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not module.training or not torch.is_grad_enabled():
             return
-        given = {id(t) for t in tensors_of((args, kwargs))}
-        drawn = next((d for d in self.drawn() if d.holds(given)), None)
+        given = tensors_of((args, kwargs))
+        drawn = self._paired(given)
         if drawn is None:
             return
         own = {id(t) for t in drawn.tensors}
+        keys = set(drawn.batch) if isinstance(drawn.batch, Mapping) else set()
         keywords = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()
-                    if not (isinstance(v, torch.Tensor) and id(v) in own)}
+                    if k not in keys and not (isinstance(v, torch.Tensor) and id(v) in own)}
         self.counted = self.counted or keywords.get(NUM_ITEMS) is not None
         self.last = Forward(drawn, rng_state(self.device), keywords)
+
+    def _paired(self, given: list[torch.Tensor]) -> Drawn | None:
+        """The drawn batch ``given`` (a forward's tensors) came from: the one holding one of them, else the
+        first whose tensors hold one of theirs equal in shape, dtype and value (a loop, or Trainer's
+        ``_prepare_inputs``, may copy a batch's tensors on their way to the device)."""
+        ids = {id(t) for t in given}
+        pending = list(self.drawn())
+        held = next((d for d in pending if d.holds(ids)), None)
+        if held is not None:
+            return held
+        for drawn in pending:
+            if any(_equal(t, u) for t in given for u in drawn.tensors):
+                return drawn
+        return None
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same values, of the same shape and dtype (on any devices)."""
+    return a.shape == b.shape and a.dtype == b.dtype and a.numel() > 1 and torch.equal(a.detach().cpu(), b.cpu())

@@ -38,6 +38,7 @@ from harness.rank.script.loss import WHO, model_loss, named_loss
 from harness.rank.script.plugins import asked_wrapper, carry_over
 from harness.rank.script.watch import ScriptWatch
 from harness.rank.script.tiny_model import tiny_pretrained
+from harness.rank.script.trainers import accumulation_steps, name_of, on_cpu, trainer_building
 from harness.rank.watch import LoopRefused
 
 if TYPE_CHECKING:
@@ -110,6 +111,9 @@ class ScriptRun:
         sys.path.insert(0, os.path.dirname(self.path))
         sys.stderr = tail = _Tail(sys.stderr)
         failed: BaseException | None = None
+        restore: list[Callable[[], None]] = []
+        if self.ctx.device.type == "cpu":
+            on_cpu(self.ctx.recorder.forced, restore)  # a Trainer's TrainingArguments, as the Accelerator
         try:
             if self.loss_name:  # importable from the script's directory too
                 self.loss = named_loss(self.loss_name)
@@ -123,6 +127,8 @@ class ScriptRun:
         except BaseException as exc:
             failed = self._where(exc)
         finally:
+            for undo in reversed(restore):
+                undo()
             Accelerator.__init__ = original  # type: ignore[method-assign]
             sys.argv, sys.path[:], sys.stderr = saved[0], saved[1], saved[2]
             for name, value in environment.items():  # the next cell of this rank gets none of them
@@ -198,6 +204,12 @@ class ScriptRun:
             raise LoopRefused(f"{WHO}: --num-steps {self.num_steps} for a script whose Accelerator accumulates "
                               f"{configured} steps; give --num-steps for a loop that accumulates by hand only")
         steps = self.num_steps or configured
+        trainer = trainer_building()  # the Accelerator a transformers Trainer builds for itself
+        if trainer is not None:
+            if self.num_steps is not None:
+                raise LoopRefused(f"{WHO}: --num-steps {self.num_steps} for a script that trains with a "
+                                  f"{name_of(trainer)}, whose windows are its gradient_accumulation_steps")
+            steps = accumulation_steps(trainer)
 
         def construct() -> Any:
             original(accelerator, **made)
@@ -206,8 +218,8 @@ class ScriptRun:
         ctx._built(made, construct)
         for key, (was, now) in forced.items():  # said once the Accelerator is made, as it was asked
             ctx.recorder.forced[key] = f"{was!r} -> {now!r}"
-        watch = ScriptWatch(ctx, accelerator, loss=self.loss, num_steps=steps,
-                            contract=self.contract, clip_in_step=wrapper.clip if wrapper is not None else None)
+        watch = ScriptWatch(ctx, accelerator, loss=self.loss, num_steps=steps, contract=self.contract,
+                            clip_in_step=wrapper.clip if wrapper is not None else None, trainer=trainer)
         watch._instrument(accelerator)
         self.watch = watch
 

@@ -18,6 +18,7 @@ from harness.rank.loaders import Drawn, dataloader_options
 from harness.rank.oracle.schedule import TOKENS, MicroStep
 from harness.rank.script.loss import WHO, counted_labels, model_loss
 from harness.rank.script.moves import has_modes, mirror_modes, refuse_loads
+from harness.rank.script.trainers import name_of, scheduler_of
 from harness.rank.watch import LoopRefused, Watch
 from harness.wrappers.prepared import unwrap
 
@@ -32,11 +33,18 @@ class ScriptWatch(Watch):
     who = WHO
 
     def __init__(self, ctx: RankContext, accelerator: Any, *, loss: Callable[[Any, Any], torch.Tensor],
-                 num_steps: int, contract: str | None, clip_in_step: float | None = None) -> None:
+                 num_steps: int, contract: str | None, clip_in_step: float | None = None,
+                 trainer: Any = None) -> None:
         super().__init__(ctx, accelerator, {}, loss=loss, clip_grad_norm=clip_in_step, scheduler=False,
                          num_steps=num_steps)
         self.contract_asked = contract  # the command's --contract, None where the script shows which it means
-        self.contract_name = "full_batch" if contract == "full_batch" else "accelerate"  # the oracle's
+        # the transformers Trainer that built the Accelerator (harness/rank/script/trainers.py), or None:
+        # its windows end with each epoch, and a loss it does not weigh by tokens is the window's mean
+        self.trainer = trainer
+        if trainer is not None:
+            self.contract["sync_with_dataloader"] = True
+        default = "full_batch" if trainer is not None else "accelerate"
+        self.contract_name = contract if contract in ("accelerate", "full_batch") else default  # the oracle's
         self.tokens = contract == TOKENS  # each window weighed by its valid label tokens on every rank
         # DeepSpeed clips inside its optimizer step, to its config's norm whatever the script's
         # clip_grad_norm_ asks (accelerate's returns the engine's norm and clips nothing): the oracle
@@ -119,9 +127,15 @@ class ScriptWatch(Watch):
         """The token contract, where the command asked for it or, asked for none, where the script
         passes ``num_items_in_batch`` to its model (said in the cell's summary); at the first backward
         of each window, the oracle counts the window's tokens."""
-        if self.contract_asked is None and not self.tokens and self.forwards.counted:
-            self.tokens = True
-            self.ctx.recorder.said["contract"] = "tokens, as the script passes num_items_in_batch to its model"
+        said = self.ctx.recorder.said
+        if self.contract_asked is None and "contract" not in said:
+            self.tokens = self.forwards.counted
+            who = f"the script's {name_of(self.trainer)}" if self.trainer is not None else "the script"
+            if self.tokens:
+                said["contract"] = f"tokens, as {who} passes num_items_in_batch to its model"
+            elif self.trainer is not None:
+                said["contract"] = (f"full_batch (the mean over each window's micro-batches), as {who} passes no "
+                                    "num_items_in_batch to its model")
         if not self.tokens or not self._opens_window(point):
             return
         length = self.ctx._window_lengths[point.index]
@@ -184,6 +198,9 @@ class ScriptWatch(Watch):
 
             return make
 
+        made_by_trainer = scheduler_of(self.trainer) if self.trainer is not None else None
+        if made_by_trainer is not None and not any(made_by_trainer is s for s in self.raw_schedulers):
+            self.raw_schedulers.append(made_by_trainer)  # Trainer steps it itself, once an optimizer step
         # a scheduler made over the optimizer as made, or as prepared (after accelerator.prepare)
         raw_of = {id(after): before for before, after in self.raw_optimizers}
         schedulers = {id(raw_of.get(id(s.optimizer), s.optimizer)): s for s in self.raw_schedulers}
@@ -210,7 +227,7 @@ class ScriptWatch(Watch):
                 self.originals, weights=self._weights(), num_steps=self.contract["num_steps"],
                 optimizers={name: optimizers_of(name) for name in self.originals if by_model[name]},
                 scheduler=scheduler if schedulers else None,
-                scheduler_steps=1 if split else self.ctx.world_size,
+                scheduler_steps=1 if split or self.trainer is not None else self.ctx.world_size,
                 contract=self.contract_name, replay_rng=self.replay)
         for prepared in self.prepared.values():  # once copied: a replica holds no hook of the watch's
             self._follow_forwards(prepared)

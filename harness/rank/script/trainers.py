@@ -1,0 +1,76 @@
+"""A script that trains with transformers' ``Trainer`` or a subclass of it (TRL's trainers included),
+checked as it is (``python -m harness watch``, docs/script.md "Trainer and TRL scripts").
+
+The Trainer builds the first Accelerator of the script, which becomes the cell's as any script's does
+(harness/rank/script/run.py); the harness finds the Trainer building it, and holds its training to
+Trainer's own contract, the one a Trainer user means: each optimizer step's update is the one the mean
+loss over every valid label token (where the model is given ``num_items_in_batch``), or over the
+window's micro-batches (a loss Trainer does not weigh by tokens), of the step's global batch would
+give; windows of ``gradient_accumulation_steps`` micro-batches, the last of each epoch shorter; its
+clip; its learning-rate schedule, which Trainer steps itself once a step. Whatever a subclass's
+``compute_loss`` does to the loss is the user's code, judged by that contract.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Any, Callable, MutableMapping
+
+from harness.rank.patching import after_import, patch
+
+TRAINER_MODULE = "transformers.trainer"
+ARGUMENTS_MODULE = "transformers.training_args"
+
+
+def trainer_building() -> Any | None:
+    """The ``transformers.Trainer`` (or subclass) whose construction is under way on this thread's stack,
+    if any: the one building the Accelerator being made."""
+    module = sys.modules.get(TRAINER_MODULE)
+    if module is None:
+        return None
+    frame = inspect.currentframe()
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, module.Trainer):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def on_cpu(forced: MutableMapping[str, str], restore: list[Callable[[], None]]) -> None:
+    """On a host without a GPU, every ``TrainingArguments`` the script makes (TRL's configs subclass it)
+    runs on the CPU, as the cell's Accelerator does (``use_cpu``: without it Trainer's own
+    ``PartialState`` takes no distributed CPU run, and DDP would not wrap the model); said in ``forced``.
+    transformers is not imported for a script that does not import it."""
+
+    def place(module: Any) -> None:
+        cls = module.TrainingArguments
+        original = cls.__post_init__
+
+        def __post_init__(arguments: Any, *args: Any, **kwargs: Any) -> Any:
+            if not arguments.use_cpu:
+                arguments.use_cpu = True
+                forced["TrainingArguments.use_cpu"] = "False -> True"
+            return original(arguments, *args, **kwargs)
+
+        patch(cls, "__post_init__", __post_init__, restore)
+
+    after_import(ARGUMENTS_MODULE, place, restore)
+
+
+def accumulation_steps(trainer: Any) -> int:
+    """The micro-batches of a Trainer's windows (Trainer accumulates them under an Accelerator of one
+    step, its last window of an epoch shorter)."""
+    return int(trainer.args.gradient_accumulation_steps)
+
+
+def scheduler_of(trainer: Any) -> Any | None:
+    """The learning-rate schedule Trainer made and steps itself, once an optimizer step (it never gives it
+    to ``accelerator.prepare``)."""
+    return getattr(trainer, "lr_scheduler", None)
+
+
+def name_of(trainer: Any) -> str:
+    """The Trainer's class, as the summary names it (``SFTTrainer``, a subclass of the script's)."""
+    return type(trainer).__name__
