@@ -87,8 +87,7 @@ class Forwards:
     def _forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not module.training or not torch.is_grad_enabled():
             return
-        given = tensors_of((args, kwargs))
-        drawn = self._paired(given)
+        drawn = self._paired(args, kwargs)
         if drawn is None:
             return
         own = {id(t) for t in drawn.tensors}
@@ -98,21 +97,29 @@ class Forwards:
         self.counted = self.counted or keywords.get(NUM_ITEMS) is not None
         self.last = Forward(drawn, rng_state(self.device), keywords)
 
-    def _paired(self, given: list[torch.Tensor]) -> Drawn | None:
-        """The drawn batch ``given`` (a forward's tensors) came from: the one holding one of them, else the
-        first whose tensors hold one of theirs equal in shape, dtype and value (a loop, or Trainer's
-        ``_prepare_inputs``, may copy a batch's tensors on their way to the device)."""
+    def _paired(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Drawn | None:
+        """The drawn batch a forward (``args``, ``kwargs``) was given: the one holding one of its tensors,
+        else the first whose tensors it was given copies of, equal in shape, dtype and value, key by key (a
+        loop, or Trainer's ``_prepare_inputs``, may copy a batch's tensors on their way to the device)."""
+        given = tensors_of((args, kwargs))
         ids = {id(t) for t in given}
         pending = list(self.drawn())
         held = next((d for d in pending if d.holds(ids)), None)
         if held is not None:
             return held
-        for drawn in pending:
-            if any(_equal(t, u) for t in given for u in drawn.tensors):
-                return drawn
-        return None
+        return next((d for d in pending if _copied(d.batch, given, kwargs)), None)
+
+
+def _copied(batch: Any, given: list[torch.Tensor], kwargs: dict[str, Any]) -> bool:
+    """Whether a forward was given copies of ``batch``'s tensors: each of a mapping's under its own key,
+    else all of them in order."""
+    if isinstance(batch, Mapping):
+        shared = [k for k, v in batch.items() if isinstance(v, torch.Tensor) and isinstance(kwargs.get(k), torch.Tensor)]
+        return bool(shared) and all(_equal(kwargs[k], batch[k]) for k in shared)
+    own = tensors_of(batch)
+    return bool(own) and len(own) == len(given) and all(_equal(a, b) for a, b in zip(given, own))
 
 
 def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors hold the same values, of the same shape and dtype (on any devices)."""
-    return a.shape == b.shape and a.dtype == b.dtype and a.numel() > 1 and torch.equal(a.detach().cpu(), b.cpu())
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.detach().cpu(), b.cpu())

@@ -59,6 +59,19 @@ def on_cpu(forced: MutableMapping[str, str], restore: list[Callable[[], None]]) 
     after_import(ARGUMENTS_MODULE, place, restore)
 
 
+def weighs_tokens(trainer: Any) -> bool:
+    """Whether the Trainer means its loss to be the window's token mean: it counts the window's valid label
+    tokens (``num_items_in_batch``) for a model that accepts loss kwargs or for its ``compute_loss_func``,
+    and then takes the loss as already scaled for the accumulation, unless the class says otherwise
+    (``loss_is_scaled_for_ga``, transformers 5); where it does not, it divides a mean loss by the window's
+    micro-batches, and the window's mean over them is what it means. Read from the Trainer's own
+    declaration, as ``--contract`` would be from the command line, never from the loss it computed."""
+    declared = getattr(trainer, "loss_is_scaled_for_ga", None)
+    if declared is not None:
+        return bool(declared)
+    return bool(getattr(trainer, "model_accepts_loss_kwargs", False) or getattr(trainer, "compute_loss_func", None))
+
+
 def accumulation_steps(trainer: Any) -> int:
     """The micro-batches of a Trainer's windows (Trainer accumulates them under an Accelerator of one
     step, its last window of an epoch shorter)."""

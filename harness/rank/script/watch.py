@@ -18,7 +18,7 @@ from harness.rank.loaders import Drawn, dataloader_options
 from harness.rank.oracle.schedule import TOKENS, MicroStep
 from harness.rank.script.loss import WHO, counted_labels, model_loss
 from harness.rank.script.moves import has_modes, mirror_modes, refuse_loads
-from harness.rank.script.trainers import name_of, scheduler_of
+from harness.rank.script.trainers import name_of, scheduler_of, weighs_tokens
 from harness.rank.watch import LoopRefused, Watch
 from harness.wrappers.prepared import unwrap
 
@@ -129,13 +129,16 @@ class ScriptWatch(Watch):
         of each window, the oracle counts the window's tokens."""
         said = self.ctx.recorder.said
         if self.contract_asked is None and "contract" not in said:
-            self.tokens = self.forwards.counted
-            who = f"the script's {name_of(self.trainer)}" if self.trainer is not None else "the script"
-            if self.tokens:
-                said["contract"] = f"tokens, as {who} passes num_items_in_batch to its model"
-            elif self.trainer is not None:
-                said["contract"] = (f"full_batch (the mean over each window's micro-batches), as {who} passes no "
-                                    "num_items_in_batch to its model")
+            if self.trainer is None:
+                self.tokens = self.forwards.counted
+                if self.tokens:
+                    said["contract"] = "tokens, as the script passes num_items_in_batch to its model"
+            else:
+                self.tokens = weighs_tokens(self.trainer)
+                said["contract"] = (f"tokens, as the script's {name_of(self.trainer)} weighs the window's tokens"
+                                    if self.tokens else
+                                    f"full_batch (the mean over each window's micro-batches), as the script's "
+                                    f"{name_of(self.trainer)} divides its loss by them")
         if not self.tokens or not self._opens_window(point):
             return
         length = self.ctx._window_lengths[point.index]

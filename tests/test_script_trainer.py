@@ -1,0 +1,60 @@
+"""A script that trains with transformers' ``Trainer`` or a subclass of it, checked as it is: ``python -m
+harness watch`` finds the Trainer building the script's Accelerator and holds its training to Trainer's
+contract (harness/rank/script/trainers.py, docs/script.md "Trainer and TRL scripts"): windows of its
+accumulation steps, the window's token mean where it weighs tokens, else the window's mean over its
+micro-batches, its own learning-rate schedule and clip. A plain Trainer passes; a subclass whose
+``compute_loss`` returns the model's mean loss (transformers issue #35856's class) fails at its first step
+with the weight its micro-batches got; the same subclass declaring ``loss_is_scaled_for_ga = False``
+passes. Real ranks, gloo, the installed accelerate and transformers, real processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import ROOT
+from test_script import kinds, shown, watch
+
+pytest.importorskip("transformers")
+
+TRAINER_SCRIPT = ROOT / "tests" / "planted" / "scripts" / "trainer_script.py"
+FORCED = {"TrainingArguments.use_cpu": "False -> True", "cpu": "False -> True"}
+
+
+def test_a_trainer_script_passes_held_to_the_token_mean_of_each_window(tmp_path):
+    result, cells = watch(tmp_path / "reports", TRAINER_SCRIPT, "--world-sizes", "1,2")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert shown("python -m harness watch tests/planted/scripts/trainer_script.py --world-sizes 1,2") == \
+        {key: cell["status"] for key, cell in cells.items() if key != "environment"}
+    for ws in (1, 2):
+        cell = cells[("as-written", ws)]
+        assert cell["status"] == "pass" and cell["max_abs_diff"] == 0.0, cell["summary"]
+        assert "contract: tokens, as the script's Trainer weighs the window's tokens" in cell["summary"]
+        assert cell["forced"] == FORCED, cell["forced"]
+        # 20 micro-batches in 10 windows of 2 on one rank, 5 a rank on two: every backward's gradients,
+        # the gradients after each window's clip (Trainer's max_grad_norm), every micro-step's parameters
+        # and each step's learning rate (its warm-up)
+        assert cell["grad_checks"] == 30, cell["summary"]
+    assert cells[("as-written", 2)]["comm_checks"] == 20
+
+
+def test_a_subclass_that_returns_the_models_mean_loss_fails_with_its_weight(tmp_path):
+    # Trainer takes the loss of a model that accepts loss kwargs as scaled for the accumulation already,
+    # so the window's mean losses are added, not averaged: each micro-batch weighs about twice its share
+    # of the token mean (exactly twice where every micro-batch holds as many tokens)
+    result, cells = watch(tmp_path / "reports", TRAINER_SCRIPT, "--nproc", "2", args=("--trainer", "mean_loss"))
+    cell = cells[("as-written", 2)]
+    assert result.returncode == 1 and cell["status"] == "fail", cell["summary"]
+    assert "contract: tokens, as the script's MeanLossTrainer weighs the window's tokens" in cell["summary"]
+    first = [f for f in cell["failures"] if f["step"] == 1]
+    assert first and kinds({"failures": first}) == {"misweighted"}, cell["summary"]
+    weight = float(first[0]["message"].split("weigh ")[1].split(" times")[0])
+    assert 1.5 < weight < 3.5, first[0]["message"]
+
+
+def test_a_subclass_that_declares_its_loss_unscaled_is_held_to_the_mean_of_its_micro_batches(tmp_path):
+    result, cells = watch(tmp_path / "reports", TRAINER_SCRIPT, "--nproc", "2",
+                          args=("--trainer", "mean_loss_flagged"))
+    cell = cells[("as-written", 2)]
+    assert result.returncode == 0 and cell["status"] == "pass", cell["summary"]
+    assert ("contract: full_batch (the mean over each window's micro-batches), as the script's "
+            "FlaggedMeanLossTrainer divides its loss by them") in cell["summary"]
