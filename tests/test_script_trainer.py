@@ -17,6 +17,7 @@ from test_script import kinds, shown, watch
 pytest.importorskip("transformers")
 
 TRAINER_SCRIPT = ROOT / "tests" / "planted" / "scripts" / "trainer_script.py"
+SFT_SCRIPT = ROOT / "tests" / "planted" / "scripts" / "sft_script.py"
 FORCED = {"TrainingArguments.use_cpu": "False -> True", "cpu": "False -> True"}
 
 
@@ -58,3 +59,20 @@ def test_a_subclass_that_declares_its_loss_unscaled_is_held_to_the_mean_of_its_m
     assert result.returncode == 0 and cell["status"] == "pass", cell["summary"]
     assert ("contract: full_batch (the mean over each window's micro-batches), as the script's "
             "FlaggedMeanLossTrainer divides its loss by them") in cell["summary"]
+
+
+def test_a_trl_sft_trainer_script_passes_in_its_own_bf16_and_in_fp32(tmp_path):
+    # TRL computes the loss from the model's log-probabilities through a forward of its own, set on the
+    # model (add_fused_lm_head): the oracle's replica runs that forward too, bit for bit
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    offline = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}
+    result, cells = watch(tmp_path / "reports", SFT_SCRIPT, "--world-sizes", "1,2", **offline)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert shown("python -m harness watch tests/planted/scripts/sft_script.py --world-sizes 1,2") == \
+        {key: cell["status"] for key, cell in cells.items() if key != "environment"}
+    for ws in (1, 2):
+        cell = cells[("as-written", ws)]
+        assert cell["status"] == "pass" and cell["max_abs_diff"] == 0.0, cell["summary"]
+        assert "contract: tokens, as the script's SFTTrainer weighs the window's tokens" in cell["summary"]
+        assert "mixed_precision" not in cell["forced"]  # SFTConfig's own bf16, run as written

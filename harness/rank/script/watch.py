@@ -316,9 +316,21 @@ def copied_optimizer(raw: torch.optim.Optimizer, param_groups: list[dict[str, An
 
 @contextlib.contextmanager
 def _plain_forward(models: Any) -> Iterator[None]:
-    """The models with accelerate's mixed-precision forward (an instance attribute ``prepare`` sets)
-    put aside, so that the oracle's copies run their class's forward under the oracle's precision."""
-    held = [(m, vars(m).pop("forward")) for m in models if "forward" in vars(m)]
+    """The models with accelerate's mixed-precision forward (an instance attribute ``prepare`` sets, the
+    forward it wrapped kept as ``_original_forward``) put aside, so that the oracle's copies run the
+    forward it wrapped under the oracle's precision: the class's, or one the script's library set on the
+    instance (TRL's ``add_fused_lm_head``, which computes the same loss through its LM head in tiles, in
+    another order than the class's forward). A forward of the instance's own that accelerate did not wrap
+    is kept as it is."""
+    held = []
+    for model in models:
+        own = vars(model)
+        if "forward" not in own or "_original_forward" not in own:
+            continue
+        held.append((model, own.pop("forward")))
+        wrapped = own["_original_forward"]
+        if getattr(wrapped, "__func__", None) is not getattr(type(model), "forward", None):
+            own["forward"] = wrapped  # the instance's own forward, under accelerate's
     try:
         yield
     finally:
