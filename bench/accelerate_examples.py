@@ -54,9 +54,47 @@ RUNS: dict[str, tuple[str, list[str], list[str]]] = {
     "ddp_comm_hook fp16": ("ddp_comm_hook.py", ["--ddp_comm_hook", "fp16"], []),
     "ddp_comm_hook power_sgd": ("ddp_comm_hook.py", ["--ddp_comm_hook", "power_sgd"], []),
     "cross_validation": ("cross_validation.py", ["--num_folds", "2"], []),
+    # issue 73: a window drawn ahead and weighed by its tokens, an optimizer with modes, a loop that steps
+    # at step % k == 0 (with k > 1: its batch size raised to 32, as its comment invites)
+    "autoregressive": ("gradient_accumulation_for_autoregressive_models.py",
+                       ["--gradient_accumulation_steps", "2"], []),
+    "autoregressive local count": ("gradient_accumulation_for_autoregressive_models.py",
+                                   ["--gradient_accumulation_steps", "2"], []),
+    "autoregressive not times processes": ("gradient_accumulation_for_autoregressive_models.py",
+                                           ["--gradient_accumulation_steps", "2"], []),
+    "autoregressive not times steps": ("gradient_accumulation_for_autoregressive_models.py",
+                                       ["--gradient_accumulation_steps", "2"], []),
+    "autoregressive shifted count": ("gradient_accumulation_for_autoregressive_models.py",
+                                     ["--gradient_accumulation_steps", "2"], []),
+    "schedule_free": ("schedule_free.py", [], []),
+    "multi_process_metrics bs32": ("multi_process_metrics.py", [], ["--num-steps", "2"]),
+    "multi_process_metrics bs32 fixed": ("multi_process_metrics.py", [], ["--num-steps", "2"]),
 }
+# One-line changes a user could make, applied to a copy of the script in the bench's working directory
+# (the checkout is never changed, nothing is copied into this project): each ``old`` occurs once.
+AUTOREGRESSIVE_LOSS = "loss = loss * gradient_accumulation_steps * accelerator.num_processes"
+BATCH_32 = ('"batch_size": 16}', '"batch_size": 32}')
+# as the model's loss counts: each row's first label is never predicted (transformers PR #46204,
+# accelerate PR #4303); the example as shipped counts it, and the planted variants start from this fix
+SHIFTED_COUNT = ('(batch["labels"].ne(-100)).sum()', '(batch["labels"][..., 1:].ne(-100)).sum()')
+EDITS: dict[str, tuple[tuple[str, str], ...]] = {
+    "autoregressive shifted count": (SHIFTED_COUNT,),
+    "autoregressive local count": (SHIFTED_COUNT, (
+        "num_items_in_batch = accelerator.gather(local_num_items_in_batch).sum().item()",
+        "num_items_in_batch = local_num_items_in_batch.item()")),
+    "autoregressive not times processes": (SHIFTED_COUNT, (AUTOREGRESSIVE_LOSS,
+                                                           "loss = loss * gradient_accumulation_steps")),
+    "autoregressive not times steps": (SHIFTED_COUNT, (AUTOREGRESSIVE_LOSS, "loss = loss * accelerator.num_processes")),
+    "multi_process_metrics bs32": (BATCH_32,),
+    "multi_process_metrics bs32 fixed": (BATCH_32, ("if step % gradient_accumulation_steps == 0:",
+                                                    "if (step + 1) % gradient_accumulation_steps == 0:")),
+}
+# Runs whose windows need more than the 32 training rows of the stand-in data (a batch of 16 at world
+# size 2 is one batch a rank an epoch)
+ROWS = {"multi_process_metrics bs32": 128, "multi_process_metrics bs32 fixed": 128}
 DEFAULT = ("gradient_accumulation", "multi_process_metrics", "checkpointing", "tracking", "local_sgd",
-           "ddp_comm_hook fp16")
+           "ddp_comm_hook fp16", "autoregressive", "schedule_free", "multi_process_metrics bs32",
+           "multi_process_metrics bs32 fixed")
 WORDS = ("the", "court", "said", "shares", "rose", "fell", "company", "percent", "market", "on", "tuesday",
          "analysts", "expected", "profit", "quarter", "bank", "deal", "price", "investors", "report")
 
@@ -115,12 +153,35 @@ class Glue(evaluate.Metric):
 '''
 
 
-def offline_workdir(root: Path) -> dict[str, str]:
-    """The stand-ins in ``root``, and the environment the scripts run offline with."""
+def tiny_smollm(directory: Path) -> None:
+    """A causal LM small enough for CPU (a Llama of two layers of width 32, random weights) and a
+    tokenizer of the stand-in data's words with an end of sequence, as ``from_pretrained`` reads
+    ``HuggingFaceTB/SmolLM-360M``."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    directory.mkdir(parents=True, exist_ok=True)
+    vocabulary = {word: n for n, word in enumerate(["<unk>", "<s>", "</s>", *WORDS])}
+    words = Tokenizer(models.WordLevel(vocab=vocabulary, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                            model_max_length=32).save_pretrained(directory)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(vocabulary), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                         bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(config).save_pretrained(directory)
+
+
+def offline_workdir(root: Path, rows: int = 32) -> dict[str, str]:
+    """The stand-ins in ``root`` (``rows`` training sentence pairs), and the environment the scripts run
+    offline with."""
     tiny_bert(root / "bert-base-cased")
+    tiny_smollm(root / "HuggingFaceTB" / "SmolLM-360M")
     samples = root / "tests" / "test_samples" / "MRPC"
     samples.mkdir(parents=True, exist_ok=True)
-    for name, count, seed in (("train.csv", 32, 1), ("dev.csv", 8, 2)):
+    for name, count, seed in (("train.csv", rows, 1), ("dev.csv", 8, 2)):
         with open(samples / name, "w", newline="", encoding="utf-8") as out:
             writer = csv.DictWriter(out, fieldnames=["label", "sentence1", "sentence2", "idx"])
             writer.writeheader()
@@ -135,7 +196,18 @@ def run(label: str, examples: Path, workdir: Path, env: dict[str, str], world_si
         timeout: float) -> tuple[list[dict], float]:
     name, script_args, harness_args = RUNS[label]
     report = workdir / "reports" / label.replace(" ", "-")
-    command = [sys.executable, "-m", "harness", "watch", str(examples / name), "--world-sizes", world_sizes,
+    script = examples / name
+    if label in EDITS:  # a planted variant: the script's copy, in the working directory, with its edits
+        text = script.read_text(encoding="utf-8")
+        for old, new in EDITS[label]:
+            if text.count(old) != 1:
+                raise SystemExit(f"accelerate_examples: {name} holds {text.count(old)} of {old!r}; the run "
+                                 f"{label!r} needs it once")
+            text = text.replace(old, new)
+        script = workdir / "planted" / label.replace(" ", "_") / name
+        script.parent.mkdir(parents=True, exist_ok=True)
+        script.write_text(text, encoding="utf-8")
+    command = [sys.executable, "-m", "harness", "watch", str(script), "--world-sizes", world_sizes,
                "--report-dir", str(report), *harness_args]
     if script_args:
         command += ["--", *script_args]
@@ -173,11 +245,16 @@ def main() -> int:
               f"{'no ' + ', '.join(missing) + ' in ' + str(args.examples) if missing else ''}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="accelerate-examples-") as tmp:
-        workdir = Path(tmp)
-        env = {} if args.online else offline_workdir(workdir)
+        workdirs: dict[int, tuple[Path, dict[str, str]]] = {}  # by the stand-in data's training rows
         print("| run | world size | status | first step found wrong | summary |")
         print("| --- | --- | --- | --- | --- |")
         for label in labels:
+            rows = ROWS.get(label, 32)
+            if rows not in workdirs:
+                workdir = Path(tmp) / f"rows-{rows}"
+                workdir.mkdir()
+                workdirs[rows] = (workdir, {} if args.online else offline_workdir(workdir, rows))
+            workdir, env = workdirs[rows]
             cells, seconds = run(label, args.examples, workdir, env, args.world_sizes, args.timeout)
             if not cells:
                 print(f"| `{label}` | | no matrix | | the command wrote no report ({seconds:.0f} s) |")

@@ -38,6 +38,20 @@ def test_a_trainer_script_passes_held_to_the_token_mean_of_each_window(tmp_path)
     assert cells[("as-written", 2)]["comm_checks"] == 20
 
 
+def test_a_trainers_short_last_window_of_each_epoch_is_its_own(tmp_path):
+    # 42 rows in batches of 2: 21 micro-batches an epoch at world size 1 (11 a rank at 2), in windows of 2
+    # whose last of each epoch has one micro-batch, two epochs: each short window is the token mean of its
+    # own micro-batch, as Trainer takes it
+    result, cells = watch(tmp_path / "reports", TRAINER_SCRIPT, "--world-sizes", "1,2",
+                          args=("--rows", "42", "--epochs", "2"))
+    assert result.returncode == 0, result.stdout[-3000:]
+    for ws, backwards in ((1, 42), (2, 44)):
+        cell = cells[("as-written", ws)]
+        assert cell["status"] == "pass" and cell["max_abs_diff"] == 0.0, cell["summary"]
+        # every backward, and the gradients after the clip of each of the 22 (12 a rank) windows
+        assert cell["grad_checks"] == backwards + (22 if ws == 1 else 24), cell["summary"]
+
+
 def test_a_subclass_that_returns_the_models_mean_loss_fails_with_its_weight(tmp_path):
     # Trainer takes the loss of a model that accepts loss kwargs as scaled for the accumulation already,
     # so the window's mean losses are added, not averaged: each micro-batch weighs about twice its share

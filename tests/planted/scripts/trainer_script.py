@@ -39,6 +39,7 @@ def main():
     parser.add_argument("--trainer", choices=("plain", "mean_loss", "mean_loss_flagged"), default="plain")
     parser.add_argument("--gradient_accumulation_steps", type=int, default=2)
     parser.add_argument("--epochs", type=float, default=1)
+    parser.add_argument("--rows", type=int, default=40)
     args = parser.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
@@ -63,7 +64,7 @@ def main():
                                      gradient_accumulation_steps=args.gradient_accumulation_steps,
                                      num_train_epochs=args.epochs, learning_rate=1e-3, warmup_steps=2,
                                      logging_steps=1, save_strategy="no", report_to="none", seed=3)
-        trainer = trainer_class[args.trainer](model=model, args=training, train_dataset=Rows(40))
+        trainer = trainer_class[args.trainer](model=model, args=training, train_dataset=Rows(args.rows))
         trainer.train()
 
 
