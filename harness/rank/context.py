@@ -304,8 +304,8 @@ class RankContext(RankData):
 
         Call it with the models as ``model`` built them, before anything is prepared. What cannot be
         inferred from the loop's calls is refused in one line (``LoopRefused``): a backward with no
-        batch drawn from a prepared dataloader, batches taken ahead of their backward, a second
-        Accelerator, a model or optimizer the specification does not name."""
+        batch drawn from a prepared dataloader, a window's batches backed in another order than drawn,
+        a second Accelerator, a model or optimizer the specification does not name."""
         if accelerator is not self._made or self.accumulation is None:
             raise LoopRefused("ctx.watch: give it the Accelerator ctx.accelerator(...) made (the harness watches "
                               "what each backward issues, and the cell's wrapper and precision are set there)")

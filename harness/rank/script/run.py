@@ -8,11 +8,15 @@ the models it prepares, their optimizers and schedulers, its training dataloader
 backwards, accumulate and clip. A second Accelerator, an evaluation loop, ``gather``, metrics and
 printing are left alone.
 
+A transformers ``Trainer`` (or a TRL trainer) is a script like any other: it builds the first
+Accelerator, and its training is held to Trainer's contract (harness/rank/script/trainers.py).
+
 The specification stays the harness's: the oracle's replicas start from the prepared models as every
 rank holds them before the first batch; each micro-batch's loss is the model's own ``.loss`` on the
-batch (a transformers model given ``labels``) or the function ``--loss`` names; the accumulation
-contract is accelerate's with the script's Accelerator's steps, or ``--num-steps`` for a loop that
-accumulates by hand; the optimizers and schedulers are copies of the script's as it made them (same
+batch (a transformers model given ``labels``), called as the script called it, or the function
+``--loss`` names (harness/rank/script/loss.py); the accumulation contract is accelerate's with the
+script's Accelerator's steps, ``--num-steps`` for a loop that accumulates by hand, the token contract
+for a loop that passes ``num_items_in_batch``, or a Trainer's; the optimizers and schedulers are copies of the script's as it made them (same
 class, same hyperparameters, the schedule from where it stands), stepped where the contract says; a clip
 is the norm the script's ``clip_grad_norm_`` asks for. What the harness cannot follow is refused in one
 line (``LoopRefused``) saying why, before anything is judged halfway.
@@ -31,7 +35,6 @@ import traceback
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
-from torch import nn
 
 from harness.rank.context import MIXED_PRECISION
 from harness.rank.script.loss import WHO, model_loss, named_loss
