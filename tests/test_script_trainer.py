@@ -35,6 +35,9 @@ def test_a_trainer_script_passes_held_to_the_token_mean_of_each_window(tmp_path)
         # the gradients after each window's clip (Trainer's max_grad_norm), every micro-step's parameters
         # and each step's learning rate (its warm-up)
         assert cell["grad_checks"] == 30, cell["summary"]
+        # and the 10 grad_norms the Trainer logged (logging_steps=1; 5 a rank at world size 2), each against
+        # the oracle's norm of that step's clip, beside the 80 checks the clip's own return took part in
+        assert cell["checks"] == 90, cell["summary"]
     assert cells[("as-written", 2)]["comm_checks"] == 20
 
 

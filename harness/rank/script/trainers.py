@@ -84,6 +84,20 @@ def scheduler_of(trainer: Any) -> Any | None:
     return getattr(trainer, "lr_scheduler", None)
 
 
+def follow_logged_norms(trainer: Any, judge: Callable[[int, float], None]) -> None:
+    """``judge(step, grad_norm)`` for each ``grad_norm`` the Trainer logs (the norm its clip measured at
+    its optimizer step ``step``, 1-based, as a user reads it in the logs), through a callback: an
+    observer any Trainer takes."""
+    from transformers import TrainerCallback
+
+    class LoggedNorms(TrainerCallback):  # type: ignore[misc]
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+            if logs and logs.get("grad_norm") is not None:
+                judge(int(state.global_step), float(logs["grad_norm"]))
+
+    trainer.add_callback(LoggedNorms())
+
+
 def name_of(trainer: Any) -> str:
     """The Trainer's class, as the summary names it (``SFTTrainer``, a subclass of the script's)."""
     return type(trainer).__name__

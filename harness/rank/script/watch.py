@@ -18,7 +18,7 @@ from harness.rank.loaders import Drawn, dataloader_options
 from harness.rank.oracle.schedule import TOKENS, MicroStep
 from harness.rank.script.loss import WHO, counted_labels, model_loss
 from harness.rank.script.moves import has_modes, mirror_modes, refuse_loads
-from harness.rank.script.trainers import name_of, scheduler_of, weighs_tokens
+from harness.rank.script.trainers import follow_logged_norms, name_of, scheduler_of, weighs_tokens
 from harness.rank.watch import LoopRefused, Watch
 from harness.wrappers.prepared import unwrap
 
@@ -41,6 +41,7 @@ class ScriptWatch(Watch):
         # the transformers Trainer that built the Accelerator (harness/rank/script/trainers.py), or None:
         # its windows end with each epoch, and a loss it does not weigh by tokens is the window's mean
         self.trainer = trainer
+        self.norms: list[tuple[Any, MicroStep]] = []  # the oracle's norm at each clip before a step, and where
         if trainer is not None:
             self.contract["sync_with_dataloader"] = True
         default = "full_batch" if trainer is not None else "accelerate"
@@ -235,6 +236,17 @@ class ScriptWatch(Watch):
         for prepared in self.prepared.values():  # once copied: a replica holds no hook of the watch's
             self._follow_forwards(prepared)
         self._follow_moves(copies)
+        if self.trainer is not None:
+            follow_logged_norms(self.trainer, self._logged_norm)
+
+    def _logged_norm(self, step: int, logged: float) -> None:
+        """A ``grad_norm`` the script's Trainer logged at its ``step``-th optimizer step, against the
+        oracle's norm of that step's clip."""
+        if self.stopped or not 0 < step <= len(self.norms) or len(self.originals) != 1:
+            return
+        norm, point = self.norms[step - 1]
+        self.oracle.checks.grad_norm(point, next(iter(self.originals)), logged, norm,  # type: ignore[union-attr]
+                                     who=f"logged by {name_of(self.trainer)}")
 
     def _follow_moves(self, copies: Mapping[int, torch.optim.Optimizer]) -> None:
         """What moves the parameters outside an optimizer step from now on (harness/rank/script/moves.py):
@@ -272,9 +284,11 @@ class ScriptWatch(Watch):
     def _clip_oracle(self, point: Any) -> None:
         if not self.clip_in_step:
             super()._clip_oracle(point)
-            return
-        self.oracle.clip_grad_norm(self.clip, reciprocal=True)  # type: ignore[arg-type]
-        self.clipped = True
+        else:
+            self.oracle.clip_grad_norm(self.clip, reciprocal=True)  # type: ignore[arg-type]
+            self.clipped = True
+        if len(self.originals) == 1:
+            self.norms.append((self.oracle.norms[next(iter(self.originals))], point))
 
     def _clip(self, original: Callable[..., Any]) -> Callable[..., Any]:
         if self.clip_in_step:
