@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import ROOT
-from test_script import kinds, shown, watch
+from test_script import assert_refused, kinds, shown, watch
 
 pytest.importorskip("transformers")
 
@@ -93,3 +93,10 @@ def test_a_trl_sft_trainer_script_passes_in_its_own_bf16_and_in_fp32(tmp_path):
         assert cell["status"] == "pass" and cell["max_abs_diff"] == 0.0, cell["summary"]
         assert "contract: tokens, as the script's SFTTrainer weighs the window's tokens" in cell["summary"]
         assert "mixed_precision" not in cell["forced"]  # SFTConfig's own bf16, run as written
+
+
+def test_a_trainer_under_deepspeed_is_refused_in_one_line(tmp_path):
+    # Trainer keeps using the DeepSpeed plugin it made, which the cell's own would replace
+    result, cells = watch(tmp_path / "reports", TRAINER_SCRIPT, "--nproc", "2", args=("--zero", "2"))
+    assert_refused(result, cells[("as-written", 2)], "the script's Trainer asks for deepspeed-z2; the harness "
+                                                     "follows a Trainer under DDP for now")

@@ -161,8 +161,8 @@ def _deepspeed(plugin: Any) -> Asked:
         default = _flat(accelerate.utils.DeepSpeedPlugin(zero_stage=stage).deepspeed_config)
     mine = _flat(config)
     for key in sorted(set(default) | set(mine)):
-        if key in DEEPSPEED_READ or key in DEEPSPEED_CARRIED or default.get(key) == mine.get(key):
-            continue
+        if key in DEEPSPEED_READ or key in DEEPSPEED_CARRIED or key not in mine or default.get(key) == mine[key]:
+            continue  # (a key the script's config leaves out takes DeepSpeed's default, as the harness's plugin)
         if key.startswith(("bf16.", "fp16.")) and mine.get(key) in ("auto", False):
             continue  # the Accelerator's mixed_precision decides, as in the harness's own plugin
         raise LoopRefused(f"{WHO}: the script's DeepSpeed config sets {key}={mine.get(key, '(unset)')!r}; the harness "

@@ -187,12 +187,19 @@ class ScriptRun:
             asked = MIXED_PRECISION[self.precision]
         ctx.config = dataclasses.replace(ctx.config, precision=PRECISION_OF[asked])
         given["mixed_precision"] = asked
+        trainer = trainer_building()  # the Accelerator a transformers Trainer builds for itself
         wrapper = asked_wrapper(given, ctx.precision)  # the script's plugin taken out: the cell makes its own
+        if wrapper is not None and trainer is not None:
+            # Trainer keeps using the plugin it made (transformers' DeepSpeed config finalizes itself
+            # from the Trainer), which the cell's own would replace
+            raise LoopRefused(f"{WHO}: the script's {name_of(trainer)} asks for {wrapper.wrapper}; the harness "
+                              "follows a Trainer under DDP for now (under DeepSpeed and FSDP, an accelerate loop of "
+                              "the script's own, or a Trainer case with checked_trainer: docs/trainer.md)")
         if wrapper is not None:
             ctx.config = dataclasses.replace(ctx.config, wrapper=wrapper.wrapper, reduce=wrapper.policy.get("reduce"),
                                              grad_accum=wrapper.policy.get("grad_accum"))
             ctx.recorder.wrapper = wrapper.wrapper
-            if wrapper.num_steps is not None:
+            if wrapper.num_steps is not None and not given.get("gradient_accumulation_plugin"):
                 given["gradient_accumulation_steps"] = wrapper.num_steps
         was_cpu = given.get("cpu", False)
         if ctx.device.type == "cpu" and not was_cpu:
@@ -207,7 +214,6 @@ class ScriptRun:
             raise LoopRefused(f"{WHO}: --num-steps {self.num_steps} for a script whose Accelerator accumulates "
                               f"{configured} steps; give --num-steps for a loop that accumulates by hand only")
         steps = self.num_steps or configured
-        trainer = trainer_building()  # the Accelerator a transformers Trainer builds for itself
         if trainer is not None:
             if self.num_steps is not None:
                 raise LoopRefused(f"{WHO}: --num-steps {self.num_steps} for a script that trains with a "

@@ -40,6 +40,7 @@ def main():
     parser.add_argument("--gradient_accumulation_steps", type=int, default=2)
     parser.add_argument("--epochs", type=float, default=1)
     parser.add_argument("--rows", type=int, default=40)
+    parser.add_argument("--zero", type=int, choices=(1, 2, 3), default=None)
     args = parser.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
@@ -63,7 +64,11 @@ def main():
         training = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=2,
                                      gradient_accumulation_steps=args.gradient_accumulation_steps,
                                      num_train_epochs=args.epochs, learning_rate=1e-3, warmup_steps=2,
-                                     logging_steps=1, save_strategy="no", report_to="none", seed=3)
+                                     logging_steps=1, save_strategy="no", report_to="none", seed=3,
+                                     deepspeed=None if args.zero is None else {
+                                         "zero_optimization": {"stage": args.zero},
+                                         "train_micro_batch_size_per_gpu": "auto",
+                                         "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"})
         trainer = trainer_class[args.trainer](model=model, args=training, train_dataset=Rows(args.rows))
         trainer.train()
 
