@@ -142,6 +142,8 @@ def test_each_usual_mistake_fails_with_its_diagnosis_and_what_cannot_be_inferred
         "own_accelerator": "the loop made a second Accelerator; take the one the case gives it",
         "clip_unspecified": "give ctx.watch clip_grad_norm= the norm",
         "two_losses_a_batch": "a second accelerator.backward on batch 1 of epoch 0 of the prepared dataloader 1",
+        # the second loss of a window's first batch, the window's second batch drawn already: not taken for it
+        "two_losses_ahead": "a second accelerator.backward on batch 1 of epoch 0 of the prepared dataloader 1",
     }
     for loop, words in refused.items():
         cell = cells[("watch_refused", f"loop={loop}", 2)]

@@ -38,6 +38,7 @@ class Drawn:
     batch: Any  # a copy, as drawn
     rng: Any  # the RNG state when it was drawn (the forward's, where no forward of it is seen)
     tensors: list[Any]  # the batch's own tensors, held so that their ids stay theirs
+    backwards: int  # the watch's backwards when it was drawn: one drawn since the last backward has them all
 
     def holds(self, ids: set[int]) -> bool:
         """Whether any of the tensors ``ids`` names is one of this batch's own."""

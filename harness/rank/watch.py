@@ -81,6 +81,7 @@ class Watch:
         self.schedule: list[list[MicroStep]] = []  # the contract's micro-steps, by epoch of the training loader
         self.loaders: dict[int, Loader] = {}  # by id of the prepared loader
         self.last_drawn: Loader | None = None
+        self.backed: Drawn | None = None  # the batch the last backward took
         self._restore: list[Callable[[], None]] = []
         # each training forward paired with the drawn batch it was given (a window drawn ahead)
         self.forwards = Forwards(ctx.device, self._undone, self._restore)
@@ -176,8 +177,7 @@ class Watch:
                 self.asked.count_steps(self._owner(before), after)
 
     def _follow_forwards(self, prepared: nn.Module) -> None:
-        """Pair the training forwards of a prepared model with the batches drawn: the loop calls the
-        prepared model, or the one it wraps."""
+        """Pair the training forwards of a prepared model (or of the one it wraps) with the batches drawn."""
         self.forwards.follow(prepared)
         self.forwards.follow(unwrap(prepared))
         if callable(getattr(prepared, "no_sync", None)) and "no_sync" not in vars(prepared):  # DDP's, FSDP1's own
@@ -257,7 +257,8 @@ class Watch:
             return
         copy = tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, batch)
         own = tensors_of(batch)
-        state.drawn.append(Drawn(state, state.epochs - 1, state.seen, copy, rng_state(self.ctx.device), own))
+        state.drawn.append(Drawn(state, state.epochs - 1, state.seen, copy, rng_state(self.ctx.device), own,
+                                 self.backwards))
         self.last_drawn = state
         if state not in self.drawn_since_backward:
             self.drawn_since_backward.append(state)
@@ -293,11 +294,12 @@ class Watch:
         backward runs."""
         forward = self.forwards.take()
         state = forward.drawn.loader if forward is not None else self.last_drawn
-        if forward is None and state is not None and not state.drawn and self.unsettled is not None:
-            raise LoopRefused(f"{self.who}: a second accelerator.backward on batch {state.seen} of epoch "
-                              f"{state.epochs - 1} of the {state.name()}; the specification gives one loss a batch: "
-                              "for a loop with several losses a batch (a GAN's), write the case with the oracle beside "
-                              "it (docs/writing-a-case.md)")
+        # no forward given a drawn batch, and none drawn since the last backward: its batch again
+        fresh = state is not None and any(d.backwards == self.backwards for d in state.drawn)
+        if forward is None and self.backed is not None and not fresh and self.unsettled is not None:
+            raise LoopRefused(f"{self.who}: a second accelerator.backward on {self.backed.where()}; the "
+                              "specification gives one loss a batch: for a loop with several losses a batch (a GAN's), "
+                              "write the case with the oracle beside it (docs/writing-a-case.md)")
         self._settle()  # a window drawn ahead: the last micro-step is over at this backward, not at a draw
         if state is None or not state.drawn:
             raise LoopRefused(f"{self.who}: accelerator.backward with no batch drawn since the last backward from a "
@@ -322,7 +324,7 @@ class Watch:
                               f"{state.name()}; the watch follows one training dataloader")
         self.training = state
         state.trained = True
-        state.drawn.pop(0)
+        self.backed = state.drawn.pop(0)
         self.drawn_since_backward.clear()
         point = self._point(state, drawn)
         return None if point is None else (drawn, forward, point, self.asked.no_sync_asked())

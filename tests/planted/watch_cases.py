@@ -110,6 +110,15 @@ def unprepared_data(accelerator, model, data):
         micro_batch(accelerator, model, optimizer, batch)
 
 
+def two_losses_ahead(accelerator, model, data):
+    """Two backwards on each batch of a window drawn first."""
+    model, loader, optimizer = accelerator.prepare(model, DataLoader(data, batch_size=3), sgd(model))
+    batches = iter(loader)
+    for window in zip(batches, batches):
+        for batch in window:
+            micro_batch(accelerator, model, optimizer, batch, losses=2)
+
+
 def two_losses_a_batch(accelerator, model, data):
     """Two backwards on each batch (a GAN's generator and discriminator, say)."""
     model, loader, optimizer = accelerator.prepare(model, DataLoader(data, batch_size=3), sgd(model))
@@ -183,7 +192,8 @@ def test_watch_by_hand_mistake(ctx):
 
 
 @case("watch_refused", variants=grid(loop=["out_of_order", "unprepared_data", "own_accelerator",
-                                           "clip_unspecified", "two_losses_a_batch"]), wrappers=["ddp"])
+                                           "clip_unspecified", "two_losses_a_batch", "two_losses_ahead"]),
+      wrappers=["ddp"])
 def test_watch_refused(ctx):
     loop = ctx.variant["loop"]
     spec = {} if loop == "clip_unspecified" else {"clip_grad_norm": MAX_NORM}
@@ -193,7 +203,8 @@ def test_watch_refused(ctx):
             accumulate_loop(accelerator, model, dataset())
         else:
             {"out_of_order": out_of_order, "unprepared_data": unprepared_data, "own_accelerator": own_accelerator,
-             "two_losses_a_batch": two_losses_a_batch}[loop](accelerator, model, dataset())
+             "two_losses_a_batch": two_losses_a_batch, "two_losses_ahead": two_losses_ahead}[loop](
+                accelerator, model, dataset())
 
 
 def specified_optimizers(model: nn.Module) -> list[torch.optim.Optimizer]:

@@ -47,6 +47,7 @@ class ScriptWatch(Watch):
         default = "full_batch" if trainer is not None else "accelerate"
         self.contract_name = contract if contract in ("accelerate", "full_batch") else default  # the oracle's
         self.tokens = contract == TOKENS  # each window weighed by its valid label tokens on every rank
+        self.chosen = False  # the contract was chosen from what the script shows (without --contract)
         # DeepSpeed clips inside its optimizer step, to its config's norm whatever the script's
         # clip_grad_norm_ asks (accelerate's returns the engine's norm and clips nothing): the oracle
         # clips there too, and the gradients are judged clipped by the parameters the step makes
@@ -129,7 +130,8 @@ class ScriptWatch(Watch):
         passes ``num_items_in_batch`` to its model (said in the cell's summary); at the first backward
         of each window, the oracle counts the window's tokens."""
         said = self.ctx.recorder.said
-        if self.contract_asked is None and "contract" not in said:
+        if self.contract_asked is None and not self.chosen:  # once, at the first backward, on every rank alike
+            self.chosen = True
             if self.trainer is None:
                 self.tokens = self.forwards.counted
                 if self.tokens:
