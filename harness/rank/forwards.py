@@ -48,7 +48,8 @@ class Forward:
     keywords: dict[str, Any] = field(default_factory=dict)
 
     def replayed(self, *, tokens: bool) -> dict[str, Any]:
-        """The keywords to call a replica with as the loop called its model: under a token contract
+        """The keywords to call a replica with as the loop called its model, over the batch's own (what
+        the loop passed in place of one of the batch's keys too): under a token contract
         ``num_items_in_batch`` is 1, so that a transformers loss returns its sum over the batch's
         tokens (the oracle divides by the window's count it makes itself); otherwise the count the
         loop passed is left out, and the loss is the model's own mean."""
@@ -90,10 +91,8 @@ class Forwards:
         drawn = self._paired(args, kwargs)
         if drawn is None:
             return
-        own = {id(t) for t in drawn.tensors}
-        keys = set(drawn.batch) if isinstance(drawn.batch, Mapping) else set()
         keywords = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()
-                    if k not in keys and not (isinstance(v, torch.Tensor) and id(v) in own)}
+                    if not _of_the_batch(drawn, k, v)}
         self.counted = self.counted or keywords.get(NUM_ITEMS) is not None
         self.last = Forward(drawn, rng_state(self.device), keywords)
 
@@ -108,6 +107,21 @@ class Forwards:
         if held is not None:
             return held
         return next((d for d in pending if _copied(d.batch, given, kwargs)), None)
+
+
+def _of_the_batch(drawn: Drawn, key: str, value: Any) -> bool:
+    """Whether a forward's keyword ``key=value`` is the drawn batch's own (one of its tensors, or a copy
+    of the one under that key); what is not (``num_items_in_batch``, labels the loop made itself) is
+    replayed over the batch."""
+    if isinstance(value, torch.Tensor) and any(value is t for t in drawn.tensors):
+        return True
+    batch = drawn.batch
+    if not isinstance(batch, Mapping) or key not in batch:
+        return False
+    mine = batch[key]
+    if isinstance(value, torch.Tensor) or isinstance(mine, torch.Tensor):
+        return isinstance(value, torch.Tensor) and isinstance(mine, torch.Tensor) and _equal(value, mine)
+    return True  # a value of the batch's that is no tensor: the batch's, as drawn
 
 
 def _copied(batch: Any, given: list[torch.Tensor], kwargs: dict[str, Any]) -> bool:

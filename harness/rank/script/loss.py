@@ -24,7 +24,7 @@ def model_loss(model: nn.Module, batch: Any, keywords: Mapping[str, Any] | None 
                           "inputs, so the model's own .loss cannot be the specification; give --loss module:function")
     keywords = dict(keywords or {})
     try:
-        outputs = model(**batch, **keywords)
+        outputs = model(**{**batch, **keywords})  # a keyword of the batch's the script passed otherwise wins
     except TypeError as exc:
         if not keywords:
             raise
