@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 import torch
 from torch import nn
 
-from harness.rank.forwards import Forward
+from harness.rank.forwards import NUM_ITEMS, Forward
 from harness.rank.loaders import Drawn, dataloader_options
 from harness.rank.oracle.schedule import TOKENS, MicroStep
 from harness.rank.script.loss import WHO, counted_labels, model_loss
@@ -167,7 +167,7 @@ class ScriptWatch(Watch):
             return self.loss
         keywords = forward.replayed(tokens=self.tokens) if forward is not None else {}
         if forward is None and self.tokens:
-            keywords = {"num_items_in_batch": 1}
+            keywords = {NUM_ITEMS: 1}
         return lambda model, batch: model_loss(model, batch, keywords)
 
     def _drawn(self, state: Any, batch: Any) -> None:
