@@ -73,3 +73,23 @@ def test_the_token_contract_asked_of_a_loop_that_draws_one_batch_a_backward_is_r
                           "tokens", args=("--accumulation", "2"))
     assert cells["environment"]["script"]["contract"] == "tokens"
     assert_refused(result, cells[("as-written", 2)], "the script had drawn 1 of the window's 2 micro-batches by then")
+
+
+def test_a_forward_set_on_the_model_that_closes_over_it_is_refused_and_a_method_is_not():
+    # the oracle's replica is a copy of the model; a forward set on the instance as a closure over the model
+    # would still run the rank's model from the copy, which a method set with types.MethodType does not
+    import copy
+    import types
+
+    from torch import nn
+
+    from harness.rank.script.watch import refuse_rank_forwards
+    from harness.rank.watch import LoopRefused
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    head = model[1]
+    head.forward = types.MethodType(lambda self, x: nn.Linear.forward(self, x) * 2, head)
+    refuse_rank_forwards({"model": copy.deepcopy(model)}, [model])  # rebound to the copy: followed
+    head.forward = lambda x: nn.Linear.forward(head, x) * 2
+    with pytest.raises(LoopRefused, match=r"forward on its model \(model\.1\) that calls the model itself"):
+        refuse_rank_forwards({"model": copy.deepcopy(model)}, [model])

@@ -9,9 +9,12 @@ passes. Real ranks, gloo, the installed accelerate and transformers, real proces
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from conftest import ROOT
+from test_launch import free_port
 from test_script import assert_refused, kinds, shown, watch
 
 pytest.importorskip("transformers")
@@ -95,8 +98,79 @@ def test_a_trl_sft_trainer_script_passes_in_its_own_bf16_and_in_fp32(tmp_path):
         assert "mixed_precision" not in cell["forced"]  # SFTConfig's own bf16, run as written
 
 
-def test_a_trainer_under_deepspeed_is_refused_in_one_line(tmp_path):
-    # Trainer keeps using the DeepSpeed plugin it made, which the cell's own would replace
-    result, cells = watch(tmp_path / "reports", TRAINER_SCRIPT, "--nproc", "2", args=("--zero", "2"))
-    assert_refused(result, cells[("as-written", 2)], "the script's Trainer asks for deepspeed-z2; the harness "
-                                                     "follows a Trainer under DDP for now")
+def test_a_trainer_under_deepspeed_keeps_its_own_config_and_passes(tmp_path):
+    # TrainingArguments(deepspeed=...) with every value "auto": Trainer fills its config from its arguments
+    # (train_batch_size from the world size, counted again once the cell's Accelerator counts the ranks of
+    # a CPU host), DeepSpeed clips inside its step at max_grad_norm by the norm it measured, and the
+    # grad_norm the Trainer logs is the engine's
+    result, cells = watch(tmp_path / "reports", TRAINER_SCRIPT, "--world-sizes", "1,2", args=("--zero", "2"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for ws in (1, 2):
+        cell = cells[("as-written", ws)]
+        assert cell["status"] == "pass" and cell["max_abs_diff"] == 0.0, cell["summary"]
+        assert cell["wrapper"] == "deepspeed-z2" and not cell.get("forced"), cell  # DeepSpeed runs with cpu=False
+        # ZeRO-2 hides the gradients between its boundaries: each window's 10 (5 a rank) read whole at its
+        # boundary and 10 hidden; every micro-step's parameters, each step's learning rate, and the 10
+        # grad_norms logged, each against the oracle's norm of that step's clip
+        assert (cell["grad_checks"], cell["checks"]) == (20, 70), cell["summary"]
+
+
+def test_a_subclass_with_the_mean_loss_under_zero3_fails_where_deepspeed_reduces(tmp_path):
+    # the same misweighted windows as under DDP, read at each boundary (ZeRO-3 partitions the gradients
+    # between them)
+    result, cells = watch(tmp_path / "reports", TRAINER_SCRIPT, "--nproc", "2",
+                          args=("--zero", "3", "--trainer", "mean_loss"))
+    cell = cells[("as-written", 2)]
+    assert result.returncode == 1 and cell["status"] == "fail" and cell["wrapper"] == "deepspeed-z3", cell["summary"]
+    first = min(f["step"] for f in cell["failures"])
+    assert first == 2 and kinds(cell) == {"misweighted"}, cell["summary"]
+
+
+def test_a_trainer_under_accelerate_launchs_fsdp_config_passes(tmp_path):
+    # accelerate launch --use_fsdp: the Trainer makes no plugin of its own, the Accelerator takes the
+    # launcher's; what accelerate refuses on a CPU host is done without and said
+    launcher = (sys.executable, "-m", "accelerate.commands.launch", "--use_fsdp", "--fsdp_version", "1",
+                "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                "--main_process_port", str(free_port()))
+    result, cells = watch(tmp_path / "reports", TRAINER_SCRIPT, launcher=launcher)
+    cell = cells[("as-written", 2)]
+    assert result.returncode == 0 and cell["status"] == "pass" and cell["wrapper"] == "fsdp1", cell["summary"]
+    assert cell["forced"] == {**FORCED, "fsdp_plugin.sync_module_states": "True -> False",
+                              "fsdp_plugin.cpu_ram_efficient_loading": "True -> False"}, cell["forced"]
+
+
+def test_a_trainers_own_fsdp2_wraps_each_decoder_layer_and_passes(tmp_path):
+    # TrainingArguments(fsdp=..., fsdp_config={"version": 2}): Trainer's plugin shards each decoder layer
+    # as a unit of its own (its auto-wrap policy, carried over): the oracle reads the reduction's layout
+    # from the model as prepared
+    result, cells = watch(tmp_path / "reports", TRAINER_SCRIPT, "--nproc", "2", args=("--fsdp", "2"))
+    cell = cells[("as-written", 2)]
+    assert result.returncode == 0 and cell["status"] == "pass" and cell["wrapper"] == "fsdp2", cell["summary"]
+
+
+@pytest.mark.parametrize("args, says", [
+    # FSDP1's nested units rename the parameters the checks read
+    (("--fsdp", "1"), "the script's FSDP plugin sets auto_wrap_policy='transformer_auto_wrap_policy'"),
+    (("--fsdp", "2", "--bf16"), "the script's Trainer trains under fsdp2 in bf16; the harness follows a Trainer "
+                                "under FSDP in fp32"),
+])
+def test_what_a_trainer_under_fsdp_cannot_be_followed_in_is_refused_in_one_line(tmp_path, args, says):
+    result, cells = watch(tmp_path / "reports", TRAINER_SCRIPT, "--nproc", "2", args=args)
+    assert_refused(result, cells[("as-written", 2)], says)
+
+
+def test_a_trainer_under_deepspeed_in_bf16_is_a_skip_on_a_cpu_host(tmp_path):
+    result, cells = watch(tmp_path / "reports", TRAINER_SCRIPT, "--nproc", "2", args=("--zero", "2", "--bf16"))
+    cell = cells[("as-written", 2)]
+    assert result.returncode == 0 and cell["status"] == "skip", cell["summary"]
+    assert "a Trainer under DeepSpeed runs bf16 and fp16 on a GPU host only" in cell["summary"]
+
+
+def test_tokens_averaged_per_rank_are_misweighted_at_two_ranks_only(tmp_path):
+    # average_tokens_across_devices=False: each rank divides by its own window's tokens, and DDP averages the
+    # ranks' means: a rank with fewer tokens weighs each of them more than the global window's token mean
+    result, cells = watch(tmp_path / "reports", TRAINER_SCRIPT, "--world-sizes", "1,2", args=("--tokens-per-rank",))
+    assert cells[("as-written", 1)]["status"] == "pass", cells[("as-written", 1)]["summary"]
+    cell = cells[("as-written", 2)]
+    assert result.returncode == 1 and cell["status"] == "fail" and kinds(cell) == {"misweighted"}, cell["summary"]
+    assert min(f["step"] for f in cell["failures"]) == 1

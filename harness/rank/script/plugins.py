@@ -31,6 +31,11 @@ UNFOLLOWED = ("deepspeed_plugins", "megatron_lm_plugin", "parallelism_config", "
 # saved, how weights are loaded): the script's values are carried over to the cell's plugin
 FSDP_CARRIED = ("reshard_after_forward", "backward_prefetch", "forward_prefetch", "limit_all_gathers",
                 "state_dict_type", "state_dict_config", "optim_state_dict_config")
+# FSDP2 plugin fields that say which modules are sharded units of their own (a Trainer's plugin wraps
+# each decoder layer): carried over, as the oracle reads FSDP2's reduction layout from the model as
+# prepared (harness/rank/oracle/sharded_reduce.py); FSDP1's nested units rename the parameters the
+# checks read, and are refused
+FSDP2_CARRIED = ("auto_wrap_policy", "transformer_cls_names_to_wrap", "min_num_params")
 # FSDP plugin fields the harness sets (harness/wrappers/prepare.py says why): FSDP1's parameters kept
 # as the user's, and no broadcast of rank 0's weights, nor loading them on rank 0 alone (accelerate
 # refuses the broadcast on a CPU host; the oracle starts from the weights the ranks hold after
@@ -125,7 +130,8 @@ def _fsdp(plugin: Any, precision: str) -> Asked:
     with _without_launcher_settings():
         default = type(plugin)(**({"fsdp_version": version} if probe.takes_parameter(type(plugin), "fsdp_version")
                                   else {}))
-    _refuse_other_fields(plugin, default, FSDP_CARRIED + FSDP_FORCED + FSDP_READ, "FSDP plugin")
+    carried = FSDP_CARRIED + (FSDP2_CARRIED if version == 2 else ())
+    _refuse_other_fields(plugin, default, carried + FSDP_FORCED + FSDP_READ, "FSDP plugin")
     return asked
 
 
@@ -200,6 +206,7 @@ def _refuse_other_fields(plugin: Any, default: Any, allowed: tuple[str, ...], wh
             continue
         mine, theirs = getattr(plugin, f.name), getattr(default, f.name)
         if mine != theirs:
+            mine = getattr(mine, "__qualname__", mine) if callable(mine) else mine  # a policy by its name
             raise LoopRefused(f"{WHO}: the script's {what} sets {f.name}={mine!r} (accelerate's default: {theirs!r}); "
                               "the harness does not model what it changes in the gradients")
 
@@ -210,7 +217,7 @@ def carry_over(asked: Asked, made: dict[str, Any]) -> dict[str, tuple[Any, Any]]
     forced = dict(asked.forced)
     if spec(asked.wrapper).family == "fsdp":
         cell = made["fsdp_plugin"]
-        for name in FSDP_CARRIED:
+        for name in FSDP_CARRIED + (FSDP2_CARRIED if asked.wrapper == "fsdp2" else ()):
             if hasattr(cell, name):
                 setattr(cell, name, getattr(asked.plugin, name))
         for name in FSDP_FORCED:

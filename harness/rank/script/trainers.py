@@ -17,9 +17,13 @@ import inspect
 import sys
 from typing import Any, Callable, MutableMapping
 
+from harness.decorator import SkipCell
 from harness.rank.patching import after_import, patch
 
 TRAINER_MODULE = "transformers.trainer"
+# why a Trainer under DeepSpeed in bf16 or fp16 does not run on a host without a GPU
+DEEPSPEED_LOW_PRECISION = ("a Trainer under DeepSpeed runs bf16 and fp16 on a GPU host only: TrainingArguments refuses "
+                           "them without a GPU unless use_cpu=True, under which accelerate drops DeepSpeed")
 ARGUMENTS_MODULE = "transformers.training_args"
 
 
@@ -49,14 +53,51 @@ def on_cpu(forced: MutableMapping[str, str], restore: list[Callable[[], None]]) 
         original = cls.__post_init__
 
         def __post_init__(arguments: Any, *args: Any, **kwargs: Any) -> Any:
-            if not arguments.use_cpu:
+            if _deepspeed(arguments) and (arguments.bf16 or arguments.fp16):
+                raise SkipCell(DEEPSPEED_LOW_PRECISION)
+            if not arguments.use_cpu and not _deepspeed(arguments):
                 arguments.use_cpu = True
                 forced["TrainingArguments.use_cpu"] = "False -> True"
-            return original(arguments, *args, **kwargs)
+            made = original(arguments, *args, **kwargs)
+            fsdp = getattr(arguments, "fsdp_plugin_args", None) or {}
+            for name in ("sync_module_states", "cpu_ram_efficient_loading"):
+                if fsdp.get(name):  # refused by accelerate on a CPU host; the cell does without (plugins.py)
+                    fsdp[name] = False
+                    forced[f"fsdp_plugin.{name}"] = "True -> False"
+            return made
 
         patch(cls, "__post_init__", __post_init__, restore)
 
     after_import(ARGUMENTS_MODULE, place, restore)
+
+
+def _deepspeed(arguments: Any) -> bool:
+    """Whether ``arguments`` ask for DeepSpeed (their ``deepspeed`` config, or accelerate launch's): accelerate
+    drops DeepSpeed under ``use_cpu``, and the cell runs it on a CPU host as it is
+    (harness/wrappers/deepspeed_cpu.py)."""
+    import os
+
+    return bool(arguments.deepspeed) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def count_this_host(trainer: Any) -> None:
+    """A Trainer's DeepSpeed config whose ``train_batch_size`` the script left ``"auto"``, filled again with
+    the world size the cell's Accelerator now counts. On a host without a GPU, accelerate counts one
+    process until the Accelerator is built and corrected (harness/wrappers/deepspeed_cpu.py,
+    ``after_construction``), and ``TrainingArguments`` filled the key before that: DeepSpeed would refuse
+    the batch sizes at ``train()``. On a GPU host the value is what transformers filled already."""
+    import json
+
+    arguments = trainer.args
+    given = arguments.deepspeed  # as the script gave it (transformers leaves it as it was): a dict or a path
+    if isinstance(given, str):
+        with open(given, encoding="utf-8") as file:
+            given = json.load(file)
+    made = getattr(arguments, "hf_deepspeed_config", None)
+    if made is None or not isinstance(given, dict) or given.get("train_batch_size") != "auto":
+        return
+    made.config["train_batch_size"] = (arguments.world_size * arguments.per_device_train_batch_size
+                                       * arguments.gradient_accumulation_steps)
 
 
 def weighs_tokens(trainer: Any) -> bool:

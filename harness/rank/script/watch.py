@@ -228,6 +228,10 @@ class ScriptWatch(Watch):
                               "(step_scheduler_with_optimizer=False); the harness follows schedulers accelerate "
                               "steps with them")
         self.check_lr = bool(schedulers)
+        if self.clip_in_step:  # the norm DeepSpeed clips to, as its engine was configured (a Trainer fills it late)
+            engines = [getattr(p, "gradient_clipping", None) for p in self.prepared.values()]
+            if len(engines) == 1 and callable(engines[0]):
+                self.clip = float(engines[0]()) or None
         with _plain_forward(self.originals.values()):
             self.oracle = self.ctx._oracle(
                 self.originals, weights=self._weights(), num_steps=self.contract["num_steps"],
@@ -235,6 +239,7 @@ class ScriptWatch(Watch):
                 scheduler=scheduler if schedulers else None,
                 scheduler_steps=1 if split or self.trainer is not None else self.ctx.world_size,
                 contract=self.contract_name, replay_rng=self.replay)
+        refuse_rank_forwards(self.oracle.replicas, self.originals.values())
         for prepared in self.prepared.values():  # once copied: a replica holds no hook of the watch's
             self._follow_forwards(prepared)
         self._follow_moves(copies)
@@ -243,7 +248,10 @@ class ScriptWatch(Watch):
 
     def _logged_norm(self, step: int, logged: float) -> None:
         """A ``grad_norm`` the script's Trainer logged at its ``step``-th optimizer step, against the
-        oracle's norm of that step's clip."""
+        oracle's norm of that step's clip (under DeepSpeed, which clipped inside the step's backward, the
+        step is settled first: Trainer logs once its step and schedule are done)."""
+        if step == len(self.norms) + 1 and self.unsettled is not None and self.unsettled.optimizer_step:
+            self._settle()
         if self.stopped or not 0 < step <= len(self.norms) or len(self.originals) != 1:
             return
         norm, point = self.norms[step - 1]
@@ -287,10 +295,19 @@ class ScriptWatch(Watch):
         if not self.clip_in_step:
             super()._clip_oracle(point)
         else:
-            self.oracle.clip_grad_norm(self.clip, reciprocal=True)  # type: ignore[arg-type]
+            self.oracle.clip_grad_norm(self.clip, reciprocal=True,  # type: ignore[arg-type]
+                                       measured=self._engine_norm())
             self.clipped = True
         if len(self.originals) == 1:
             self.norms.append((self.oracle.norms[next(iter(self.originals))], point))
+
+    def _engine_norm(self) -> Any:
+        """The norm DeepSpeed's step clipped by (its engine's global gradient norm, in its dtype), for the
+        oracle to clip by where it is the oracle's within the rounding of its sum; None for several models."""
+        if len(self.prepared) != 1:
+            return None
+        reader = getattr(next(iter(self.prepared.values())), "get_global_grad_norm", None)
+        return reader() if callable(reader) else None
 
     def _clip(self, original: Callable[..., Any]) -> Callable[..., Any]:
         if self.clip_in_step:
@@ -328,6 +345,29 @@ def copied_optimizer(raw: torch.optim.Optimizer, param_groups: list[dict[str, An
         return type(raw)(groups)
     except TypeError:
         return type(raw)(groups, **raw.defaults)
+
+
+def refuse_rank_forwards(replicas: Mapping[str, nn.Module], models: Any) -> None:
+    """A forward the script set on a module of its model (an instance attribute) that the oracle's copy would
+    still run on the rank's own module: a closure over it, or a partial or method bound to it, which a copy
+    does not rebind (a method set with ``types.MethodType`` is rebound to the copy). Refused, since the
+    oracle's replica would then train the rank's model."""
+    mine = {id(m) for model in models for m in model.modules()}
+    for name, replica in replicas.items():
+        for where, module in replica.named_modules():
+            forward = vars(module).get("forward")
+            if forward is None:
+                continue
+            function = getattr(forward, "__func__", getattr(forward, "func", forward))
+            held = [getattr(forward, "__self__", None), *getattr(forward, "args", ())]
+            for cell in getattr(function, "__closure__", None) or ():
+                with contextlib.suppress(ValueError):  # an empty cell
+                    held.append(cell.cell_contents)
+            if any(isinstance(h, nn.Module) and id(h) in mine for h in held):
+                raise LoopRefused(f"{WHO}: the script set a forward on its model ({name}{'.' + where if where else ''}) "
+                                  "that calls the model itself (a closure or a partial over it): the oracle's copy "
+                                  "would run the rank's model; set it as a method (types.MethodType), which a copy "
+                                  "rebinds")
 
 
 @contextlib.contextmanager

@@ -41,6 +41,9 @@ def main():
     parser.add_argument("--epochs", type=float, default=1)
     parser.add_argument("--rows", type=int, default=40)
     parser.add_argument("--zero", type=int, choices=(1, 2, 3), default=None)
+    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--fsdp", type=int, choices=(1, 2), default=None)
+    parser.add_argument("--tokens-per-rank", action="store_true")  # average_tokens_across_devices=False
     args = parser.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
@@ -64,11 +67,15 @@ def main():
         training = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=2,
                                      gradient_accumulation_steps=args.gradient_accumulation_steps,
                                      num_train_epochs=args.epochs, learning_rate=1e-3, warmup_steps=2,
-                                     logging_steps=1, save_strategy="no", report_to="none", seed=3,
+                                     logging_steps=1, save_strategy="no", report_to="none", seed=3, bf16=args.bf16,
+                                     average_tokens_across_devices=not args.tokens_per_rank,
                                      deepspeed=None if args.zero is None else {
-                                         "zero_optimization": {"stage": args.zero},
-                                         "train_micro_batch_size_per_gpu": "auto",
+                                         "zero_optimization": {"stage": args.zero}, "bf16": {"enabled": "auto"},
+                                         "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
                                          "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"})
+        if args.fsdp is not None:
+            training = TrainingArguments(**{**training.to_dict(), "fsdp": "full_shard",
+                                            "fsdp_config": {"version": args.fsdp}})
         trainer = trainer_class[args.trainer](model=model, args=training, train_dataset=Rows(args.rows))
         trainer.train()
 
