@@ -10,6 +10,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from harness.wrappers.prepared import torch_optimizer
+
 
 class Asked:
     """The loop's open ``accumulate`` and ``no_sync`` blocks, and its optimizers' steps by model."""
@@ -49,9 +51,7 @@ class Asked:
         """Count the steps the torch optimizer inside ``optimizer`` (accelerate's wrapper, ZeRO's)
         really takes, as ``name``'s: a step the schedule has not is named from them even where it
         moved no parameter (a learning rate of 0)."""
-        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper is an Optimizer by class
-        while not isinstance(inner, torch.optim.Optimizer) and hasattr(inner, "optimizer"):
-            inner = inner.optimizer
+        inner = torch_optimizer(optimizer)
         if isinstance(inner, torch.optim.Optimizer):
             handle = inner.register_step_post_hook(lambda *_: self._stepped(name))
             self.restore.append(handle.remove)

@@ -32,6 +32,7 @@ from harness.rank.oracle.schedule import MicroStep, batches_per_rank
 from harness.rank.tokens import IGNORE_INDEX
 from harness.records import Failure, FailureKind
 from harness.wrappers.prepare import remember_wrappers
+from harness.wrappers.prepared import torch_optimizer
 from harness.wrappers.probe import takes_parameter
 
 # What the loss of one micro-batch is, by the model's task: "tokens" (a causal LM: every valid token
@@ -133,9 +134,7 @@ class TrainerWatch:
     def hook_optimizer(self, optimizer: Any) -> None:
         """Trainer's optimizer (accelerate's wrapper around it, or the torch optimizer itself; under
         DeepSpeed, the torch optimizer inside ZeRO's, which steps ZeRO's flat partitions)."""
-        inner = getattr(optimizer, "optimizer", optimizer)
-        while not isinstance(inner, torch.optim.Optimizer) and hasattr(inner, "optimizer"):
-            inner = inner.optimizer
+        inner = torch_optimizer(optimizer)
         if inner is self._hooked:
             return
         self._hooked = inner

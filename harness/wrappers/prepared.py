@@ -33,6 +33,17 @@ def unwrap(model: nn.Module) -> nn.Module:
 _WRAPPERS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
+def torch_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside ``optimizer``: accelerate's wrapper (an Optimizer by class), ZeRO's
+    (under DeepSpeed, the one that steps ZeRO's flat partitions), or ``optimizer`` itself."""
+    import torch
+
+    inner = getattr(optimizer, "optimizer", optimizer)
+    while not isinstance(inner, torch.optim.Optimizer) and hasattr(inner, "optimizer"):
+        inner = inner.optimizer
+    return inner
+
+
 def remember(wrapper: Any) -> None:
     """``wrapper`` (a module that wraps the user's), under the user's module inside it."""
     inner = unwrap(wrapper)
