@@ -11,7 +11,7 @@ The oracle's collectives are those the checked cell issues beyond the unchecked 
 recorder on rank 0), issued again bare (rig.replay).
 
 Memory: each mode's cell runs once in fresh ranks, whose allocator is a pool rank's
-(harness/rank/runner.py, keep_large_allocations), after one run of the smallest size (the imports);
+(harness/rank/process/environment.py, keep_large_allocations), after one run of the smallest size (the imports);
 the peak resident memory of the cell over the resident memory before it (VmHWM reset through
 /proc/self/clear_refs) is what it holds. The checked cell's less the unchecked cell's, over the
 model's fp32 bytes, is what the harness holds in model copies.
@@ -104,10 +104,10 @@ def _oracles_of(mode: str) -> Iterator[list[Any]]:
 
 def _in_mode(mode: str, spec: Any, rank: int, device: Any) -> tuple[Any, float]:
     """Run the cell with the mode's oracle; the rank's result and the oracle's own busy seconds."""
-    from harness.rank.runner import run_cell
+    from harness.rank.process.cell import run_rank_cell
 
     with _oracles_of(mode) as made:
-        result = run_cell(spec, rank, device)
+        result = run_rank_cell(spec, rank, device)
     if result.outcome.value != "ok" or result.failures:
         raise RuntimeError(f"{spec.case}[{spec.variant}] ({mode}) on rank {rank}: {result.outcome.value}, "
                            f"{len(result.failures)} failures: {result.detail[-2000:]}")

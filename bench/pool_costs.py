@@ -1,6 +1,6 @@
 """What a rank pool costs on this machine: start-up per world size, and one warm cell.
 
-Ranks are forked from a server that imported torch and accelerate once (harness/rank/preload.py):
+Ranks are forked from a server that imported torch and accelerate once (harness/rank/process/preload.py):
 its start is timed on its own (a run pays it once, while it imports the case files), then each
 pool's start from it, and its restart (what every cell that ends in a fault pays).
 

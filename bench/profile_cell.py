@@ -44,8 +44,8 @@ SECTIONS = [
     ("harness.rank.context", "RankContext.dataset", "models and data"),
     ("harness.rank.context", "RankContext.schedule", "models and data"),
     ("harness.wrappers.probe", "reset_accelerate", "state reset"),
-    ("harness.rank.runner", "_restore_environment", "state reset"),
-    ("harness.rank.runner", "run_cell", "rank bookkeeping"),
+    ("harness.rank.process.cell", "_restore_environment", "state reset"),
+    ("harness.rank.process.cell", "run_rank_cell", "rank bookkeeping"),
 ]
 DIST_CALLS = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "barrier")
 ORACLE_SECTIONS = ("oracle", "checks")
@@ -98,11 +98,11 @@ class Sections:
 
 
 def _profile_job(rank: int, world_size: int, device: Any, spec: Any, runs: int) -> dict[str, Any]:
-    import harness.rank.runner as rank_side
+    import harness.rank.process.cell as rank_side
     from harness.catalogue import find_case, locate
 
     for _ in range(3):  # import the case, warm every path
-        rank_side.run_cell(spec, rank, device)
+        rank_side.run_rank_cell(spec, rank, device)
     case = find_case(locate(spec.case_anchor, spec.case_relpath, spec.case_file), spec.case_attr)
     sections = Sections()
     sections.install(case, "body")
@@ -111,7 +111,7 @@ def _profile_job(rank: int, world_size: int, device: Any, spec: Any, runs: int) 
     dist.barrier()
     started = time.perf_counter()
     for _ in range(runs):
-        result = rank_side.run_cell(spec, rank, device)
+        result = rank_side.run_rank_cell(spec, rank, device)
     wall = (time.perf_counter() - started) / runs
     started = time.perf_counter()
     message = pickle.dumps(result)

@@ -1,5 +1,5 @@
 """A bench's own ranks: N spawned processes joined in a gloo group exactly as a pool's ranks are
-(harness/rank/runner.py: the same environment, one thread, the same warm-up), each running a job function
+(harness/rank/process/main.py: the same environment, one thread, the same warm-up), each running a job function
 and returning plain data. For measurements a pool cannot make from outside: a breakdown of a warm
 cell by section on every rank (profile_cell.py), and the floor of a cell, its own collectives
 replayed bare (floor_ms).
@@ -24,9 +24,10 @@ RIG_TIMEOUT_S = 900.0
 def _rank_main(rank: int, world_size: int, store_path: str, queue: Any, env: dict[str, str],
                job: Callable[..., Any], args: tuple) -> None:
     os.environ.update(env)
-    from harness.rank import runner as rank_side
+    from harness.rank.process.environment import set_environment
+    from harness.rank.process.main import warm_up
 
-    rank_side._set_environment(rank, world_size, "gloo")
+    set_environment(rank, world_size, "gloo")
     try:
         import torch
         import torch.distributed as dist
@@ -35,7 +36,7 @@ def _rank_main(rank: int, world_size: int, store_path: str, queue: Any, env: dic
         dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=RIG_TIMEOUT_S))
         device = torch.device("cpu")
-        rank_side._warm_up(device)
+        warm_up(device)
         queue.put((rank, job(rank, world_size, device, *args), None))
         dist.barrier()
         dist.destroy_process_group()
@@ -52,9 +53,9 @@ def run_ranks(world_size: int, job: Callable[..., Any], *args: Any, env: dict[st
         store = os.path.join(folder, "store")
         processes = [ctx.Process(target=_rank_main, args=(r, world_size, store, queue, env or {}, job, args),
                                  daemon=True) for r in range(world_size)]
-        # a pool rank's settings that take effect only before its first tensor (harness/rank/runner.py,
+        # a pool rank's settings that take effect only before its first tensor (harness/rank/process/environment.py,
         # keep_large_allocations): a spawned rank imports this bench's modules, and torch, before the job
-        from harness.rank.runner import TORCH_HUGE_PAGES
+        from harness.rank.process.environment import TORCH_HUGE_PAGES
 
         inherited = os.environ.get(TORCH_HUGE_PAGES)
         os.environ.setdefault(TORCH_HUGE_PAGES, "1")
@@ -113,10 +114,10 @@ FLOOR_RING = "65536"
 def recorded(spec: Any, rank: int, device: Any) -> list[tuple[str, list[list[int]], str]]:
     """Run the cell once; the collectives it issued on this rank: (op, input sizes, dtype)."""
     from harness.rank.numerics.accounting import _records
-    from harness.rank.runner import run_cell
+    from harness.rank.process.cell import run_rank_cell
 
     before = max((e["record_id"] for e in _records() or []), default=-1)
-    result = run_cell(spec, rank, device)
+    result = run_rank_cell(spec, rank, device)
     if result.outcome.value not in ("ok",):
         raise RuntimeError(f"{spec.case}[{spec.variant}] on rank {rank}: {result.outcome}: {result.detail[-2000:]}")
     return [(e["profiling_name"].split(":", 1)[-1], e["input_sizes"], e["input_dtypes"][0] if e["input_dtypes"] else "Float")
@@ -157,11 +158,11 @@ def replay(collectives: list[tuple[str, list[list[int]], str]], device: Any, rep
 
 
 def _floor_job(rank: int, world_size: int, device: Any, specs: list[Any], repeats: int) -> list[tuple[int, float]]:
-    from harness.rank.runner import run_cell
+    from harness.rank.process.cell import run_rank_cell
 
     out = []
     for spec in specs:
-        run_cell(spec, rank, device)  # import the case, warm it
+        run_rank_cell(spec, rank, device)  # import the case, warm it
         collectives = recorded(spec, rank, device)
         out.append((len(collectives), replay(collectives, device, repeats)))
     return out

@@ -2,7 +2,7 @@
 time of a session that only collects one case file, and of a run of one cell, on a fork server of its
 own (as a user's run) and on one it adopts (as the harness's own tests' sessions do: docs/contributing.md).
 And what the libraries only some cells use cost a pool: its first Trainer, compiled and DeepSpeed cells
-at world size 2, each rank importing them, or forked from a server that did (harness/rank/preload_all.py).
+at world size 2, each rank importing them, or forked from a server that did (harness/rank/process/preload_all.py).
 
 The CPU is the machine's busy time over the command (/proc/stat: every process the session starts,
 its fork server and ranks among them), so run it on an otherwise idle machine. Median of --repeats.

@@ -20,7 +20,7 @@ from harness.matrix.schema import MatrixError
 from harness.render.comparison import render_comparison_html, render_comparison_markdown
 from harness.render.diff import render_diff_markdown, render_diff_text
 from harness.render.reports import check_report_dir, write_atomically, write_reports
-from harness.launch.watch import WatchUsage, add_watch_parser
+from harness.launch.watch_command import WatchUsage, add_watch_parser
 
 PROG = "harness"
 

@@ -9,7 +9,7 @@ controller's imports"). Everything made later is collected as before.
 
 Paused: by the plugin, from the first case file a session imports to the end of its collection
 (harness/plugin.py); by the fork server the pools' ranks are forked from, while it preloads
-(harness/rank/preload.py); by a launched rank, while it imports the rank side and joins
+(harness/rank/process/preload.py); by a launched rank, while it imports the rank side and joins
 (harness/launch/main.py); by ``python -m harness selfcheck``, while it reads the catalogue.
 """
 

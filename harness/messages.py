@@ -7,13 +7,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness.records import Failure, RankOutcome
+from harness.records import Failure, RankFault, RankOutcome
 from harness.timeline import TimelineRecorder
 
 
 # What ``python -m harness watch SCRIPT`` asks of every process of its run, ranks included: the script,
 # its arguments and the specification's options, as JSON in this environment variable
-# (harness/launch/watch.py writes it; harness/rank/script/cells.py and harness/controller/script.py read it).
+# (harness/launch/watch_command.py writes it; harness/rank/script/cells.py and harness/controller/script.py read it).
 WATCH_ENVIRONMENT = "GRADSYNC_WATCH"
 
 
@@ -113,3 +113,11 @@ def expect(message: Any, *types: type) -> Any:
         return message
     wanted = ", ".join(t.__name__ for t in types)
     raise ProtocolError(f"unexpected message {type(message).__name__} (expected {wanted})")
+
+
+@dataclass
+class CellOutcome:
+    """The ranks' results for one cell, or the faults that kept them from reporting."""
+
+    results: dict[int, RankResult] = field(default_factory=dict)
+    faults: list[RankFault] = field(default_factory=list)

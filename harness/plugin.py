@@ -23,7 +23,7 @@ from harness.decorator import case_info
 from harness.matrix.diff import selection_id
 from harness.matrix.schema import Cell, Matrix, merge_cells, with_unavailable_checks
 from harness.messages import watched
-from harness.rank.runner import launcher_settings
+from harness.rank.process.environment import launcher_settings
 from harness.records import BAD_STATUSES, GOOD_STATUSES
 from harness.controller.script import script_environment
 from harness.render.matrix import terminal_summary
@@ -147,7 +147,7 @@ class HarnessState:
     def before_case_files(self, file_path: Path) -> None:
         """When the first test module that names the harness is about to be imported, pause the
         garbage collector until the collection ends (harness/heap.py), and start what the pools'
-        ranks are forked from (harness/rank/preload.py): it imports torch on one core while this
+        ranks are forked from (harness/rank/process/preload.py): it imports torch on one core while this
         process imports the case files (and torch) on the other, a second or two of every run; not
         under a launcher (whose ranks are its own) or in a run that only collects. The plugin is
         loaded in every pytest run where the harness is installed: one with no such file is left as it is."""
@@ -185,7 +185,7 @@ class HarnessState:
             environment["script"] = script_environment(script)
         if self.launch is not None:  # the launcher, nodes, processes per node, hosts and devices
             environment.update(self.launch.environment())
-        # the ranks drop these (harness/rank/runner.py): the matrix says that they were there
+        # the ranks drop these (harness/rank/process/environment.py): the matrix says that they were there
         ignored = self.launch.dropped if self.launch is not None else launcher_settings()
         if ignored and script is None:
             environment["ignored_launcher_settings"] = ignored

@@ -9,13 +9,9 @@ its name, and matrices from any harness version keep comparing.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:  # the protocol imports these records, not the other way round
-    from harness.messages import RankResult
-
+from typing import Any
 
 class _Name(str, Enum):
     """A public name: ``str(member)`` and ``f"{member}"`` are its value, on every Python."""
@@ -60,7 +56,7 @@ class FailureKind(_Name):
     COMM_MISSING = "comm_missing"  # too few (or no) gradient reductions in a backward that syncs
     MISWEIGHTED = "misweighted"  # the contributions since the last check, weighted other than the token mean
     # torch, accelerate or the wrapper's library raised in a loop its contract takes, as a declared
-    # defect says it does (``Diagnosis("raised", match=...)``, harness/rank/raises.py); an undeclared
+    # defect says it does (``Diagnosis("raised", match=...)``, harness/rank/process/raises.py); an undeclared
     # raise stays the cell's ``error``
     RAISED = "raised"
 
@@ -142,11 +138,3 @@ class RankFault:
     what: FaultKind
     detail: str = ""
     host: str = ""  # under a launcher, the rank's host (the local pool's ranks share the controller's)
-
-
-@dataclass
-class CellOutcome:
-    """The ranks' results for one cell, or the faults that kept them from reporting."""
-
-    results: dict[int, RankResult] = field(default_factory=dict)
-    faults: list[RankFault] = field(default_factory=list)

@@ -232,7 +232,7 @@ def failures_summary(failures: Sequence[Failure], omitted: int) -> str:
                       for kind, models in sorted(by_kind.items()))
     first = min(failures, key=lambda f: (f.step, f.rank))
     where = f"{first.model}.{first.param}" if first.checked in ("grad", "param") else first.model
-    if first.checked == "raise":  # a declared raise (harness/rank/raises.py): what the library said
+    if first.checked == "raise":  # a declared raise (harness/rank/process/raises.py): what the library said
         where = first.message
     raised = all(f.checked == "raise" for f in failures)
     noun = ("raise" if raised else "mismatch") if total == 1 else ("raises" if raised else "mismatches")

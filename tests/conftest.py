@@ -276,7 +276,7 @@ def pytest_configure(config):
     if config.option.durations is None:
         config.option.durations = 15
     # the suite's own pools (hundreds) fork from a server that has also imported what only some cells
-    # use (harness/rank/preload_all.py), as the sessions' shared one has
+    # use (harness/rank/process/preload_all.py), as the sessions' shared one has
     if _names_the_suite(config) and config.option.markexpr != "quick":
         from harness.controller import rank_server
 

@@ -90,7 +90,7 @@ def test_a_declared_raise_names_the_words_the_library_raises():
 def test_only_the_declared_words_raised_inside_the_library_count():
     import torch
 
-    from harness.rank.raises import declared_raise
+    from harness.rank.process.raises import declared_raise
 
     declared = [Diagnosis("raised", match="positive integer"), Diagnosis("not_synced")]
     try:

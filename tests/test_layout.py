@@ -8,13 +8,15 @@ self-check). Each may import only what ``MAY_IMPORT`` says, no module takes part
 (imports inside functions counted, ``TYPE_CHECKING`` ones not), the rank side imports nothing of the
 controller, the records depend on nothing, and fault injection stays off the path of a real cell.
 
-The rank side is layered, each layer importing only those below it (``RANK_LAYERS``, bottom first):
+The rank side is layered, each layer importing only those below it (``RANK_LAYERS``, bottom first), and
+each layer of harness/rank/ is a folder of its own but the case's side, directly in harness/rank/:
 ``rank.numerics`` (closeness, gloo's ring order, the oracle's collectives and the recording of the
-wrapper's) <- ``wrappers`` <- ``rank.oracle`` (the replicas, the schedule, the reductions, the token
-weights: what every rank must hold) <- ``rank.judging`` (the checks, the diagnoses, the recorder, the
-judging of the reductions) <- ``rank`` (the case's side: the context, the watch, the Trainer, the
-models and data, and ``rank/script/``, a script's run and watch) <- ``rank.process`` (the runner a
-rank calls per cell, and what it preloads).
+wrapper's, the RNG) <- ``wrappers`` <- ``rank.oracle`` (the replicas, the schedule, the reductions, the
+token weights: what every rank must hold) <- ``rank.judging`` (the checks, the diagnoses, the recorder,
+the judging of the reductions) <- ``rank.watch`` (a loop followed as it is, and what a script's watch
+shares with it) <- ``rank`` (the case's side: the context, the Trainer, the models and data) <-
+``rank.script`` (a script run as it is, and its watch) <- ``rank.process`` (a rank's process: its main
+loop, one cell's run, what it preloads).
 """
 
 from __future__ import annotations
@@ -38,13 +40,12 @@ CORE = {"harness.records", "harness.messages", "harness.timeline", "harness.text
         "harness.versions", "harness.decorator", "harness.catalogue", "harness.heap"}
 SUBPACKAGES = ("rank", "wrappers", "controller", "launch", "matrix", "render", "selfcheck")
 # The rank side's layers, bottom first: each may import those before it, none after it.
-RANK_LAYERS = ("rank.numerics", "wrappers", "rank.oracle", "rank.judging", "rank", "rank.process")
-LAYER_PACKAGES = ("numerics", "oracle", "judging")  # harness/rank/<layer>/
-# harness/rank/<room>/: a room of the case's side (``rank``), in a folder of its own
-RANK_ROOMS = ("script",)
-# Directly in harness/rank/, the rank's process: what a pool's or a launcher's rank runs per cell.
-RANK_PROCESS = {"harness.rank.runner", "harness.rank.preload", "harness.rank.preload_all", "harness.rank.raises",
-                "harness.rank.script.cells"}
+RANK_LAYERS = ("rank.numerics", "wrappers", "rank.oracle", "rank.judging", "rank.watch", "rank", "rank.script",
+               "rank.process")
+# harness/rank/<folder>/: each a layer of its own, in the order above; "rank" is what lies directly in harness/rank/
+LAYER_PACKAGES = ("numerics", "oracle", "judging", "watch", "script", "process")
+# Outside harness/rank/process/, of the rank's process: the case file a watched script's session collects.
+RANK_PROCESS = {"harness.rank.script.cells"}
 # The planted faults run inside the ranks (the self-check's ``run`` is the controller's).
 FAULT_MODULES = {"harness.selfcheck.planted", "harness.selfcheck.faults", "harness.selfcheck.faults_deepspeed",
                  "harness.selfcheck.faults_fsdp", "harness.selfcheck.faults_tokens",
@@ -77,7 +78,8 @@ MAY_IMPORT = {
     "faults": {"core", *RANK_LAYERS},
     "matrix": {"core"},
     "render": {"core", "matrix", "selfcheck", "faults"},  # the self-check's report
-    "controller": {"core", "matrix", "harness.wrappers.names", "harness.rank", "harness.rank.runner"},  # a pool's ranks
+    "controller": {"core", "matrix", "harness.wrappers.names", "harness.rank", "harness.rank.process",
+                   "harness.rank.process.main", "harness.rank.process.environment"},  # a pool's ranks
     "selfcheck": {"core", "controller", "matrix", "faults", "harness.wrappers.names", "harness.wrappers.prepare"},
     "launch": {"core", "controller", "harness.rank", "rank.process", "harness.rank.oracle.schedule", "harness.plugin"},
     "entry": {"core", *RANK_LAYERS, "faults", "matrix", "render", "controller", "launch", "selfcheck", "entry"},
@@ -112,8 +114,7 @@ def harness_imports(path: Path) -> set[str]:
 
 
 MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
-PACKAGES = ({f"harness.{p}" for p in SUBPACKAGES} | {f"harness.rank.{p}" for p in LAYER_PACKAGES}
-            | {f"harness.rank.{p}" for p in RANK_ROOMS})
+PACKAGES = {f"harness.{p}" for p in SUBPACKAGES} | {f"harness.rank.{p}" for p in LAYER_PACKAGES}
 
 
 def allowed(importer: str, imported: str) -> bool:
@@ -124,7 +125,7 @@ def allowed(importer: str, imported: str) -> bool:
 
 
 def test_every_module_is_known_to_these_rules():
-    assert "harness.rank.runner" in MODULES and "harness.text" in MODULES
+    assert "harness.rank.process.main" in MODULES and "harness.text" in MODULES
     top = {name for name in MODULES if name.count(".") == 1 and name.split(".")[1] not in SUBPACKAGES} | {"harness"}
     assert top == ENTRY | CORE, f"modules directly in harness/ beyond the entry points and the core: {sorted(top - ENTRY - CORE)}"
     assert len(top) <= 13
@@ -275,14 +276,14 @@ import torch
 from harness.catalogue import load_case_file
 from harness.controller.cells import cell_spec
 from harness.controller.options import resolve
-from harness.rank.runner import run_cell
+from harness.rank.process.cell import run_rank_cell
 
 case = load_case_file("cases/test_accumulate.py")[0]
 variant = next(v for v in case.info.variants if v.name == "steps=2-fp32")
 settings = resolve(world_sizes="1", backend="gloo", report_dir="reports", case_timeout="60", seed="1234",
                    fault=sys.argv[1] or None)
 before = set(sys.modules)
-result = run_cell(cell_spec(case, variant, 1, settings, label="layout"), 0, torch.device("cpu"))
+result = run_rank_cell(cell_spec(case, variant, 1, settings, label="layout"), 0, torch.device("cpu"))
 print(json.dumps({"outcome": str(result.outcome), "failures": len(result.failures), "detail": result.detail,
                   "faults_imported": "harness.selfcheck.faults" in sys.modules,
                   "controller": sorted(m for m in set(sys.modules) - before

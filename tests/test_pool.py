@@ -62,7 +62,7 @@ def test_environment(ctx):
 
 
 def test_ranks_see_the_controllers_environment_as_it_was_when_their_pool_started(tmp_path, monkeypatch):
-    """Ranks are forked from a server that was started before (harness/rank/preload.py), with the
+    """Ranks are forked from a server that was started before (harness/rank/process/preload.py), with the
     environment of that moment: what a rank sees is the controller's when the pool starts."""
     start_rank_server()
     monkeypatch.setenv("HARNESS_TEST_MARK", "first")

@@ -21,13 +21,13 @@ import pytest
 from conftest import ROOT, wait_until
 
 from harness.controller import options, rank_server
-from harness.rank.runner import process_alive
+from harness.rank.process.environment import process_alive
 
 # which server a session took, and with an argument "ranks" its pool of two and the parent of each rank
 POOL = """
 import os, sys
 from harness.controller import rank_server
-from harness.rank.runner import process_alive
+from harness.rank.process.environment import process_alive
 from harness.controller.pool import PoolSet
 pools = PoolSet(backend="gloo")
 pools.prepare()
@@ -162,12 +162,12 @@ def test_a_session_under_test_starts_no_shared_server_of_its_own(run_pytest, tmp
     session = run_pytest("-p", "conftest_probe", "tests/planted/planted_cases.py", "-k", "left_out", "--world-sizes", "1",
                          PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path}", CONFTEST_PROBE=str(out))
     assert session.returncode == 0, session.stdout[-3000:] + session.stderr[-3000:]
-    # nor a server of its own that imports what its cells do not use (harness/rank/preload_all.py)
+    # nor a server of its own that imports what its cells do not use (harness/rank/process/preload_all.py)
     assert json.loads(out.read_text(encoding="utf-8")) == {"loaded": True, "preload": rank_server.RANK_PRELOAD,
                                                            "server": None}
 
 
-# what only some cells import (harness/rank/preload_all.py), and which of it a rank has loaded before
+# what only some cells import (harness/rank/process/preload_all.py), and which of it a rank has loaded before
 # any cell, forked from a server of its process's own; with an argument "all", of a process that runs
 # many pools (the self-check's, the test suite's)
 OPTIONAL = ("transformers.trainer", "deepspeed", "torch._inductor.compile_fx")

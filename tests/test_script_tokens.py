@@ -83,7 +83,7 @@ def test_a_forward_set_on_the_model_that_closes_over_it_is_refused_and_a_method_
 
     from torch import nn
 
-    from harness.rank.script.watch import refuse_rank_forwards
+    from harness.rank.script.script_watch import refuse_rank_forwards
     from harness.rank.watch import LoopRefused
 
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))

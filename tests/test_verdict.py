@@ -10,8 +10,8 @@ import pytest
 from harness.controller.verdict import judge
 from harness.decorator import Diagnosis
 from harness.decorator import GLOO_AVG_SUMS, probed
-from harness.messages import RankResult
-from harness.records import CellOutcome, Failure, FaultKind, RankFault, RankOutcome
+from harness.messages import CellOutcome, RankResult
+from harness.records import Failure, FaultKind, RankFault, RankOutcome
 from harness.wording import cell_message as format_message
 
 NESTED = (Diagnosis("not_synced", model="gen"), Diagnosis("stepped_early", model="disc"))

@@ -65,7 +65,7 @@ def test_a_run_with_cells_below_the_range_stops_at_start_with_one_line(tmp_path,
 
 
 # A test file of a user's, run where the harness is installed (its plugin loaded), which looks at
-# whether the ranks' fork server (harness/rank/preload.py) was started for it.
+# whether the ranks' fork server (harness/rank/process/preload.py) was started for it.
 SERVER_STARTED = """{imports}
 from multiprocessing import forkserver
 

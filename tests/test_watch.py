@@ -1,4 +1,4 @@
-"""Training loops checked as they are (``ctx.watch``, harness/rank/watch.py): the example project's
+"""Training loops checked as they are (``ctx.watch``, harness/rank/watch/loop.py): the example project's
 unedited loops pass at world sizes 1, 2 and 4 in fp32 and bf16; each usual mistake of a loop that
 accumulates fails with its diagnosis; what the watch cannot infer is an error of one line saying
 what to give instead. Real ranks, gloo, the installed accelerate."""

@@ -2,5 +2,6 @@
 progress lines. Runs in pytest's process (and every xdist worker) and never imports torch itself.
 
 May import: the core modules of ``harness``, ``harness.wrappers.names`` and ``harness.matrix``;
-``harness.rank.runner`` only as the target of the processes it starts.
+``harness.rank.process.main`` only as the target of the processes it starts, and
+``harness.rank.process.environment`` (torch-free) for what a rank process is.
 """

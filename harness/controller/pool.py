@@ -17,6 +17,7 @@ from typing import Any, Callable
 from harness.controller.blame import mark_victims, protocol_fault, stuck_kinds
 from harness.controller.rank_server import rank_context, start_rank_server
 from harness.messages import (
+    CellOutcome,
     CellSpec,
     RankResult,
     Ready,
@@ -25,8 +26,8 @@ from harness.messages import (
     StartupFailed,
     expect,
 )
-from harness.rank import runner as rank_side
-from harness.records import CellOutcome, FaultKind, RankFault, RankOutcome
+from harness.rank.process import main as rank_side
+from harness.records import FaultKind, RankFault, RankOutcome
 
 # Seconds a pool may take to start: spawning, importing torch and accelerate, joining the group.
 START_TIMEOUT_S = 180.0

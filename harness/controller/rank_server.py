@@ -1,19 +1,19 @@
 """What a local pool's ranks are forked from: a fork server that has imported what every rank needs
-(harness/rank/preload.py), started by this process, or one another process started and shares.
+(harness/rank/process/preload.py), started by this process, or one another process started and shares.
 
 A session starts its own server as it collects its first case file and kills it when it exits (its
 ranks go with it). A process that starts many sessions one after another (the harness's own test
 suite) can start one server for all of them and name it to them in GRADSYNC_HARNESS_RANK_SERVER
 (``start_shared_server``): each then forks its ranks from that one instead of importing torch and
 accelerate into a server of its own, seconds of CPU a session; the shared one also imports the
-libraries only some cells use (harness/rank/preload_all.py), except on a host with a GPU driver. A
+libraries only some cells use (harness/rank/process/preload_all.py), except on a host with a GPU driver. A
 session adopts a shared server only where its own would fork the same ranks: the same interpreter,
 the same start-up code (``sitecustomize``, ``usercustomize``), the same torch, accelerate, harness,
 transformers and DeepSpeed found where the server found them, the same settings of what those read
 from the environment as they load (HF_HUB_OFFLINE, say), a Python whose fork server takes a client
 without a key (3.14 adds one), and the server still there; else it starts its own, as without the
 variable. It never ends a server it did not start. A rank forked from a shared server is not its
-controller's child: it leaves when its controller is gone (``runner._die_with_parent`` polls for it).
+controller's child: it leaves when its controller is gone (``process.main._die_with_parent`` polls for it).
 """
 
 from __future__ import annotations
@@ -28,17 +28,17 @@ import sys
 from typing import Any
 
 from harness.controller.options import gpu_driver_present
-from harness.rank.runner import process_alive
+from harness.rank.process.environment import process_alive
 
 # The module the ranks' fork server imports before it forks any rank; and the one that also imports
 # the libraries only some cells use, for a process that runs many pools (``preload_all``).
-RANK_PRELOAD = "harness.rank.preload"
-RANK_PRELOAD_ALL = "harness.rank.preload_all"
+RANK_PRELOAD = "harness.rank.process.preload"
+RANK_PRELOAD_ALL = "harness.rank.process.preload_all"
 # A fork server another process started, for this one's ranks (``start_shared_server``'s value);
 # empty or unset: this process starts its own.
 SHARED_SERVER_VARIABLE = "GRADSYNC_HARNESS_RANK_SERVER"
 # What makes a fresh interpreter's imports what they are: where each of these is found (None: not
-# found), the libraries a server imports for some cells with them (harness/rank/preload_all.py). A
+# found), the libraries a server imports for some cells with them (harness/rank/process/preload_all.py). A
 # rank is a fork of its server, with the server's modules, not the session's.
 _FOUND = ("sitecustomize", "usercustomize", "torch", "accelerate", "harness", "transformers", "deepspeed")
 # ... and what they read from the environment as they load, kept in module constants: huggingface_hub
@@ -70,7 +70,7 @@ def rank_context() -> Any:
 
 def preload_all() -> None:
     """Have this process's own fork server, if it starts later, also import the libraries only some
-    cells use (harness/rank/preload_all.py): for a process that will run many pools, which would
+    cells use (harness/rank/process/preload_all.py): for a process that will run many pools, which would
     otherwise import them in each rank that runs such a cell."""
     _rank_server["preload"] = _for_many_pools()
 
@@ -173,7 +173,7 @@ def _adopt_shared_server(server: Any) -> bool:
         named = json.loads(value)
     except ValueError:
         named = None
-    # a server that also imports the optional libraries forks the same ranks (harness/rank/preload_all.py)
+    # a server that also imports the optional libraries forks the same ranks (harness/rank/process/preload_all.py)
     if not isinstance(named, dict) or named.get("python") != sys.prefix \
             or named.get("preload") not in (RANK_PRELOAD, RANK_PRELOAD_ALL) \
             or named.get("found") != _found() or named.get("environment") != _read_as_they_load():

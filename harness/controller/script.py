@@ -1,4 +1,4 @@
-"""What a ``python -m harness watch SCRIPT`` run asked for (harness/launch/watch.py), as the controller
+"""What a ``python -m harness watch SCRIPT`` run asked for (harness/launch/watch_command.py), as the controller
 reads it: the matrix names the script, and the command that reruns one of its cells."""
 
 from __future__ import annotations

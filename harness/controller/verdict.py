@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 from harness import wording
 from harness.decorator import Diagnosis, probed
 from harness.matrix.schema import Cell
-from harness.records import UNCHECKED_KINDS, CellOutcome, Failure, FailureKind, RankOutcome, Status
+from harness.messages import CellOutcome
+from harness.records import UNCHECKED_KINDS, Failure, FailureKind, RankOutcome, Status
 from harness.timeline import Timeline
 
 if TYPE_CHECKING:
@@ -120,7 +121,7 @@ def _judge_checks(cell: Cell, results: Sequence[RankResult], detects: Sequence[D
     cell.unchecked = dict(sorted({k: v for r in results for k, v in r.unchecked.items()}.items()))
     if failures or omitted:  # where the ranks parted from the oracle, drawn by the HTML report
         cell.timeline = Timeline.join(r.timeline for r in results if r.timeline is not None)
-    # a declared defect that raises (harness/rank/raises.py) can raise before any check: the exception,
+    # a declared defect that raises (harness/rank/process/raises.py) can raise before any check: the exception,
     # matched on every rank, is the evidence
     raised = any(f.kind == FailureKind.RAISED for f in failures)
     if cell.grad_checks == 0 and not raised:

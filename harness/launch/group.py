@@ -24,9 +24,9 @@ from harness.controller.pool import GRACE_S, WAIT_SLICE_S, GroupLost
 from harness.launch import liveness
 from harness.launch.channel import Channel, message_key, result_key
 from harness.launch.rank import COLLECTIVE_MARGIN_S, RankRuntime, run_guarded
-from harness.messages import CellSpec, RankResult, Rejoin, RunCell, Shutdown
-from harness.rank import runner as rank_side
-from harness.records import CellOutcome, FaultKind, RankFault, RankOutcome
+from harness.messages import CellOutcome, CellSpec, RankResult, Rejoin, RunCell, Shutdown
+from harness.rank.process import main as rank_side
+from harness.records import FaultKind, RankFault, RankOutcome
 
 LOST_AFTER_S = 5.0  # a rank whose heartbeat stands still this long during a cell has died
 # how often rank 0 looks for the processes of the ranks on its own host (harness/launch/liveness.py)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from harness.rank.runner import process_alive
+from harness.rank.process.environment import process_alive
 
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 

@@ -152,9 +152,9 @@ def main(argv: Sequence[str]) -> int:
         return EXIT_USAGE
     launcher.export(info)
     paused = heap.pause()  # until the rank has joined, torch and accelerate imported (harness/heap.py)
-    from harness.rank import runner as rank_side
+    from harness.rank.process.environment import drop_launcher_settings
 
-    dropped = rank_side.drop_launcher_settings()
+    dropped = drop_launcher_settings()
     try:
         backend = choose_backend(requested, info)
     except OptionError as exc:

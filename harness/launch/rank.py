@@ -39,7 +39,9 @@ from typing import Any
 from harness.launch.channel import Channel, connect, message_key, result_key
 from harness.launch.environment import RENDEZVOUS_VARIABLES, LaunchInfo
 from harness.messages import Rejoin, RunCell, Shutdown, expect
-from harness.rank import runner as rank_side
+from harness.rank.process import environment as rank_environment
+from harness.rank.process import main as rank_side
+from harness.rank.process.cell import run_rank_cell
 from harness.records import RankOutcome
 
 WATCH_S = 0.25  # how often a rank's watch thread beats and looks for requests
@@ -117,8 +119,8 @@ class RankRuntime:
     def start(self) -> None:
         """Join the launcher's rendezvous and pay the one-time costs (imports, a first collective)."""
         if self.backend == "gloo":
-            rank_side.limit_threads()
-        rank_side.keep_large_allocations()
+            rank_environment.limit_threads()
+        rank_environment.keep_large_allocations()
         import torch
         import torch.distributed as dist
 
@@ -127,12 +129,12 @@ class RankRuntime:
         else:
             os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
         self.device = rank_side.rank_device(self.backend)
-        rank_side.record_collectives()
+        rank_environment.record_collectives()
         self._sockets_before = set(_stream_sockets())
         dist.init_process_group(self.backend, init_method="env://", rank=self.info.rank,
                                 world_size=self.info.world_size, timeout=timedelta(seconds=PG_TIMEOUT_S))
         self._limit_collectives()
-        rank_side._warm_up(self.device)
+        rank_side.warm_up(self.device)
         if self.info.world_size == 1:
             # as in a local pool, world size 1 is a plain single process: accelerate sees no launcher
             for name in RENDEZVOUS_VARIABLES:
@@ -286,12 +288,12 @@ def follow(runtime: RankRuntime, channel: Channel) -> int:
 
 
 def run_guarded(message: RunCell, runtime: RankRuntime) -> Any:
-    """rank.run_cell, with anything it lets through (a case's SystemExit) made a raise of the cell:
+    """run_rank_cell, with anything it lets through (a case's SystemExit) made a raise of the cell:
     under a launcher the process is the rank and must stay."""
     from harness.messages import RankResult
 
     try:
-        result = rank_side.run_cell(message.spec, runtime.info.rank, runtime.device)
+        result = run_rank_cell(message.spec, runtime.info.rank, runtime.device)
     except BaseException:
         result = RankResult(rank=runtime.info.rank, outcome=RankOutcome.RAISED, cell_id=message.spec.cell_id,
                             detail=traceback.format_exc())

@@ -4,7 +4,7 @@ the schedule, and the oracle. ``RankContext`` is public API (docs/writing-a-case
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable, ContextManager, Hashable, Iterable, Iterator, Mapping
 
 import torch
@@ -17,29 +17,16 @@ from harness.rank.models import derive_seed, seeded
 from harness.rank.numerics.accounting import Accounting
 from harness.rank.oracle.core import Oracle
 from harness.rank.oracle.interfaces import ModelOptimizers, OptimizerFactory, SchedulerFactory
-from harness.rank.oracle.schedule import (
-    MicroStep,
-    accumulation_schedule,
-    window_lengths,
-)
+from harness.rank.oracle.schedule import Accumulation, MicroStep, Windows, accumulation_schedule
 from harness.rank.rank_data import RankData
-from harness.rank.watch import LoopRefused, Watch
+from harness.rank.watch import LoopRefused
+from harness.rank.watch.loop import Watch
 from harness.wrappers import prepare
 from harness.wrappers import probe
 from harness.wrappers.cell import CellConfig
 from harness.wrappers.names import WrapperSpec
 
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
-
-
-@dataclass(frozen=True)
-class Accumulation:
-    """The accumulation settings the case gave its Accelerator: the one place the oracle and the
-    schedule take them from, so that they are given once."""
-
-    num_steps: int = 1
-    sync_with_dataloader: bool = True
-    sync_each_batch: bool = False
 
 
 class RankContext(RankData):
@@ -88,8 +75,7 @@ class RankContext(RankData):
         self._made: Any = None  # the last Accelerator ctx.accelerator made
         self._scaler_kwargs: dict[str, Any] = {}
         self._oracles: list[Oracle] = []
-        self._last_point = 0  # the last micro-step of the schedules made here
-        self._window_lengths: dict[int, int] = {}  # the micro-batches of each micro-step's window, by index
+        self.windows = Windows()  # the schedules made here: their last micro-step, their windows' lengths
         self.at_step = 0  # the micro-step ``epochs`` last gave the case (where a raise happened)
 
     @property
@@ -140,10 +126,10 @@ class RankContext(RankData):
         ``accelerator.backward`` is watched for the collectives it issues (harness/rank/numerics/accounting.py)."""
         from accelerate import Accelerator
 
-        kwargs = self._accelerator_kwargs(kwargs)
-        return self._built(kwargs, lambda: Accelerator(**kwargs))
+        kwargs = self.accelerator_arguments(kwargs)
+        return self.adopt_accelerator(kwargs, lambda: Accelerator(**kwargs))
 
-    def _accelerator_kwargs(self, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    def accelerator_arguments(self, kwargs: Mapping[str, Any]) -> dict[str, Any]:
         """``kwargs`` with what the cell asks of the Accelerator: the variant's precision and this
         rank's device where they are not given, the wrapper's plugin, the compile backend; the
         accumulation settings remembered."""
@@ -161,9 +147,9 @@ class RankContext(RankData):
             kwargs.setdefault("dynamo_backend", self.compile)
         return kwargs
 
-    def _built(self, kwargs: Mapping[str, Any], construct: Callable[[], Any]) -> Any:
-        """The Accelerator ``construct`` makes of ``kwargs`` (from ``_accelerator_kwargs``), made the
-        cell's: what accelerate cannot run here is ``skip``, and its backwards are watched."""
+    def adopt_accelerator(self, kwargs: Mapping[str, Any], construct: Callable[[], Any]) -> Any:
+        """The Accelerator ``construct`` makes of ``kwargs`` (from ``accelerator_arguments``; a watched
+        script's own Accelerator, harness/rank/script/run.py), made the cell's: what accelerate cannot run here is ``skip``, and its backwards are watched."""
         try:
             accelerator = construct()
         except ValueError as exc:
@@ -252,14 +238,15 @@ class RankContext(RankData):
         really had, as one batch of all of them would give, so a short last window weighs its samples
         as a full one does; the windows come from the schedule the case iterates with ``epochs`` or
         ``windows``, and a window weighed otherwise is ``misweighted``, with the weights."""
-        return self._oracle(models, num_steps=self._steps(num_steps),
+        return self.oracle_for(models, num_steps=self._steps(num_steps),
                             optimizer=optimizer, optimizers=optimizers, scheduler=scheduler,
                             scheduler_steps=scheduler_steps, contract=contract, replay_rng=self.replay_rng)
 
-    def _oracle(self, models: Mapping[str, nn.Module], *, num_steps: int, contract: str, replay_rng: Any,
-                **options: Any) -> Oracle:
-        """The oracle of ``oracle`` and ``watch``: the accumulation steps resolved, its contract, and the
-        RNG replay of the case's forwards (``replay_rng`` keys, or the watch's states of the loop's)."""
+    def oracle_for(self, models: Mapping[str, nn.Module], *, num_steps: int, contract: str, replay_rng: Any,
+                   **options: Any) -> Oracle:
+        """The oracle of ``oracle``, ``watch`` and a watched script: the accumulation steps resolved, its
+        contract, and the RNG replay of the case's forwards (``replay_rng`` keys, or the watch's states
+        of the loop's); ``options`` as for ``Oracle``."""
         scaler = self._scaler_kwargs if self.precision == "fp16" else None
         oracle = checked(Oracle(
             models,
@@ -267,7 +254,7 @@ class RankContext(RankData):
             recorder=self.recorder,
             replay_rng=replay_rng,
             scaler_kwargs=scaler,
-            more_checks=self._more_checks,
+            more_checks=self.windows.more_after,
             window_length=self._current_window_length,
             **options,
         ), self.accounting)
@@ -290,7 +277,7 @@ class RankContext(RankData):
     ) -> Watch:
         """Check a training loop as it is: ``with ctx.watch(accelerator, model, loss=loss_fn, ...):``
         around the call of your own training function, which gets ``accelerator`` (and ``model``) and
-        prepares, iterates, backs and steps as it always does (harness/rank/watch.py).
+        prepares, iterates, backs and steps as it always does (harness/rank/watch/loop.py).
 
         The specification: ``loss(model, batch)`` (with several models, ``loss(models_by_name, batch)``):
         the loss of one micro-batch, before any division by the accumulation steps, computed by the
@@ -314,25 +301,19 @@ class RankContext(RankData):
                               "accelerator.prepare (the oracle's replicas are copies of the models as built)")
         named = {"model": models} if isinstance(models, nn.Module) else dict(models)
         steps = self._steps(num_steps)
-        watch = Watch(self, accelerator, named, loss=loss, clip_grad_norm=clip_grad_norm,
-                      scheduler=scheduler is not None, num_steps=steps)
-        watch.oracle = self._oracle(named, num_steps=steps, optimizer=optimizer, optimizers=optimizers,
-                                    scheduler=scheduler, scheduler_steps=scheduler_steps, contract=contract,
-                                    replay_rng=watch.replay)
-        return watch
+        return Watch(self, accelerator, named, loss=loss, clip_grad_norm=clip_grad_norm,
+                     scheduler=scheduler is not None, num_steps=steps,
+                     oracle=lambda replay: self.oracle_for(
+                         named, num_steps=steps, optimizer=optimizer, optimizers=optimizers, scheduler=scheduler,
+                         scheduler_steps=scheduler_steps, contract=contract, replay_rng=replay))
 
     def _current_window_length(self) -> int:
         """The micro-batches of the window of the micro-step ``epochs`` last gave the case."""
-        if self.at_step not in self._window_lengths:
+        if self.at_step not in self.windows.lengths:
             raise ValueError("contract='full_batch' weighs each window by the micro-batches it has, from the "
                              "schedule: make it with ctx.schedule(...) and iterate with ctx.epochs(loader, schedule) "
                              "or ctx.windows(loader, schedule)")
-        return self._window_lengths[self.at_step]
-
-    def _more_checks(self, step: MicroStep | int) -> bool:
-        """Whether a check surely follows one at ``step``: a micro-step of a schedule made here, not
-        its last (a step given as a number could be the case's last)."""
-        return isinstance(step, MicroStep) and step.index < self._last_point
+        return self.windows.lengths[self.at_step]
 
     def finish(self) -> None:
         """After the case returned, on every rank: the checks its oracles still hold for rank 0's
@@ -353,7 +334,7 @@ class RankContext(RankData):
         ``batches_per_epoch`` batches: where gradients must sync and the optimizer must step
         (``harness.rank.oracle.schedule.accumulation_schedule``). The accumulation settings come from
         ``accelerator`` when not given."""
-        given = self._accumulation()
+        given = self.accumulation_settings()
         schedule = accumulation_schedule(
             batches_per_epoch,
             epochs=epochs,
@@ -362,17 +343,17 @@ class RankContext(RankData):
                                                   given.sync_with_dataloader),
             sync_each_batch=self._given_once("sync_each_batch", sync_each_batch, given.sync_each_batch),
         )
-        self._last_point = max([self._last_point, *(p.index for p in schedule)])
-        self._window_lengths.update(window_lengths(schedule))
+        self.windows.add(schedule)
         return schedule
 
-    def _accumulation(self) -> Accumulation:
+    def accumulation_settings(self) -> Accumulation:
+        """The accumulation settings of the cell's Accelerator (accelerate's defaults before one is made)."""
         return self.accumulation if self.accumulation is not None else Accumulation()
 
     def _steps(self, num_steps: int | None) -> int:
         """The accumulation steps: the Accelerator's, or ``num_steps`` where it has one step (a loop that
         accumulates by hand); a different count given beside an Accelerator of several is refused."""
-        configured = self._accumulation().num_steps
+        configured = self.accumulation_settings().num_steps
         return num_steps if num_steps is not None and configured == 1 else self._given_once(
             "num_steps", num_steps, configured)
 

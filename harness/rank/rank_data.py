@@ -74,9 +74,9 @@ class RankData:
         ``split_batches``/``dispatch_batches`` must be what the Accelerator was given
         (``dataloader_options``); ``loader_kwargs`` go to ``DataLoader`` (``shuffle``, ``collate_fn``,
         ...). A yield of another length is a failure of kind ``schedule`` in ``epochs``."""
-        expected = self._batches_per_rank(len(dataset), batch_size,  # type: ignore[arg-type]
-                                          split_batches=split_batches, dispatch_batches=dispatch_batches,
-                                          drop_last=drop_last)
+        expected = self.expected_batches(len(dataset), batch_size,  # type: ignore[arg-type]
+                                         split_batches=split_batches, dispatch_batches=dispatch_batches,
+                                         drop_last=drop_last)
         return DataLoader(dataset, batch_size=batch_size, drop_last=drop_last, **loader_kwargs), expected
 
     def dataset(
@@ -120,11 +120,11 @@ class RankData:
         short, unless ``samples`` is given) and what each rank's prepared dataloader must yield."""
         if samples is None:
             samples = batches * (batch_size if split_batches else batch_size * self.data_world) - 1
-        return samples, self._batches_per_rank(samples, batch_size, split_batches=split_batches,
-                                               dispatch_batches=dispatch_batches)
+        return samples, self.expected_batches(samples, batch_size, split_batches=split_batches,
+                                              dispatch_batches=dispatch_batches)
 
-    def _batches_per_rank(self, samples: int, batch_size: int, *, split_batches: bool, dispatch_batches: bool,
-                          drop_last: bool = False) -> int:
+    def expected_batches(self, samples: int, batch_size: int, *, split_batches: bool, dispatch_batches: bool,
+                         drop_last: bool = False) -> int:
         """What each rank's prepared dataloader must yield per epoch (harness/rank/oracle/schedule.py)."""
         if split_batches and batch_size % self.data_world:
             # accelerate rejects this at prepare(): the cell does not apply at this world size

@@ -202,7 +202,7 @@ def _one_process_launch(world_size: int) -> None:
     does when it discovers the group itself (comm/comm.py:942); here the group exists, so it does
     not. It is set after the Accelerator is built, so that accelerate still sees the plain process
     it was built in (num_processes 1), and the rank puts the environment back after the cell
-    (rank.run_cell), so that a later cell of the pool is again a plain process."""
+    (harness/rank/process/cell.py), so that a later cell of the pool is again a plain process."""
     if world_size == 1 and "LOCAL_RANK" not in os.environ:
         os.environ["LOCAL_RANK"] = "0"
 

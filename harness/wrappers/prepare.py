@@ -138,7 +138,7 @@ def _fsdp1_plugin(plugin: Any) -> dict[str, Any]:
     sync_module_states=True", 0.22). From 1.x it is False by default: the same FSDP1 as before.
     Older releases (0.22.0 and 0.31.0 here) overwrite these fields from the environment whatever
     the plugin is given (FSDP_USE_ORIG_PARAMS, FSDP_SYNC_MODULE_STATES, as `accelerate launch` sets them):
-    the same values are set there too, for this cell only (harness/rank/runner.py puts the
+    the same values are set there too, for this cell only (harness/rank/process/cell.py puts the
     environment back after each cell)."""
     from harness.wrappers import probe
 

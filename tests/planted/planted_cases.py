@@ -147,7 +147,7 @@ def test_planted_alike(ctx):
                  batch_of=lambda step: rank_batch(derive_seed(ctx.seed, "alike", step), 0, rows=6, features=4))
 
 
-# A declared raise (harness/rank/raises.py): torch's own ValueError, declared on one variant; the
+# A declared raise (harness/rank/process/raises.py): torch's own ValueError, declared on one variant; the
 # same words raised by the case, or another of torch's errors, or the declaration not applying, are
 # the cell's error as ever
 DECLARED_RAISE = Diagnosis("raised", when={"declared": True}, match="batch_size should be a positive integer",
@@ -176,7 +176,7 @@ def test_planted_library_error(ctx):
 
 
 # A compiled variant whose model is torch.nn's own modules alone: under DDP dynamo compiles none of
-# their frames, so the cell would check eager code under a compiled name (harness/rank/runner.py).
+# their frames, so the cell would check eager code under a compiled name (harness/rank/process/cell.py).
 @case("planted_compiled_nothing", wrappers=DDP_ONLY,
       variants=[Variant("sequential-compile=aot_eager", {"model": "sequential", "compile": "aot_eager"}),
                 Variant("own_module-compile=aot_eager", {"model": "regressor", "compile": "aot_eager"})])

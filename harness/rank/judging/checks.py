@@ -43,7 +43,8 @@ from harness.wrappers.sharding import observe, tensor_parallel_share
 
 if TYPE_CHECKING:
     from harness.rank.oracle.core import Oracle
-    from harness.rank.oracle.interfaces import ClipNorm, JudgedOracle
+    from harness.rank.judging.oracle_view import JudgedOracle
+    from harness.rank.oracle.interfaces import ClipNorm
 
 
 def _grad_or_zeros(observed: Observed, pname: str) -> torch.Tensor:

@@ -8,9 +8,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from harness import wording
+from harness.messages import RankResult
 from harness.rank.numerics.closeness import Difference
 from harness.rank.oracle.schedule import MicroStep
-from harness.records import Failure, FailureKind
+from harness.records import Failure, FailureKind, RankOutcome
 from harness.timeline import TimelineRecorder
 
 # Failures kept per rank; the rest are counted. The first ones in step order say the most.
@@ -53,6 +54,15 @@ class Recorder:
             self.failures.append(failure)
         else:
             self.omitted += 1
+
+    def result(self, *, outcome: RankOutcome, cell_id: str, detail: str, duration_s: float) -> RankResult:
+        """This rank's result of the cell: what it recorded, with the cell's ``outcome``."""
+        return RankResult(rank=self.rank, outcome=outcome, cell_id=cell_id, detail=detail, failures=list(self.failures),
+                          omitted_failures=self.omitted, checks=self.checks, grad_checks=self.grad_checks,
+                          vacuous_checks=self.vacuous_checks, comm_checks=self.comm_checks,
+                          max_abs_diff=self.max_abs_diff, timeline=self.timeline, unchecked=dict(self.unchecked),
+                          forced=dict(self.forced), said=dict(self.said), wrapper=self.wrapper,
+                          defects=sorted(self.defects), duration_s=duration_s)
 
     def observe(self, max_abs: float) -> None:
         self.max_abs_diff = max(self.max_abs_diff, max_abs)

@@ -79,7 +79,7 @@ class _Waiting:
 
 # One all-reduce of the oracle carries at most about this many elements: a large model's reduction
 # is cut into several, so that the buffer stays a fraction of the model (one collective more each
-# 32 MiB of fp32). A full buffer is as large as the rank's heap keeps (harness/rank/runner.py,
+# 32 MiB of fp32). A full buffer is as large as the rank's heap keeps (harness/rank/process/environment.py,
 # HEAP_KEEPS_BYTES), so it is mapped for the pass and given back after it: at 4M elements the heap
 # kept its 16 MB (and the judging's temporaries) through the cell, the backward's peak included.
 BUFFER_ELEMENTS = 1 << 23

@@ -18,11 +18,10 @@ from harness.rank.numerics.closeness import CHUNK, Expectation, rounding_allowan
 from harness.rank.numerics.collectives import Collectives, Reduction
 from harness.rank.numerics.fused_check import FusedOutcome, check_synced, fusable
 from harness.rank.numerics.ring_order import all_reduce_order_holds, flat_segments
-from harness.rank.oracle.state import OraclePart
+from harness.rank.oracle.state import Notes, OraclePart
 from harness.wrappers import sharding
 
 if TYPE_CHECKING:
-    from harness.rank.oracle.interfaces import Notes
     from harness.rank.oracle.sharded_reduce import ShardedReduce
     from harness.rank.oracle.state import OracleState
     from harness.rank.oracle.weighting import TokenWeighting

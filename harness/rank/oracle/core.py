@@ -16,7 +16,6 @@ from harness.rank.oracle.interfaces import (
     CheckCalls,
     ClipNorm,
     ModelOptimizers,
-    Notes,
     OptimizerFactory,
     OracleChecks,
     RngReplay,
@@ -30,7 +29,7 @@ from harness.rank.oracle.interfaces import (
 from harness.rank.oracle.replica import autocast_of, forward_as, gradients, unsharded_grads
 from harness.rank.oracle.schedule import MicroStep
 from harness.rank.oracle.sharded_reduce import SHARDED_PRECISIONS, ShardedReduce
-from harness.rank.oracle.state import OracleState
+from harness.rank.oracle.state import Notes, OracleState
 from harness.rank.oracle.weighting import TokenWeighting, token_seeds
 from harness.wrappers.cell import CellConfig
 from harness.wrappers.prepared import unwrap
@@ -49,7 +48,7 @@ class Oracle(CheckCalls):
     (harness/rank/oracle/averaging.py) and ``anchoring`` shows the checks what the rank must hold and
     carries the oracle on from the rank's real state after each check (harness/rank/oracle/anchoring.py).
     The checks a case calls are judged in harness/rank/judging/checks.py, which reads the oracle through
-    ``JudgedOracle`` (harness/rank/oracle/interfaces.py).
+    ``JudgedOracle`` (harness/rank/judging/oracle_view.py).
     """
 
     def __init__(

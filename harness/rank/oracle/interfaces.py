@@ -1,14 +1,13 @@
 """What the oracle takes and gives: the factories a case passes it, the options and models it refuses,
-its replicas of the models, the norm it reports at a clip, where it writes what it could not check
-exactly (``Notes``), the checks a case calls on it, judged by the checks attached from above
-(``OracleChecks``, harness/rank/judging/checks.py), and the oracle as those checks read it
-(``JudgedOracle``)."""
+its replicas of the models, the norm it reports at a clip, and the checks a case calls on it, judged by
+the checks attached from above (``OracleChecks``, harness/rank/judging/checks.py; the oracle as those
+checks read it is theirs: ``JudgedOracle``, harness/rank/judging/oracle_view.py)."""
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Hashable, Mapping, Protocol, Sequence, Union
+from typing import Any, Callable, ContextManager, Hashable, Mapping, Protocol, Sequence, Union
 
 import torch
 from torch import nn
@@ -20,13 +19,6 @@ from harness.rank.oracle.replica import as_optimizers
 from harness.rank.oracle.schedule import CONTRACTS, MicroStep
 from harness.wrappers.prepared import unwrap
 
-if TYPE_CHECKING:
-    from harness.rank.oracle.anchoring import Anchoring
-    from harness.rank.oracle.averaging import Averaging
-    from harness.rank.oracle.state import OracleState
-    from harness.rank.oracle.weighting import TokenWeighting
-    from harness.wrappers.cell import CellConfig
-
 # ``optimizer=``: called with a replica's parameters, as ``torch.optim.SGD(params, lr=...)`` is.
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 # ``optimizers=``: the user's own factory, called with the replica module; one optimizer or several.
@@ -34,14 +26,6 @@ ModelOptimizers = Callable[[nn.Module], Union[torch.optim.Optimizer, Sequence[to
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 # What ``backward(rng=key)`` replays: the RNG state the case's own forward ran under for that key.
 RngReplay = Callable[[Hashable], ContextManager[None]]
-
-
-class Notes(Protocol):
-    """Where the oracle says what it could not check exactly, and the backend's defects its
-    reductions went through: the cell's recorder (harness/rank/judging/recorder.py)."""
-
-    unchecked: dict[str, str]
-    defects: set[str]
 
 
 class OracleChecks(Protocol):
@@ -55,24 +39,6 @@ class OracleChecks(Protocol):
                   who: str = ...) -> None: ...
     def sync_flag(self, step: MicroStep, flag: bool) -> None: ...
     def lr(self, step: MicroStep | int, optimizers: Mapping[str, Any]) -> None: ...
-
-
-class JudgedOracle(Protocol):
-    """The oracle as its checks read it (harness/rank/judging/checks.py; ``Oracle``, harness/rank/oracle/core.py):
-    the cell it stands for (``config``: harness/wrappers/cell.py), where it notes what it could not
-    check (``recorder``), its replicas' parameters and optimizers, what it holds now (``state``: each
-    parameter's, harness/rank/oracle/state.py), its token weights (what a diagnosis refits), and its two
-    parts: ``averaging``, the sync a gradient check makes or settles, and ``anchoring``, what the rank
-    must hold now and the oracle carried on from the rank's real state."""
-
-    config: CellConfig
-    recorder: Notes
-    params: dict[str, dict[str, torch.Tensor]]
-    optimizers: dict[str, tuple[torch.optim.Optimizer, ...]]
-    weighting: TokenWeighting
-    state: OracleState
-    averaging: Averaging
-    anchoring: Anchoring
 
 
 @dataclass(frozen=True)

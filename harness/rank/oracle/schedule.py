@@ -131,3 +131,33 @@ def window_lengths(schedule: Sequence[MicroStep]) -> dict[int, int]:
     for number in numbers:
         sizes[number] = sizes.get(number, 0) + 1
     return {point.index: sizes[number] for point, number in zip(schedule, numbers)}
+
+
+@dataclass(frozen=True)
+class Accumulation:
+    """The accumulation settings a cell gave its Accelerator: the one place the oracle and the schedules
+    take them from, so that they are given once (harness/rank/context.py)."""
+
+    num_steps: int = 1
+    sync_with_dataloader: bool = True
+    sync_each_batch: bool = False
+
+
+class Windows:
+    """The schedules made in one cell so far, as its checks need them: the last micro-step of any (a check
+    surely follows one before it) and each micro-step's window length, by index. Shared by the cell's
+    context and the watches that make the schedules of a loop as it runs (harness/rank/watch/)."""
+
+    def __init__(self) -> None:
+        self.last_point = 0
+        self.lengths: dict[int, int] = {}  # the micro-batches of each micro-step's window, by index
+
+    def add(self, schedule: Sequence[MicroStep]) -> None:
+        """Note the micro-steps of a schedule made."""
+        self.last_point = max([self.last_point, *(p.index for p in schedule)])
+        self.lengths.update(window_lengths(schedule))
+
+    def more_after(self, step: MicroStep | int) -> bool:
+        """Whether a check surely follows one at ``step``: a micro-step of a schedule made here, not its
+        last (a step given as a number could be the case's last)."""
+        return isinstance(step, MicroStep) and step.index < self.last_point

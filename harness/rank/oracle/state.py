@@ -6,7 +6,7 @@ real state (harness/rank/oracle/anchoring.py) share."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Mapping, Protocol
 
 import torch
 
@@ -131,6 +131,14 @@ class OracleState:
         """The backwards since the last gradient check (``backward_syncs``), the list started anew."""
         syncs, self.backward_syncs = self.backward_syncs, []
         return syncs
+
+
+class Notes(Protocol):
+    """Where the oracle says what it could not check exactly, and the backend's defects its
+    reductions went through: the cell's recorder (harness/rank/judging/recorder.py)."""
+
+    unchecked: dict[str, str]
+    defects: set[str]
 
 
 class OraclePart:

@@ -18,7 +18,7 @@ WHO = "watch"  # what a script's refusals say they come from
 def model_loss(model: nn.Module, batch: Any, keywords: Mapping[str, Any] | None = None) -> torch.Tensor:
     """The specification's loss of one micro-batch by default: the model's own ``.loss`` on it (a
     transformers model returns one for a batch with ``labels``), called with ``keywords`` beside the
-    batch, as the script called it (harness/rank/forwards.py, ``Forward.replayed``)."""
+    batch, as the script called it (harness/rank/watch/forwards.py, ``Forward.replayed``)."""
     if not isinstance(batch, Mapping):
         raise LoopRefused(f"{WHO}: the script's batches are {type(batch).__name__}, not a mapping of the model's "
                           "inputs, so the model's own .loss cannot be the specification; give --loss module:function")

@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 import torch
 
-from harness.rank.script.watch import WHO
+from harness.rank.script.script_watch import WHO
 from harness.rank.watch import LoopRefused
 from harness.wrappers.names import of_identity, spec
 

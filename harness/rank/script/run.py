@@ -3,7 +3,7 @@
 The script runs unedited on every rank of a cell, as ``__main__`` with its own arguments. The first
 ``Accelerator`` it constructs is the cell's: built with the script's own arguments (its accumulation
 steps, its mixed precision), with only what the cell must force (CPU on a CPU host, a precision the
-command asked for), and from there followed as ``ctx.watch`` follows a loop (harness/rank/watch.py):
+command asked for), and from there followed as ``ctx.watch`` follows a loop (harness/rank/watch/loop.py):
 the models it prepares, their optimizers and schedulers, its training dataloader's batches, its
 backwards, accumulate and clip. A second Accelerator, an evaluation loop, ``gather``, metrics and
 printing are left alone.
@@ -39,7 +39,7 @@ import torch
 from harness.rank.context import MIXED_PRECISION
 from harness.rank.script.loss import WHO, model_loss, named_loss
 from harness.rank.script.plugins import asked_wrapper, carry_over
-from harness.rank.script.watch import ScriptWatch
+from harness.rank.script.script_watch import ScriptWatch
 from harness.rank.script.tiny_model import tiny_pretrained
 from harness.rank.script.trainers import (DEEPSPEED_LOW_PRECISION, accumulation_steps, count_this_host, name_of,
                                            on_cpu, trainer_building)
@@ -168,7 +168,7 @@ class ScriptRun:
 
     def adopt(self, original: Callable[..., None], accelerator: Any, args: tuple[Any, ...],
               kwargs: dict[str, Any]) -> None:
-        """The script's first Accelerator, built as the cell's (``ctx._built``) and watched."""
+        """The script's first Accelerator, built as the cell's (``ctx.adopt_accelerator``) and watched."""
         ctx = self.ctx
         given = dict(inspect.signature(original).bind(accelerator, *args, **kwargs).arguments)
         given.pop(next(iter(given)))  # the instance
@@ -211,14 +211,14 @@ class ScriptRun:
         was_cpu = given.get("cpu", False)
         if ctx.device.type == "cpu" and not was_cpu:
             given["cpu"] = True
-        made = ctx._accelerator_kwargs(given)
+        made = ctx.accelerator_arguments(given)
         if made.get("cpu") != was_cpu:  # DeepSpeed's cell runs with cpu=False on a CPU host too
             forced["cpu"] = (was_cpu, made.get("cpu"))
         if trainers_plugin:
             made["deepspeed_plugin"] = wrapper.plugin  # type: ignore[union-attr]
         elif wrapper is not None:
             forced.update(carry_over(wrapper, made))
-        configured = ctx._accumulation().num_steps
+        configured = ctx.accumulation_settings().num_steps
         if self.num_steps is not None and configured not in (1, self.num_steps):
             raise LoopRefused(f"{WHO}: --num-steps {self.num_steps} for a script whose Accelerator accumulates "
                               f"{configured} steps; give --num-steps for a loop that accumulates by hand only")
@@ -233,14 +233,13 @@ class ScriptRun:
             original(accelerator, **made)
             return accelerator
 
-        ctx._built(made, construct)
+        ctx.adopt_accelerator(made, construct)
         if trainers_plugin:
             count_this_host(trainer)
         for key, (was, now) in forced.items():  # said once the Accelerator is made, as it was asked
             ctx.recorder.forced[key] = f"{was!r} -> {now!r}"
         watch = ScriptWatch(ctx, accelerator, loss=self.loss, num_steps=steps, contract=self.contract,
                             clip_in_step=wrapper.clip if wrapper is not None else None, trainer=trainer)
-        watch._instrument(accelerator)
         self.watch = watch
 
 

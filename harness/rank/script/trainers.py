@@ -18,7 +18,7 @@ import sys
 from typing import Any, Callable, MutableMapping
 
 from harness.decorator import SkipCell
-from harness.rank.patching import after_import, patch
+from harness.rank.watch.patching import after_import, patch
 
 TRAINER_MODULE = "transformers.trainer"
 # why a Trainer under DeepSpeed in bf16 or fp16 does not run on a host without a GPU

@@ -1,4 +1,4 @@
-"""Which drawn batch each training forward of a watched loop was given (harness/rank/watch.py).
+"""Which drawn batch each training forward of a watched loop was given (harness/rank/watch/loop.py).
 
 A loop that draws a window's micro-batches first (to count their tokens: transformers' Trainer,
 TRL's trainers, accelerate's ``gradient_accumulation_for_autoregressive_models.py``) runs each forward
@@ -19,8 +19,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from harness.rank.loaders import Drawn
-from harness.rank.models import rng_state
+from harness.rank.watch.loaders import Drawn
+from harness.rank.numerics.rng import rng_state
 
 # the keyword transformers models take a window's count of valid label tokens by (since 4.46)
 NUM_ITEMS = "num_items_in_batch"

@@ -7,7 +7,7 @@ rank, 12 s for the pools of world sizes 1 to 4 on two cores, and again for each 
 after a fault. The server is a fresh single-threaded interpreter started by the controller (not a
 fork of it: the controller runs pytest's and xdist's threads), and it only imports: no thread, no
 process group and no device is made before the fork. A rank takes the controller's environment as
-it was when its pool started (``runner.main``), not the server's.
+it was when its pool started (``process.main.main``), not the server's.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import os
 from harness import heap
 
 # The threads torch's OpenMP runtime starts with are read from the environment when it loads:
-# a rank computes on one thread (``runner.limit_threads``), and so does the server it is forked from.
+# a rank computes on one thread (``process.environment.limit_threads``), and so does the server it is forked from.
 os.environ["OMP_NUM_THREADS"] = "1"
 os.environ["MKL_NUM_THREADS"] = "1"
 os.environ.setdefault("ACCELERATE_DISABLE_RICH", "1")
-# large tensors on huge pages (harness/rank/runner.py, keep_large_allocations): torch reads it once, at the
+# large tensors on huge pages (harness/rank/process/environment.py, keep_large_allocations): torch reads it once, at the
 # first tensor, which this server may make before it forks the ranks
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
@@ -33,6 +33,7 @@ with heap.imports_frozen():
     import torch.distributed  # noqa: E402,F401
     from accelerate import Accelerator  # noqa: E402,F401
 
-    from harness.rank import context, runner  # noqa: E402,F401
+    from harness.rank import context  # noqa: E402,F401
+    from harness.rank.process import main  # noqa: E402,F401
 
     torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""The prepared dataloaders a watch follows (harness/rank/watch.py): each one's count of batches
+"""The prepared dataloaders a watch follows (harness/rank/watch/loop.py): each one's count of batches
 against accelerate's sharding contract, and its class's iteration patched to tell the watch."""
 
 from __future__ import annotations

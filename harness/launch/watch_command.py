@@ -76,7 +76,7 @@ def run_watch(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.world_sizes is not None:
         raise WatchUsage("give --nproc or --world-sizes, not both")
     sizes = args.world_sizes or [args.nproc or 2]
-    from harness.rank.runner import launcher_settings
+    from harness.rank.process.environment import launcher_settings
 
     # the ACCELERATE_* settings of `accelerate launch` (or the shell) are the script's configuration: the
     # ranks drop them for the harness's own cells, and give them back to the script while it runs

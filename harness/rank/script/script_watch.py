@@ -13,26 +13,28 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 import torch
 from torch import nn
 
-from harness.rank.forwards import NUM_ITEMS, Forward
-from harness.rank.loaders import Drawn, dataloader_options
+from harness.rank.watch.forwards import NUM_ITEMS, Forward
+from harness.rank.watch.loaders import Drawn, dataloader_options
 from harness.rank.oracle.schedule import TOKENS, MicroStep
 from harness.rank.script.loss import WHO, counted_labels, model_loss
 from harness.rank.script.moves import has_modes, mirror_modes, refuse_loads
 from harness.rank.script.trainers import follow_logged_norms, name_of, scheduler_of, weighs_tokens
-from harness.rank.watch import LoopRefused, Watch
+from harness.rank.watch import LoopRefused
+from harness.rank.watch.loop import Watch
 from harness.wrappers.prepared import unwrap
 
 if TYPE_CHECKING:
-    from harness.rank.context import RankContext
+    from harness.rank.watch.cell import WatchedCell
 
 
 class ScriptWatch(Watch):
     """The watch of a script's own Accelerator: its models, optimizers and schedulers are found as the
-    script prepares them, and the oracle is made of them before the first batch is drawn."""
+    script prepares them, and the oracle is made of them before the first batch is drawn. It follows the
+    Accelerator's calls from its making on (the script has the Accelerator before any ``with``)."""
 
     who = WHO
 
-    def __init__(self, ctx: RankContext, accelerator: Any, *, loss: Callable[[Any, Any], torch.Tensor],
+    def __init__(self, ctx: WatchedCell, accelerator: Any, *, loss: Callable[[Any, Any], torch.Tensor],
                  num_steps: int, contract: str | None, clip_in_step: float | None = None,
                  trainer: Any = None) -> None:
         super().__init__(ctx, accelerator, {}, loss=loss, clip_grad_norm=clip_in_step, scheduler=False,
@@ -64,6 +66,7 @@ class ScriptWatch(Watch):
         self.raw_optimizers: list[tuple[torch.optim.Optimizer, Any]] = []  # (as made, as prepared)
         self.raw_schedulers: list[Any] = []  # as made
         self.made = False  # the oracle is made (at the first batch drawn)
+        self._instrument(accelerator)
 
     def _preparing(self, original: Callable[..., Any]) -> Callable[..., Any]:
         prepare = super()._preparing(original)
@@ -144,7 +147,7 @@ class ScriptWatch(Watch):
                                     f"{name_of(self.trainer)} divides its loss by them")
         if not self.tokens or not self._opens_window(point):
             return
-        length = self.ctx._window_lengths[point.index]
+        length = self.ctx.windows.lengths[point.index]
         window = [drawn, *drawn.loader.drawn][:length]
         if len(window) < length:
             raise LoopRefused(f"{WHO}: the token contract weighs each window by the valid label tokens of all its "
@@ -233,7 +236,7 @@ class ScriptWatch(Watch):
             if len(engines) == 1 and callable(engines[0]):
                 self.clip = float(engines[0]()) or None
         with _plain_forward(self.originals.values()):
-            self.oracle = self.ctx._oracle(
+            self.oracle = self.ctx.oracle_for(
                 self.originals, weights=self._weights(), num_steps=self.contract["num_steps"],
                 optimizers={name: optimizers_of(name) for name in self.originals if by_model[name]},
                 scheduler=scheduler if schedulers else None,

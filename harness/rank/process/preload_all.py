@@ -1,5 +1,5 @@
 """What the fork server of a process that runs many pools imports: what every rank imports
-(harness/rank/preload.py), and the libraries only some cells use, which a rank otherwise imports at
+(harness/rank/process/preload.py), and the libraries only some cells use, which a rank otherwise imports at
 its first such cell: transformers' Trainer, DeepSpeed, and torch.compile's inductor.
 
 Imported once here, they cost about 1.3 s of CPU in the server instead of as much in each rank of
@@ -19,7 +19,7 @@ import os
 import sys
 
 from harness import heap
-from harness.rank import preload  # noqa: F401  (first: its thread settings hold for what follows)
+from harness.rank.process import preload  # noqa: F401  (first: its thread settings hold for what follows)
 
 # What some cells import: the Trainer cases (and a script's own Trainer), the deepspeed-* wrappers, and
 # the compiled variants (a first aot_eager compile imports 600 modules, much of inductor and networkx

@@ -1,4 +1,4 @@
-"""Attributes set for as long as a watch lasts (harness/rank/watch.py), and put back after it."""
+"""Attributes set for as long as a watch lasts (harness/rank/watch/loop.py), and put back after it."""
 
 from __future__ import annotations
 

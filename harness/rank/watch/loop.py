@@ -3,7 +3,7 @@ own training function (docs/writing-a-case.md#a-loop-as-it-is-ctxwatch).
 
 The loop gets the case's Accelerator, instrumented on this instance only (the class and every other
 Accelerator are untouched), and the objects it prepares: each ``accelerator.backward`` belongs to the
-drawn batch its model's forward was given (harness/rank/forwards.py; else the one batch drawn since the
+drawn batch its model's forward was given (harness/rank/watch/forwards.py; else the one batch drawn since the
 last backward), which has the micro-step the accumulation contract gives it (the schedule, from the
 loader's length): a loop that draws a window's batches first is followed too; ``accumulate`` says where the loop reads
 ``sync_gradients``; ``clip_grad_norm_`` where it clips and what norm it got. The oracle runs the
@@ -29,35 +29,33 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from harness import wording
-from harness.rank.asked import Asked
-from harness.rank.forwards import Forward, Forwards, tensors_of
-from harness.rank.loaders import WATCH_ATTRIBUTE, Drawn, Loader, dataloader_options, follow_iteration
-from harness.rank.models import rng_state, under_rng_state
-from harness.rank.patching import patch, refuse_construction
-from harness.rank.oracle.schedule import MicroStep, accumulation_schedule, window_lengths
+from harness.rank.watch import LoopRefused
+from harness.rank.watch.asked import Asked
+from harness.rank.watch.forwards import Forward, Forwards, tensors_of
+from harness.rank.watch.loaders import WATCH_ATTRIBUTE, Drawn, Loader, dataloader_options, follow_iteration
+from harness.rank.numerics.rng import rng_state, under_rng_state
+from harness.rank.watch.patching import patch, refuse_construction
+from harness.rank.oracle.schedule import MicroStep, accumulation_schedule
 from harness.wrappers.prepared import unwrap
 
 if TYPE_CHECKING:
-    from harness.rank.context import RankContext
     from harness.rank.oracle.core import Oracle
+    from harness.rank.watch.cell import WatchedCell
 
 # the Accelerator's methods that prepare objects; each call's results are adopted once it returns
 PREPARE = ("prepare", "prepare_model", "prepare_data_loader", "prepare_optimizer", "prepare_scheduler")
 
 
-class LoopRefused(ValueError):
-    """What the watch cannot infer from the loop's calls: one line, with what to give instead."""
-
-
 class Watch:
     """The oracle and the checks of one case's loop, run from the calls the loop makes anyway.
-    Made by ``RankContext.watch``; a context manager around the loop."""
+    Made by ``RankContext.watch``, which gives it ``oracle``, a maker of its oracle from the watch's replay
+    of the loop's RNG; a context manager around the loop."""
 
     who = "ctx.watch"  # what the watch's refusals say they come from
 
     def __init__(
         self,
-        ctx: RankContext,
+        ctx: WatchedCell,
         accelerator: Any,
         models: Mapping[str, nn.Module],
         *,
@@ -65,17 +63,18 @@ class Watch:
         clip_grad_norm: float | None,
         scheduler: bool,
         num_steps: int,
+        oracle: Callable[[Callable[[Any], Any]], Oracle] | None = None,
     ) -> None:
         self.ctx = ctx
         self.accelerator = accelerator
-        self.oracle: Oracle  # made by RankContext.watch with this watch's replay of the loop's RNG
+        self.oracle: Oracle  # made of ``oracle`` below (a script's watch makes its own at its first batch)
         self.originals = dict(models)
         self.prepared: dict[str, nn.Module] = {}
         self.optimizers: dict[str, list[Any]] = {name: [] for name in models}
         self.loss = loss
         self.clip = clip_grad_norm
         self.check_lr = scheduler
-        accumulation = ctx._accumulation()
+        accumulation = ctx.accumulation_settings()
         self.contract = dict(num_steps=num_steps, sync_with_dataloader=accumulation.sync_with_dataloader,
                              sync_each_batch=accumulation.sync_each_batch)
         self.schedule: list[list[MicroStep]] = []  # the contract's micro-steps, by epoch of the training loader
@@ -95,6 +94,8 @@ class Watch:
         self.stopped = ""  # why the watch stopped checking (the schedule failed): the rest passes through
         self.rng_states: dict[int, Any] = {}
         self._iterations: set[type] = set()  # the loader classes whose iteration tells the watch
+        if oracle is not None:
+            self.oracle = oracle(self.replay)
 
     # the context manager
 
@@ -233,8 +234,8 @@ class Watch:
             raise LoopRefused(f"{self.who}: the loop prepares a DataLoader with a batch_sampler, whose batches per "
                               "rank the harness cannot know; give it batch_size= (and shuffle=, drop_last=) instead")
         split, dispatch = dataloader_options(self.accelerator)
-        return self.ctx._batches_per_rank(len(loader.dataset), loader.batch_size, split_batches=split,
-                                          dispatch_batches=dispatch, drop_last=loader.drop_last)
+        return self.ctx.expected_batches(len(loader.dataset), loader.batch_size, split_batches=split,
+                                         dispatch_batches=dispatch, drop_last=loader.drop_last)
 
     # the loop's batches
 
@@ -341,8 +342,7 @@ class Watch:
         if len(self.schedule) <= epoch:  # made once per epoch, for every epoch so far
             schedule = accumulation_schedule(state.expected, epochs=epoch + 1, **self.contract)
             self.schedule = [[p for p in schedule if p.epoch == e] for e in range(epoch + 1)]
-            ctx._last_point = max(ctx._last_point, schedule[-1].index)
-            ctx._window_lengths.update(window_lengths(schedule))
+            ctx.windows.add(schedule)
         point = self.schedule[epoch][batch]
         ctx.at_step = point.index
         return point

@@ -1,4 +1,4 @@
-"""What a watched loop asks of its syncs and its optimizers (harness/rank/watch.py): whether a
+"""What a watched loop asks of its syncs and its optimizers (harness/rank/watch/loop.py): whether a
 backward runs where the loop asked for no sync (inside ``accumulate``, or a ``no_sync`` of the
 Accelerator's or of a prepared model's own), and the steps its optimizers really take."""
 
