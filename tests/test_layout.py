@@ -5,8 +5,9 @@
 ``controller`` (the local controller in pytest's process), ``launch`` (under a launcher), ``matrix``
 (the report data), ``render`` (every text a person reads), ``selfcheck`` (planted faults and the
 self-check). Each may import only what ``MAY_IMPORT`` says, no module takes part in an import circle
-(imports inside functions counted, ``TYPE_CHECKING`` ones not), the rank side imports nothing of the
-controller, the records depend on nothing, and fault injection stays off the path of a real cell.
+(imports inside functions counted, ``TYPE_CHECKING`` ones too), no class reads or writes another object's
+private members, the rank side imports nothing of the controller, the records depend on nothing, and
+fault injection stays off the path of a real cell.
 
 The rank side is layered, each layer importing only those below it (``RANK_LAYERS``, bottom first), and
 each layer of harness/rank/ is a folder of its own but the case's side, directly in harness/rank/:
@@ -93,12 +94,13 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def harness_imports(path: Path) -> set[str]:
-    """The harness modules a file imports at run time, anywhere in it (not under TYPE_CHECKING)."""
+def harness_imports(path: Path, *, types: bool = False) -> set[str]:
+    """The harness modules a file imports at run time, anywhere in it (under TYPE_CHECKING too with
+    ``types``: two modules that need each other's types are one)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     skipped: set[int] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if not types and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             skipped.update(id(n) for stmt in node.body for n in ast.walk(stmt))
     found = set()
     for node in ast.walk(tree):
@@ -191,12 +193,12 @@ def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return circles
 
 
-def _graph() -> dict[str, set[str]]:
+def _graph(*, types: bool = False) -> dict[str, set[str]]:
     graph = {}
     for name, path in MODULES.items():
         # importing harness.a.b runs harness/a/__init__.py first: the package is imported too
         found = set()
-        for m in harness_imports(path):
+        for m in harness_imports(path, types=types):
             parts = m.split(".")
             found.update(".".join(parts[:n]) for n in range(2, len(parts) + 1))
         graph[name] = {m for m in found if m in MODULES and m != name}
@@ -205,6 +207,10 @@ def _graph() -> dict[str, set[str]]:
 
 def test_no_import_circles():
     assert import_circles(_graph()) == []
+
+
+def test_no_import_circles_even_among_type_imports():
+    assert import_circles(_graph(types=True)) == []
 
 
 def test_the_circle_finder_finds_a_planted_circle():
@@ -218,6 +224,51 @@ def test_the_subpackages_import_nothing_when_imported():
     decorator, torch-free) must not pull in the rest of the package."""
     for package in PACKAGES:
         assert harness_imports(MODULES[package]) == set(), package
+
+
+# A library's own private members the harness must touch (not a harness class's), by module: the fork
+# server multiprocessing keeps (rank_server adopts a shared one) and FSDP1's flat parameter's members.
+LIBRARY_PRIVATES = {"harness.controller.rank_server": {"server._lock"}, "harness.wrappers.sharding": {"flat_param._params"}}
+
+
+def reached_privates(trees: dict[str, ast.Module]) -> dict[str, set[str]]:
+    """By module, each ``x._name`` where ``_name`` is a private member a harness class defines (a method, or
+    an attribute it sets on ``self``) and ``x`` is not that object itself (``self``, ``cls``, ``super()``)."""
+    defined = set()
+    for tree in trees.values():
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            for node in ast.walk(cls):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    defined.add(node.name)
+                elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                      and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                    defined.add(node.attr)
+    defined = {n for n in defined if n.startswith("_") and not n.startswith("__")}
+    found: dict[str, set[str]] = {}
+    for name, tree in trees.items():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or node.attr not in defined:
+                continue
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue
+            if isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super":
+                continue
+            found.setdefault(name, set()).add(ast.unparse(node))
+    return found
+
+
+def test_no_class_reads_or_writes_another_objects_private_members():
+    trees = {name: ast.parse(path.read_text(encoding="utf-8")) for name, path in MODULES.items()}
+    reached = {name: found - LIBRARY_PRIVATES.get(name, set()) for name, found in reached_privates(trees).items()}
+    assert not {name: found for name, found in reached.items() if found}
+
+
+def test_the_private_member_rule_finds_a_planted_reach():
+    planted = ast.parse("class A:\n    def __init__(self):\n        self._state = 1\n\n"
+                        "class B:\n    def look(self, a):\n        return a._state + self._own()\n\n"
+                        "    def _own(self):\n        return 0\n")
+    assert reached_privates({"planted": planted}) == {"planted": {"a._state"}}
 
 
 # A module a newcomer can read in one sitting, a function on one screen (issue 57).
