@@ -88,7 +88,7 @@ def cell_spec(case_file: str, variant_name: str, world_size: int, seed: int = 12
     from harness.catalogue import load_case_file
     from harness.controller.cells import cell_spec as spec_of
     from harness.controller.options import resolve
-    from harness.wrappers.names import WRAPPERS
+    from harness.wrappers.registry import WRAPPERS
     from harness.wrappers.prepare import cell_variants
 
     path = Path(case_file) if Path(case_file).is_absolute() else ROOT / case_file

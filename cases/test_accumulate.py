@@ -7,7 +7,7 @@ from torch.utils.data import DataLoader
 
 from harness import PRECISIONS, Diagnosis, Unsupported, case, compiled, grid
 from harness.rank.models import adversarial_loss, regression_loss
-from harness.wrappers.names import MESHES
+from harness.wrappers.registry import MESHES
 
 EPOCHS = 2
 BATCHES = 5  # per rank and epoch: a multiple of none of the accumulation steps

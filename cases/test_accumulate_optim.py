@@ -6,7 +6,7 @@ from torch.utils.data import DataLoader
 
 from harness import PRECISIONS, Diagnosis, case, grid
 from harness.rank.models import regression_loss
-from harness.wrappers.names import MESHES
+from harness.wrappers.registry import MESHES
 
 EPOCHS = 2
 BATCHES = 5  # per rank and epoch: a multiple of none of the accumulation steps

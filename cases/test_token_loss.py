@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 from harness import PRECISIONS, Diagnosis, case, grid
 from harness.rank.hf_models import transformers_or_skip
 from harness.rank.tokens import causal_loss_sum, pad_tokens, token_loss_mean, token_loss_sum, valid_tokens
-from harness.wrappers.names import MESHES
+from harness.wrappers.registry import MESHES
 from harness.wrappers.probe import takes_parameter
 
 EPOCHS = 2

@@ -145,7 +145,7 @@ class CaseInfo:
     body: Callable[..., None]
     detects: tuple[Diagnosis, ...]
     description: str
-    wrappers: tuple[str, ...] = ()  # the wrappers the case applies to (harness/wrappers/names.py)
+    wrappers: tuple[str, ...] = ()  # the wrappers the case applies to (harness/wrappers/registry.py)
     # a known defect of the library under one wrapper: the diagnoses its cells must produce
     defects: Mapping[str, tuple[Diagnosis, ...]] = field(default_factory=dict)
     meshes: tuple[str, ...] = ()  # the meshes the case also runs on, under FSDP2 (harness/wrappers/mesh.py)
@@ -250,7 +250,7 @@ def case(
     A canary's diagnoses apply to its mesh cells too; a ``Diagnosis`` can name its mesh with
     ``when={"mesh": ...}``.
     """
-    from harness.wrappers.names import MESHES, WRAPPERS, mesh_wrappers
+    from harness.wrappers.registry import MESHES, WRAPPERS, mesh_wrappers
 
     applies = tuple(WRAPPERS if wrappers is None else wrappers)
     unknown = [w for w in applies if w not in WRAPPERS]

@@ -11,7 +11,7 @@ from harness.catalogue import load_case_file
 from harness.records import Status
 from harness.selfcheck.run import Runner, Target
 from harness.versions import below
-from harness.wrappers.names import WRAPPERS
+from harness.wrappers.registry import WRAPPERS
 from harness.wrappers.prepare import cell_variants
 
 

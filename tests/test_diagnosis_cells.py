@@ -15,7 +15,7 @@ import pytest
 from harness.catalogue import load_case_file
 from harness.records import Status
 from harness.selfcheck.run import Runner, Target, first_kinds
-from harness.wrappers.names import WRAPPERS
+from harness.wrappers.registry import WRAPPERS
 from harness.wrappers.prepare import cell_variants
 
 CASES = Path(__file__).resolve().parent / "planted" / "diagnosis_cases.py"

@@ -420,8 +420,8 @@ WRAPPER_SPEC_COLUMNS = ["wrapper", "family", "version or stage", "precisions", "
 
 
 def wrapper_spec_rows() -> list[list[str]]:
-    """docs/wrappers.md's "One spec a wrapper" table, as harness/wrappers/names.py's SPECS make it."""
-    from harness.wrappers.names import SPECS
+    """docs/wrappers.md's "One spec a wrapper" table, as harness/wrappers/registry.py's SPECS make it."""
+    from harness.wrappers.registry import SPECS
 
     def yes(flag: bool) -> str:
         return "yes" if flag else "no"

@@ -74,14 +74,14 @@ def below(layer: str) -> set[str]:
 
 # What each side may import besides itself (by side; a few single modules by name).
 MAY_IMPORT = {
-    "core": {"harness.wrappers.names"},  # the decorator checks wrapper names; names imports nothing
+    "core": {"harness.wrappers.registry"},  # the decorator checks wrapper names; names imports nothing
     **{layer: {"core"} | below(layer) for layer in RANK_LAYERS},
     "faults": {"core", *RANK_LAYERS},
     "matrix": {"core"},
     "render": {"core", "matrix", "selfcheck", "faults"},  # the self-check's report
-    "controller": {"core", "matrix", "harness.wrappers.names", "harness.rank", "harness.rank.process",
+    "controller": {"core", "matrix", "harness.wrappers.registry", "harness.rank", "harness.rank.process",
                    "harness.rank.process.main", "harness.rank.process.environment"},  # a pool's ranks
-    "selfcheck": {"core", "controller", "matrix", "faults", "harness.wrappers.names", "harness.wrappers.prepare"},
+    "selfcheck": {"core", "controller", "matrix", "faults", "harness.wrappers.registry", "harness.wrappers.prepare"},
     "launch": {"core", "controller", "harness.rank", "rank.process", "harness.rank.oracle.schedule", "harness.plugin"},
     "entry": {"core", *RANK_LAYERS, "faults", "matrix", "render", "controller", "launch", "selfcheck", "entry"},
 }
@@ -220,7 +220,7 @@ def test_the_circle_finder_finds_a_planted_circle():
 
 
 def test_the_subpackages_import_nothing_when_imported():
-    """A subpackage's __init__ holds its rules, no code: importing harness.wrappers.names (from the
+    """A subpackage's __init__ holds its rules, no code: importing harness.wrappers.registry (from the
     decorator, torch-free) must not pull in the rest of the package."""
     for package in PACKAGES:
         assert harness_imports(MODULES[package]) == set(), package

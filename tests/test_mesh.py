@@ -22,7 +22,7 @@ from harness.decorator import SkipCell, Variant
 from harness.rank.judging.reductions import judge
 from harness.rank.numerics.accounting import Backward
 from harness.wrappers.mesh import shape
-from harness.wrappers.names import parse_meshes
+from harness.wrappers.registry import parse_meshes
 from harness.wrappers.prepare import cell_variants
 
 TP_TRANSFORMERS = os.environ.get("HARNESS_TP_TRANSFORMERS", "")

@@ -15,7 +15,7 @@ from harness.controller.cells import run_cell, settings_for
 from harness.controller.options import resolve
 from harness.controller.pool import PoolSet
 from harness.selfcheck.run import Target
-from harness.wrappers.names import WRAPPERS
+from harness.wrappers.registry import WRAPPERS
 from harness.wrappers.prepare import cell_variants
 
 ROOT = Path(__file__).resolve().parent.parent

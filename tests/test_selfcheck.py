@@ -17,7 +17,7 @@ from harness.records import FailureKind, Status
 from harness.render.selfcheck import render, sensitivity_text
 from harness.selfcheck import run as selfcheck
 from harness.selfcheck.run import Runner, Target, first_kinds, measure_sensitivity
-from harness.wrappers.names import WRAPPERS, of_family
+from harness.wrappers.registry import WRAPPERS, of_family
 from harness.wrappers.prepare import cell_variants
 
 ROOT = Path(__file__).resolve().parent.parent

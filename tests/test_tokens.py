@@ -24,7 +24,7 @@ from harness.records import FailureKind, Status
 from harness.selfcheck.run import Runner, Target
 from harness.wording import canary_unobservable_summary
 from harness.wrappers.cell import CellConfig
-from harness.wrappers.names import WRAPPERS
+from harness.wrappers.registry import WRAPPERS
 from harness.wrappers.prepare import cell_variants
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -157,7 +157,7 @@ def test_a_bf16_trainer_cell_catches_a_forward_run_without_autocast():
     from harness.records import Status
     from harness.selfcheck import run as selfcheck
     from harness.selfcheck.run import Runner, Target, first_kinds
-    from harness.wrappers.names import WRAPPERS
+    from harness.wrappers.registry import WRAPPERS
     from harness.wrappers.prepare import cell_variants
 
     case = next(c for c in load_case_file(ROOT / "cases" / "test_trainer.py") if c.name == "trainer_causal_lm")
@@ -179,7 +179,7 @@ def test_a_deepspeed_trainer_cell_catches_the_loss_divided_by_the_steps_again():
     from harness.records import Status
     from harness.selfcheck import run as selfcheck
     from harness.selfcheck.run import Runner, Target, first_kinds
-    from harness.wrappers.names import WRAPPERS
+    from harness.wrappers.registry import WRAPPERS
     from harness.wrappers.prepare import cell_variants
 
     case = next(c for c in load_case_file(ROOT / "cases" / "test_trainer.py") if c.name == "trainer_causal_lm")

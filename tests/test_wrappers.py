@@ -9,8 +9,8 @@ from distributed import run_on_ranks
 from harness import Variant, compiled, grid
 from harness.rank.judging.reductions import judge
 from harness.rank.numerics.accounting import Backward
-from harness.wrappers import names
-from harness.wrappers.names import AUTO, SPECS, WRAPPERS, WrapperSpec, parse
+from harness.wrappers import registry
+from harness.wrappers.registry import AUTO, SPECS, WRAPPERS, WrapperSpec, parse
 from harness.wrappers.prepare import cell_variants
 
 PLANTED = "tests/planted/wrapper_cases.py"
@@ -69,9 +69,9 @@ def test_an_unknown_wrapper_is_a_one_line_usage_error(run_pytest):
 
 def test_every_public_wrapper_name_has_its_spec_in_report_order():
     assert tuple(s.name for s in SPECS) == WRAPPERS
-    assert all(names.spec(name).name == name for name in WRAPPERS)
+    assert all(registry.spec(name).name == name for name in WRAPPERS)
     with pytest.raises(ValueError, match="unknown wrapper 'fsdp3'; known: ddp, fsdp2"):
-        names.spec("fsdp3")
+        registry.spec("fsdp3")
 
 
 def test_a_spec_refuses_an_accumulation_dtype_it_does_not_know_and_a_family_without_its_level():
@@ -86,16 +86,16 @@ def test_a_spec_refuses_an_accumulation_dtype_it_does_not_know_and_a_family_with
 def test_each_identity_names_one_spec_and_back():
     assert len({s.identity for s in SPECS}) == len(SPECS)
     for s in SPECS:
-        assert names.of_identity(*s.identity) is s
-    assert names.spec("fsdp1").identity == ("fsdp", 1) and names.spec("deepspeed-z3").identity == ("deepspeed", 3)
-    assert names.of_identity("deepspeed", 0) is None and names.of_identity("fsdp") is None
+        assert registry.of_identity(*s.identity) is s
+    assert registry.spec("fsdp1").identity == ("fsdp", 1) and registry.spec("deepspeed-z3").identity == ("deepspeed", 3)
+    assert registry.of_identity("deepspeed", 0) is None and registry.of_identity("fsdp") is None
 
 
 def test_of_family_and_the_mesh_wrappers_in_report_order():
-    assert [s.name for s in names.of_family("deepspeed")] == ["deepspeed-z1", "deepspeed-z2", "deepspeed-z3"]
-    assert [s.name for s in names.of_family("fsdp")] == ["fsdp2", "fsdp1"]
-    assert [s.name for s in names.of_family("ddp")] == ["ddp"]
-    assert [s.name for s in names.mesh_wrappers()] == ["fsdp2"]
+    assert [s.name for s in registry.of_family("deepspeed")] == ["deepspeed-z1", "deepspeed-z2", "deepspeed-z3"]
+    assert [s.name for s in registry.of_family("fsdp")] == ["fsdp2", "fsdp1"]
+    assert [s.name for s in registry.of_family("ddp")] == ["ddp"]
+    assert [s.name for s in registry.mesh_wrappers()] == ["fsdp2"]
     assert [s.name for s in SPECS if not s.sharded] == ["ddp"]
     assert [s.name for s in SPECS if s.flat_parameters] == ["fsdp1"]
 
@@ -115,11 +115,11 @@ def test_a_prepared_model_is_verified_by_its_identity_and_a_plain_one_passes_und
 
     plain = nn.Linear(2, 2)
     verify("ddp", plain, name="m", world_size=1)
-    with pytest.raises(names.WrongWrapper,
+    with pytest.raises(registry.WrongWrapper,
                        match=r"model 'm' was prepared as none \(Linear\), but the cell is wrapper=fsdp1"):
         verify("fsdp1", plain, name="m", world_size=2)
     verify("deepspeed-z2", DeepSpeedEngine(2), name="m", world_size=2)
-    with pytest.raises(names.WrongWrapper, match="prepared as deepspeed-z2 .*wrapper=deepspeed-z1"):
+    with pytest.raises(registry.WrongWrapper, match="prepared as deepspeed-z2 .*wrapper=deepspeed-z1"):
         verify("deepspeed-z1", DeepSpeedEngine(2), name="m", world_size=2)
     assert prepared_as(DeepSpeedEngine(0)) == "deepspeed-z0"  # no spec: named by its stage still
 

@@ -9,8 +9,8 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from harness.wrappers.names import parse as parse_wrappers
-from harness.wrappers.names import parse_meshes
+from harness.wrappers.registry import parse as parse_wrappers
+from harness.wrappers.registry import parse_meshes
 
 BACKENDS = ("auto", "gloo", "nccl")
 DEFAULT_CASE_TIMEOUT_S = 120.0
@@ -38,7 +38,7 @@ class Settings:
     launched: bool = False  # the ranks are a launcher's processes (python -m harness launch), not local pools
     # under a launcher: how to start the same launch again, before `-m harness launch` (the rerun command)
     relaunch: tuple[str, ...] = ()
-    # the wrappers cells run under (--wrappers): "auto" or names (harness/wrappers/names.py)
+    # the wrappers cells run under (--wrappers): "auto" or names (harness/wrappers/registry.py)
     wrappers: tuple[str, ...] | str = "auto"
     # the meshes FSDP2 cells also run on (--meshes): "auto" (each case's own) or names, () for none
     meshes: tuple[str, ...] | str = "auto"

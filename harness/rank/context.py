@@ -24,7 +24,7 @@ from harness.rank.watch.loop import Watch
 from harness.wrappers import prepare
 from harness.wrappers import probe
 from harness.wrappers.cell import CellConfig
-from harness.wrappers.names import WrapperSpec
+from harness.wrappers.registry import WrapperSpec
 
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
@@ -34,7 +34,7 @@ class RankContext(RankData):
 
     Attributes: ``case`` (the case name), ``variant_name`` (e.g. ``steps=2-bf16``), ``variant`` (its
     parameters, a dict), ``precision`` (``fp32``, ``bf16`` or ``fp16``), ``wrapper`` (``ddp``,
-    ``fsdp2``, ...: harness/wrappers/names.py), ``compile`` (a ``torch.compile`` backend, or None),
+    ``fsdp2``, ...: harness/wrappers/registry.py), ``compile`` (a ``torch.compile`` backend, or None),
     ``rank``, ``world_size``, ``seed`` (the run's base seed) and ``device`` (this rank's
     ``torch.device``); under a mesh (``mesh=`` in the variant), ``mesh`` (its shape:
     harness/wrappers/mesh.py; None without one), ``data_rank`` and ``data_world`` (the data shard this
@@ -61,7 +61,7 @@ class RankContext(RankData):
         self.world_size = world_size
         self.seed = seed
         self.device = device
-        # the cell's precision, wrapper and its dtype policy (the spec's ``mixed_axis``, harness/wrappers/names.py),
+        # the cell's precision, wrapper and its dtype policy (the spec's ``mixed_axis``, harness/wrappers/registry.py),
         # and device mesh (``mesh=`` in the variant: harness/wrappers/mesh.py), None without one
         self.config = CellConfig.of_variant(variant, self.variant, rank=rank, world_size=world_size)
         self.compile = self.variant.get("compile")  # a torch.compile backend, e.g. aot_eager
@@ -80,7 +80,7 @@ class RankContext(RankData):
 
     @property
     def spec(self) -> WrapperSpec:
-        """The spec of the cell's wrapper (harness/wrappers/names.py): how it reduces, what it casts."""
+        """The spec of the cell's wrapper (harness/wrappers/registry.py): how it reduces, what it casts."""
         return self.config.spec
 
     @property

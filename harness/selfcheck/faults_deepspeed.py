@@ -11,7 +11,7 @@ import contextlib
 from typing import Any, Iterator
 
 from harness.selfcheck.planted import Fault, _patched, register
-from harness.wrappers.names import of_family
+from harness.wrappers.registry import of_family
 
 ZERO = tuple(s.name for s in of_family("deepspeed"))  # every ZeRO stage's wrapper
 

@@ -9,7 +9,7 @@ import contextlib
 from typing import Any, Callable, ContextManager, Iterator
 
 from harness.selfcheck.planted import Fault, _patched
-from harness.wrappers.names import WRAPPERS
+from harness.wrappers.registry import WRAPPERS
 
 PERTURBATION_FORMS = "perturb:<relative> or perturb_once:<relative>[@<backward>]"
 

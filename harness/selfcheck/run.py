@@ -17,7 +17,7 @@ from harness.matrix.schema import Cell
 from harness.records import BAD_STATUSES, Failure, Status
 from harness.selfcheck.faults import FAULTS, resolve
 from harness.selfcheck.planted import Fault
-from harness.wrappers.names import DDP, WRAPPERS
+from harness.wrappers.registry import DDP, WRAPPERS
 from harness.wrappers.prepare import cell_variants
 
 # A fault's cell that was not run starts its summary with this.

@@ -13,13 +13,13 @@ from typing import Any, Mapping
 
 from harness.decorator import ALL_PRECISIONS
 from harness.wrappers.mesh import shape as mesh_shape
-from harness.wrappers.names import DDP, WRAPPERS, WrapperSpec
-from harness.wrappers.names import spec as spec_of
+from harness.wrappers.registry import DDP, WRAPPERS, WrapperSpec
+from harness.wrappers.registry import spec as spec_of
 
 
 @dataclass(frozen=True)
 class CellConfig:
-    """``precision``: ``fp32``, ``bf16`` or ``fp16``; ``wrapper``: its name (harness/wrappers/names.py);
+    """``precision``: ``fp32``, ``bf16`` or ``fp16``; ``wrapper``: its name (harness/wrappers/registry.py);
     ``reduce`` and ``grad_accum``: the wrapper's dtype policy where the variant sets one
     (the spec's ``mixed_axis``: FSDP2's reduce dtype, ZeRO-1's accumulation dtype), else None; ``mesh``: a
     harness/wrappers/mesh.py ``Shape``, None without one; ``num_steps``: the accumulation steps;
@@ -53,7 +53,7 @@ class CellConfig:
 
     @property
     def spec(self) -> WrapperSpec:
-        """The wrapper's spec (harness/wrappers/names.py): how it reduces, what it casts."""
+        """The wrapper's spec (harness/wrappers/registry.py): how it reduces, what it casts."""
         return spec_of(self.wrapper)
 
     @property

@@ -24,7 +24,7 @@ Where the gradients are (what ``observe`` reads):
   (ZeRO-2 raises on the ranks owning a fragment while the others enter an all-reduce: a collective
   mismatch). So there they are hidden (``Observed.hidden``, no gradient): no claim; the collective
   accounting allows their per-micro-batch reductions (their specs' ``reduces_every_micro_batch``,
-  harness/wrappers/names.py).
+  harness/wrappers/registry.py).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def plugin(stage: int, *, num_steps: int, device_type: str, grad_accum: str | No
     - ``bf16: {"enabled": "auto"}``: accelerate fills it from ``mixed_precision`` (``fill_match``);
       it sets bf16 only where the key is absent or ``"auto"``, so an explicit ``False`` would run a
       ``mixed_precision="bf16"`` cell in fp32 (utils/dataclasses.py:1415). fp16 stays off: its loss
-      scaler is not modelled under DeepSpeed (harness/wrappers/names.py, the spec's ``precisions``).
+      scaler is not modelled under DeepSpeed (harness/wrappers/registry.py, the spec's ``precisions``).
 
     - ``gradient_clipping: 0.0``: the harness's oracle clips only where a case calls
       ``clip_grad_norm_``. accelerate fills ``"auto"`` with 1.0 (accelerator.py:2224), and
@@ -157,7 +157,7 @@ def after_construction(accelerator: Any, *, stage: int) -> None:
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType
 
-    from harness.wrappers.names import WrongWrapper
+    from harness.wrappers.registry import WrongWrapper
 
     os.environ.pop(USE_DEEPSPEED, None)
     if accelerator.distributed_type != DistributedType.DEEPSPEED:

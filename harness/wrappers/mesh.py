@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.decorator import SkipCell, Unsupported
-from harness.wrappers.names import MESHES, WrongWrapper
+from harness.wrappers.registry import MESHES, WrongWrapper
 
 # accelerate's order of mesh dimensions (ParallelismConfig._get_mesh), the slowest-varying first
 ORDER = ("dp_replicate", "dp_shard", "cp", "tp")

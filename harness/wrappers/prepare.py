@@ -3,7 +3,7 @@
 A cell under a wrapper other than DDP carries ``wrapper=<name>`` in its variant (docs/wrappers.md).
 Here: which cells each wrapper gets (``--wrappers``), how accelerate is asked for it, how a cell
 makes sure that the prepared model really is it, and what the wrapper may communicate between sync
-points (harness/rank/numerics/accounting.py judges that). The names themselves: harness/wrappers/names.py.
+points (harness/rank/numerics/accounting.py judges that). The names themselves: harness/wrappers/registry.py.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from harness.decorator import SkipCell, Unsupported, Variant
-from harness.wrappers.names import AUTO, DDP, WRAPPERS, WrapperSpec, WrongWrapper, mesh_wrappers, of_identity, spec
+from harness.wrappers.registry import AUTO, DDP, WRAPPERS, WrapperSpec, WrongWrapper, mesh_wrappers, of_identity, spec
 
 if TYPE_CHECKING:
     from harness.wrappers.cell import CellConfig

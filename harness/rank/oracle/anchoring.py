@@ -29,10 +29,10 @@ class Anchoring(OraclePart):
     ``Oracle``, on the state it holds (``OracleState``), through its collectives."""
 
     def __init__(self, state: OracleState, params: Mapping[str, Mapping[str, torch.Tensor]], *,
-                 collectives: Collectives, weighting: TokenWeighting, sharded: ShardedReduce | None,
+                 collectives: Collectives, weighting: TokenWeighting, sharded_reduce: ShardedReduce | None,
                  optimizers: Mapping[str, tuple[torch.optim.Optimizer, ...]],
                  more_checks: Callable[[MicroStep | int], bool] | None) -> None:
-        super().__init__(state, params, collectives=collectives, weighting=weighting, sharded=sharded)
+        super().__init__(state, params, collectives=collectives, weighting=weighting, sharded_reduce=sharded_reduce)
         self.optimizers = optimizers
         # ``more_checks(step)``: whether another check surely follows this step's: rank 0's copies then
         # wait for the next all-reduce (harness/rank/numerics/collectives.py), and whoever made the oracle
@@ -63,7 +63,7 @@ class Anchoring(OraclePart):
     def expected_grads(self, name: str) -> dict[str, Expectation]:
         """What the rank's gradients must be now: under FSDP in bf16 the gradient held plus what
         accumulated since the last sync (FSDP1 shows the latter between syncs; none after one)."""
-        pending = self.sharded.pending[name] if self.sharded is not None else {}
+        pending = self.sharded_reduce.pending[name] if self.sharded_reduce is not None else {}
         allowed = self.state.allowance_of(name)
         out = {}
         for pname, p in self.params[name].items():
@@ -118,11 +118,11 @@ class Anchoring(OraclePart):
                 # the other ranks may not make, so the replica keeps its own
                 continue
             unsynced = not self.state.last_sync or grad is not None and grad.dtype != replica_param.dtype
-            if self.sharded is not None and grad is not None and unsynced:
+            if self.sharded_reduce is not None and grad is not None and unsynced:
                 # FSDP1 and ZeRO-1 in bf16 show what they hold since the last sync between syncs (and
                 # where one was due but did not happen): FSDP1 its unsharded gradient, ZeRO-1 param.grad
                 # (bf16) or BF16_Optimizer's fp32 sum
-                self.sharded.adopt(name, pname, grad)
+                self.sharded_reduce.adopt(name, pname, grad)
                 continue
             replica_param.grad = None  # the oracle's own goes before the copy is made
             replica_param.grad = None if grad is None else grad.detach().clone()

@@ -41,16 +41,16 @@ class Averaging(OraclePart):
     FUSED_FROM = CHUNK
 
     def __init__(self, state: OracleState, params: Mapping[str, Mapping[str, torch.Tensor]], config: CellConfig, *,
-                 collectives: Collectives, recorder: Notes, weighting: TokenWeighting, sharded: ShardedReduce | None,
+                 collectives: Collectives, recorder: Notes, weighting: TokenWeighting, sharded_reduce: ShardedReduce | None,
                  user_models: Mapping[str, torch.nn.Module], scaled: bool) -> None:
-        super().__init__(state, params, collectives=collectives, weighting=weighting, sharded=sharded)
+        super().__init__(state, params, collectives=collectives, weighting=weighting, sharded_reduce=sharded_reduce)
         self.recorder = recorder
         # the user's modules, which prepare wraps: how their wrapper reduces is read off it at a sync
         # (DDP's buckets, harness/wrappers/sharding.py)
         self.user_models = user_models
         # the cell's wrapper, world size and mesh (harness/wrappers/cell.py) say how the sync reduces
         self.world_size = config.world_size
-        self.spec = config.spec  # the wrapper's (harness/wrappers/names.py): whether it shards
+        self.spec = config.spec  # the wrapper's (harness/wrappers/registry.py): whether it shards
         self.mesh = config.mesh
         self.scaled = scaled  # fp16's gradient scaler scales the loss
 
@@ -60,7 +60,7 @@ class Averaging(OraclePart):
         """Every model's gradients averaged, and the average of its local gradients (the synced
         hypothesis a check asks for next), in one all-reduce; for a large model under DDP, left for
         the gradient check that follows to make as it judges (harness/rank/numerics/fused_check.py)."""
-        if self.sharded is not None:
+        if self.sharded_reduce is not None:
             self._average_pending()
             return
         if self._fusable():
@@ -203,10 +203,10 @@ class Averaging(OraclePart):
         if uncertain:
             reductions += [Reduction(self.state.allowance_of(name)) for name in names]
         reduced = self.collectives.reduce_all(reductions)
-        averaged, why = self.sharded.average(uncertain=uncertain)  # type: ignore[union-attr]
+        averaged, why = self.sharded_reduce.average(uncertain=uncertain)  # type: ignore[union-attr]
         if why:
             self.recorder.unchecked["exact reduction order"] = why
-        self.recorder.defects.update(self.sharded.defects)  # type: ignore[union-attr]
+        self.recorder.defects.update(self.sharded_reduce.defects)  # type: ignore[union-attr]
         for index, name in enumerate(self.params):
             model = self.state.models[name]
             model.synced = reduced[index]  # type: ignore[assignment]
@@ -216,13 +216,13 @@ class Averaging(OraclePart):
                 p = state.param
                 base = p.grad if p.grad is not None else torch.zeros_like(p)
                 average = averaged[(name, pname)]
-                p.grad = self.sharded.held(base, average.value)  # type: ignore[union-attr]
+                p.grad = self.sharded_reduce.held(base, average.value)  # type: ignore[union-attr]
                 if carried is None:
                     state.allowed = state.allowed + average.allowed
                 else:  # and the add to the gradient held, of an average known within its allowance, may
                     # round apart (by an ulp of the held dtype: fp32 under FSDP, DeepSpeed's own)
                     state.allowed = (carried[pname].value + average.allowed + rounding_allowance(
-                        p.grad, dtype=self.sharded.held_dtype(p.grad.dtype)))  # type: ignore[union-attr]
+                        p.grad, dtype=self.sharded_reduce.held_dtype(p.grad.dtype)))  # type: ignore[union-attr]
 
     def fused_grads(self, name: str, actual: Mapping[str, torch.Tensor]) -> FusedOutcome:
         """A large model's sync made as its gradient check judges the rank's ``actual`` gradients

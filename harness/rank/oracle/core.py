@@ -80,7 +80,7 @@ class Oracle(CheckCalls):
                        contract=config.contract, window_length=window_length, scheduler_steps=scheduler_steps)
         self.config = config
         self.window_length = window_length
-        self.spec = config.spec  # the wrapper's (harness/wrappers/names.py): how it reduces, what it casts
+        self.spec = config.spec  # the wrapper's (harness/wrappers/registry.py): how it reduces, what it casts
         self.replay_rng = replay_rng
         self.collectives = Collectives(rank=config.rank, world_size=config.world_size)
         self.replicas = replicate(weights or models, config.mesh)
@@ -95,11 +95,11 @@ class Oracle(CheckCalls):
         # ranks: the ranks that average each other's are the data-parallel and context ones, and a
         # tensor-parallel peer draws the same batch as its rank, so its replica's gradient is the same
         # and the average over every rank is the average over the data-parallel ones (within the bound)
-        self.sharded = (ShardedReduce(config, self.params, models, self.collectives)
+        self.sharded_reduce = (ShardedReduce(config, self.params, models, self.collectives)
                         if self.spec.sharded and config.precision in SHARDED_PRECISIONS else None)
-        if self.sharded is not None and self.sharded.stage is not None:
+        if self.sharded_reduce is not None and self.sharded_reduce.stage is not None:
             # DeepSpeed makes its fp32 masters from the module it cast to bf16: the weights' low bits go
-            round_through(self.params, self.sharded.param_dtype)
+            round_through(self.params, self.sharded_reduce.param_dtype)
         self.state = OracleState(self.params)
         self.norms: dict[str, ClipNorm] = {}  # each model's at the last clip_grad_norm, before it (check_grad_norm)
         # each model's optimizers, in the order the case's own factory makes them
@@ -116,11 +116,11 @@ class Oracle(CheckCalls):
             mesh.data_index(r) for r in range(config.world_size)])
         self.recorder = recorder
         self.averaging = Averaging(self.state, self.params, config, collectives=self.collectives, recorder=recorder,
-                                   weighting=self.weighting, sharded=self.sharded,
+                                   weighting=self.weighting, sharded_reduce=self.sharded_reduce,
                                    user_models={name: unwrap(m) for name, m in models.items()},
                                    scaled=self.scaler is not None)
         self.anchoring = Anchoring(self.state, self.params, collectives=self.collectives, weighting=self.weighting,
-                                   sharded=self.sharded, optimizers=self.optimizers, more_checks=more_checks)
+                                   sharded_reduce=self.sharded_reduce, optimizers=self.optimizers, more_checks=more_checks)
         # the checks of ``check_*``, attached by harness/rank/judging/checks.py (``checked``)
         self.checks: OracleChecks | None = None
 
@@ -148,7 +148,7 @@ class Oracle(CheckCalls):
         the case computed it from the prepared models. ``rng``: the key the case's forward ran under
         ``ctx.replay_rng(key)``; the closure runs under the same RNG state (the same dropout masks)."""
         self.averaging.settle()
-        if self.sharded is not None:
+        if self.sharded_reduce is not None:
             self._as_prepared()
         with self._replayed(rng):
             loss = closure(self.models)
@@ -163,7 +163,7 @@ class Oracle(CheckCalls):
         if other is not None:  # the same on every rank (the window's global count): so is the set
             for model in self.state.models.values():
                 model.uncertain = True
-        if self.sharded is None:
+        if self.sharded_reduce is None:
             for name in refitted:  # what this backward adds to, on every rank alike
                 self.weighting.hold(name, {pname: p.grad for pname, p in self.params[name].items()})
             grads = gradients(loss, flat, retain_graph=other is not None)
@@ -184,8 +184,8 @@ class Oracle(CheckCalls):
                 self.weighting.add(name, pname, g.detach())
         if refitted:
             self.weighting.after_backward(sync=sync, models=refitted)
-        if self.sharded is not None:
-            why = self.sharded.after_backward({name: m.order for name, m in self.models.items()},
+        if self.sharded_reduce is not None:
+            why = self.sharded_reduce.after_backward({name: m.order for name, m in self.models.items()},
                                               uncertain=self.state.any_uncertain())
             if why:
                 self.recorder.unchecked["exact reduction order"] = why
@@ -197,12 +197,12 @@ class Oracle(CheckCalls):
         """Under FSDP and DeepSpeed: each replica's forward as the prepared model runs it now (its
         autocast, ZeRO-3's buffer dtypes), over the unsharded parameters."""
         for name, m in self.models.items():
-            prepared = unwrap(self.sharded.models[name])  # type: ignore[union-attr]  # prepared by now
+            prepared = unwrap(self.sharded_reduce.models[name])  # type: ignore[union-attr]  # prepared by now
             m.autocast = autocast_of(prepared)
-            if self.sharded.stage is not None:  # type: ignore[union-attr]
+            if self.sharded_reduce.stage is not None:  # type: ignore[union-attr]
                 m.buffer_dtypes = {n: b.dtype for n, b in prepared.named_buffers()}
-                m.boundaries = self.sharded.stage == 3  # type: ignore[union-attr]  # ZeRO-3's module hooks
-            m.unshard(self.sharded.flat_groups(name))  # type: ignore[union-attr]
+                m.boundaries = self.sharded_reduce.stage == 3  # type: ignore[union-attr]  # ZeRO-3's module hooks
+            m.unshard(self.sharded_reduce.flat_groups(name))  # type: ignore[union-attr]
 
     def _scaled(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A micro-batch's loss as the contract weighs it in its window (and the gradient scaler under
@@ -233,13 +233,13 @@ class Oracle(CheckCalls):
         its contributions apart, as a sharded wrapper adds them)."""
         state = self.state.params(name)[pname]
         p = state.param
-        if self.sharded is not None:
+        if self.sharded_reduce is not None:
             # held apart until the sync; the sharded gradient (p.grad) is what the last sync left;
             # the rank's own since the window began, as the wrapper would hold it unsynced
-            for part in [g] if self.sharded.adds_contributions_once else parts:
-                self.sharded.add(name, pname, part)
+            for part in [g] if self.sharded_reduce.adds_contributions_once else parts:
+                self.sharded_reduce.add(name, pname, part)
                 local = state.local
-                state.local = self.sharded.round(part if local is None else local + part)
+                state.local = self.sharded_reduce.round(part if local is None else local + part)
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             if g_other is not None:  # operands not the rank's bit for bit: so are the sums of them
@@ -401,8 +401,8 @@ class Oracle(CheckCalls):
                 state.previous = Expectation(t.grad.detach() if t.grad is not None else torch.zeros_like(t),
                                              state.allowed)
         self.state.forget_synced()
-        if self.sharded is not None:
-            self.sharded.clear()
+        if self.sharded_reduce is not None:
+            self.sharded_reduce.clear()
         for name, ps in self.params.items():
             for pname, p in ps.items():
                 p.grad = None

@@ -147,9 +147,9 @@ class OraclePart:
     under FSDP and DeepSpeed the wrapper's reduction it reproduces (None under DDP)."""
 
     def __init__(self, state: OracleState, params: Mapping[str, Mapping[str, torch.Tensor]], *,
-                 collectives: Collectives, weighting: TokenWeighting, sharded: ShardedReduce | None) -> None:
+                 collectives: Collectives, weighting: TokenWeighting, sharded_reduce: ShardedReduce | None) -> None:
         self.state = state
         self.params = params
         self.collectives = collectives
         self.weighting = weighting
-        self.sharded = sharded
+        self.sharded_reduce = sharded_reduce

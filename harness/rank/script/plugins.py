@@ -23,7 +23,7 @@ import torch
 
 from harness.rank.script.script_watch import WHO
 from harness.rank.watch import LoopRefused
-from harness.wrappers.names import of_identity, spec
+from harness.wrappers.registry import of_identity, spec
 
 # Accelerator arguments that ask for a wrapper the harness does not follow under a script
 UNFOLLOWED = ("deepspeed_plugins", "megatron_lm_plugin", "parallelism_config", "torch_tp_plugin")

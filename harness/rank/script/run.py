@@ -44,7 +44,7 @@ from harness.rank.script.tiny_model import tiny_pretrained
 from harness.rank.script.trainers import (DEEPSPEED_LOW_PRECISION, accumulation_steps, count_this_host, name_of,
                                            on_cpu, trainer_building)
 from harness.rank.watch import LoopRefused
-from harness.wrappers.names import spec
+from harness.wrappers.registry import spec
 
 if TYPE_CHECKING:
     from harness.rank.context import RankContext

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from harness.rank.judging.recorder import Recorder
     from harness.rank.oracle.core import Oracle
     from harness.rank.oracle.schedule import Accumulation, Windows
-    from harness.wrappers.names import WrapperSpec
+    from harness.wrappers.registry import WrapperSpec
 
 
 class WatchedCell(Protocol):

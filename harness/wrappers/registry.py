@@ -37,37 +37,40 @@ class ShardedForward:
 @dataclass(frozen=True)
 class WrapperSpec:
     """One wrapper: what it is, what the oracle models of it, and how it is told apart once prepared.
-
-    ``family``: how accelerate is asked for it (``ddp``; ``fsdp``, its ``fsdp_version``; ``deepspeed``,
-    its ``zero_stage``). ``precisions``: those the oracle models under it: FSDP's and DeepSpeed's
-    bf16 is not autocast (accelerate gives FSDP2 ``param_dtype=reduce_dtype=output_dtype=bf16``, FSDP1
-    ``MixedPrecision(param_dtype=reduce_dtype=buffer_dtype=bf16)``, DeepSpeed bf16 weights over fp32
-    masters), fp16 is modelled under DDP only (its loss scaler). ``mixed_axis``: the variant parameter
-    and its values with which its bf16 cells also run under another dtype policy: FSDP2 with an
-    explicit ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (``reduce=fp32``), ZeRO-1
-    with DeepSpeed's ``data_types.grad_accum_dtype: fp32`` (``grad_accum=fp32``), the one configuration
-    that builds DeepSpeed's BF16_Optimizer under ZeRO, where DeepSpeed PR #7985's defect lived.
-    ``compiled``: compiled variants run under it (DDP, where compiled no_sync has had real bugs,
-    pytorch #109774; FSDP2, which torch.compile is built to trace). ``meshes``: accelerate applies a
-    ``ParallelismConfig``'s mesh with it (``MESHES``). ``reduces_every_micro_batch``: ZeRO >= 2
-    partitions gradients and reduces them after every micro-batch by design (accelerate skips
-    ``no_sync`` for it, PR #3656); every other wrapper reduces nothing between sync points.
-    ``wraps_module``: ``prepare`` returns a module around the user's (FSDP2 swaps the class of the
-    user's own). ``accumulates_in``: ``ACCUMULATES_IN``. ``sharded_forward``: how its bf16 forward
-    runs (``ShardedForward``); None for DDP, whose bf16 is autocast."""
+    Each field says what it is below it."""
 
     name: str
+    """The wrapper's public name, as ``--wrappers`` and a cell's ``wrapper`` field take it."""
     family: str
+    """How accelerate is asked for it: ``ddp``; ``fsdp``, by ``fsdp_version``; ``deepspeed``, by ``zero_stage``."""
     precisions: tuple[str, ...]
+    """The precisions the oracle models under it. FSDP's and DeepSpeed's bf16 is not autocast (accelerate
+    gives FSDP2 ``param_dtype=reduce_dtype=output_dtype=bf16``, FSDP1
+    ``MixedPrecision(param_dtype=reduce_dtype=buffer_dtype=bf16)``, DeepSpeed bf16 weights over fp32
+    masters); fp16 is modelled under DDP only (its loss scaler)."""
     fsdp_version: int | None = None
+    """FSDP's version (1 or 2) for the ``fsdp`` family, else None."""
     zero_stage: int | None = None
+    """DeepSpeed's ZeRO stage (1 to 3) for the ``deepspeed`` family, else None."""
     mixed_axis: tuple[str, tuple[str, ...]] | None = None
+    """The variant parameter, and its values, with which its bf16 cells also run under another dtype policy:
+    FSDP2 with an explicit ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (``reduce=fp32``);
+    ZeRO-1 with DeepSpeed's ``data_types.grad_accum_dtype: fp32`` (``grad_accum=fp32``), the one
+    configuration that builds DeepSpeed's BF16_Optimizer under ZeRO, where DeepSpeed PR #7985's defect lived."""
     compiled: bool = False
+    """Whether compiled variants run under it: DDP (where compiled ``no_sync`` has had real bugs, pytorch
+    #109774) and FSDP2 (which torch.compile is built to trace)."""
     meshes: bool = False
+    """Whether accelerate applies a ``ParallelismConfig``'s mesh with it (``MESHES``)."""
     reduces_every_micro_batch: bool = False
+    """ZeRO >= 2 partitions the gradients and reduces them after every micro-batch by design (accelerate
+    skips ``no_sync`` for it, PR #3656); every other wrapper reduces nothing between sync points."""
     wraps_module: bool = True
+    """Whether ``prepare`` returns a module around the user's (FSDP2 swaps the class of the user's own)."""
     accumulates_in: str = "param"
+    """What it adds each backward's unsharded gradient up in between syncs (``ACCUMULATES_IN``)."""
     sharded_forward: ShardedForward | None = None
+    """How its bf16 forward runs (``ShardedForward``); None for DDP, whose bf16 is autocast."""
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
