@@ -17,7 +17,7 @@ from harness import heap
 from harness.catalogue import CaseRef
 from harness.controller.cells import cell_id, run_cell
 from harness.controller.options import DEFAULT_CASE_TIMEOUT_S, DEFAULT_SEED, OptionError, Settings, resolve
-from harness.controller.pool import PoolSet
+from harness.controller.pool import Pools, PoolSet
 from harness.controller.progress import TICK_S, Progress, terminal_writer
 from harness.decorator import case_info
 from harness.matrix.diff import selection_id
@@ -80,7 +80,7 @@ class HarnessState:
         self.config = config
         self.settings = settings
         self.launch = launch  # under a launcher (harness/launch/main.py): its ranks stand in for local pools
-        self.pools: Any = launch.pools if launch is not None else PoolSet(backend=settings.backend)
+        self.pools: Pools = launch.pools if launch is not None else PoolSet(backend=settings.backend)
         self.cells: list[Cell] = []
         self.expected_ids: set[str] = set()
         self.interrupted = False

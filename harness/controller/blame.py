@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from harness.messages import ProtocolError, RankResult, expect
-from harness.records import FaultKind, RankFault
+from harness.messages import CellOutcome, ProtocolError, RankResult, expect
+from harness.records import FaultKind, RankFault, RankOutcome
 
 
 def in_collective(stack: str) -> bool:
@@ -44,6 +44,21 @@ def protocol_fault(rank: int, message: Any, cell_id: str) -> RankFault | None:
         return RankFault(rank, FaultKind.RAISED,
                          f"protocol error: a result for cell {result.cell_id!r} arrived for {cell_id!r}")
     return None
+
+
+def take_result(outcome: CellOutcome, rank: int, message: Any, cell_id: str) -> bool:
+    """A message a rank sent during the cell ``cell_id``: its result kept in ``outcome`` (a raise a fault
+    too), or the protocol fault it is; whether it made a fault. The one place a local pool and a launch
+    accept a rank's message."""
+    wrong = protocol_fault(rank, message, cell_id)
+    if wrong is not None:
+        outcome.faults.append(wrong)
+        return True
+    outcome.results[rank] = message
+    if message.outcome == RankOutcome.RAISED:
+        outcome.faults.append(RankFault(rank, FaultKind.RAISED, message.detail))
+        return True
+    return False
 
 
 def stuck_kinds(pending: Sequence[int], *, after_fault: bool, progress: Mapping[int, int | None],

@@ -17,7 +17,7 @@ from typing import Callable
 
 from harness.catalogue import CaseRef, portable_location
 from harness.controller.options import DEFAULT_CASE_TIMEOUT_S, Settings
-from harness.controller.pool import GroupLost, PoolSet, PoolStartError
+from harness.controller.pool import GroupLost, Pools, PoolStartError
 from harness.controller.verdict import judge
 from harness.decorator import Variant
 from harness.matrix.schema import Cell
@@ -76,7 +76,7 @@ def cell_spec(case: CaseRef, variant: Variant, world_size: int, settings: Settin
     )
 
 
-def run_cell(pools: PoolSet, case: CaseRef, variant: Variant, world_size: int, settings: Settings, *,
+def run_cell(pools: Pools, case: CaseRef, variant: Variant, world_size: int, settings: Settings, *,
              node: str | None = None, while_waiting: Callable[[], None] | None = None) -> Cell:
     """Run the cell on the pool of its world size (started if need be) and judge it.
 

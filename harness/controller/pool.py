@@ -12,14 +12,13 @@ import threading
 import time
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as _wait_for
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
-from harness.controller.blame import mark_victims, protocol_fault, stuck_kinds
+from harness.controller.blame import mark_victims, stuck_kinds, take_result
 from harness.controller.rank_server import rank_context, start_rank_server
 from harness.messages import (
     CellOutcome,
     CellSpec,
-    RankResult,
     Ready,
     RunCell,
     Shutdown,
@@ -27,7 +26,7 @@ from harness.messages import (
     expect,
 )
 from harness.rank.process import main as rank_side
-from harness.records import FaultKind, RankFault, RankOutcome
+from harness.records import FaultKind, RankFault
 
 # Seconds a pool may take to start: spawning, importing torch and accelerate, joining the group.
 START_TIMEOUT_S = 180.0
@@ -180,10 +179,9 @@ class RankPool:
         """Run one cell on every rank; a rank that raises, dies or hangs becomes a RankFault.
         ``while_waiting`` is called about every WAIT_SLICE_S while the ranks work (the progress line's).
 
-        After any fault the pool is dead (killed) and must be started again before the next cell."""
+        After any fault the pool is dead (killed): ``PoolSet.get`` starts it again before the next cell."""
         if not self.alive:
-            self.close()
-            self.start()
+            raise PoolStartError("the pool's ranks are gone: PoolSet.get starts it again")
         self.log_offsets = [_size(self._path("log", rank)) for rank in range(self.world_size)]
         for conn in self.conns:
             conn.send(RunCell(spec))
@@ -208,17 +206,9 @@ class RankPool:
                         message = conn.recv()
                     except (EOFError, OSError):
                         message = None
-                wrong = protocol_fault(rank, message, spec.cell_id) if message is not None else None
-                if wrong is not None:
-                    outcome.faults.append(wrong)
+                if message is not None:
                     pending.discard(rank)
-                    first_fault_at = first_fault_at or time.monotonic()
-                    continue
-                if isinstance(message, RankResult):
-                    outcome.results[rank] = message
-                    pending.discard(rank)
-                    if message.outcome == RankOutcome.RAISED:
-                        outcome.faults.append(RankFault(rank, FaultKind.RAISED, message.detail))
+                    if take_result(outcome, rank, message, spec.cell_id):
                         first_fault_at = first_fault_at or time.monotonic()
                     continue
                 if process.sentinel in ready or not process.is_alive():
@@ -313,6 +303,25 @@ class RankPool:
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None
+
+
+class CellRunner(Protocol):
+    """Runs one cell on every rank of its world size: a local ``RankPool``, or a launch's ``LaunchedGroup``
+    (harness/launch/group.py)."""
+
+    def run(self, spec: CellSpec, *, timeout_s: float,
+            while_waiting: Callable[[], None] | None = None) -> CellOutcome: ...
+
+
+class Pools(Protocol):
+    """Where a session's cells run: the local ``PoolSet`` (a pool per world size), or a launch's
+    ``LaunchedGroup`` (the launcher's processes, of one world size)."""
+
+    def prepare(self) -> None: ...
+
+    def get(self, world_size: int) -> CellRunner: ...
+
+    def close(self, *, graceful: bool = True) -> None: ...
 
 
 class PoolSet:

@@ -19,14 +19,14 @@ import time
 import traceback
 from typing import Any, Callable
 
-from harness.controller.blame import collective_error, mark_victims, protocol_fault, stuck_kinds
+from harness.controller.blame import collective_error, mark_victims, stuck_kinds, take_result
 from harness.controller.pool import GRACE_S, WAIT_SLICE_S, GroupLost
 from harness.launch import liveness
 from harness.launch.channel import Channel, message_key, result_key
 from harness.launch.rank import COLLECTIVE_MARGIN_S, RankRuntime, run_guarded
-from harness.messages import CellOutcome, CellSpec, RankResult, Rejoin, RunCell, Shutdown
+from harness.messages import CellOutcome, CellSpec, Rejoin, RunCell, Shutdown
 from harness.rank.process import main as rank_side
-from harness.records import FaultKind, RankFault, RankOutcome
+from harness.records import FaultKind, RankFault
 
 LOST_AFTER_S = 5.0  # a rank whose heartbeat stands still this long during a cell has died
 # how often rank 0 looks for the processes of the ranks on its own host (harness/launch/liveness.py)
@@ -87,7 +87,8 @@ class Executor:
 
 
 class LaunchedGroup:
-    """The launch's ranks, driven from rank 0; the PoolSet interface the plugin and cells.py use."""
+    """The launch's ranks, driven from rank 0; ``Pools`` (harness/controller/pool.py) as the plugin and
+    cells.py use it, and the one ``CellRunner`` it gets."""
 
     def __init__(self, runtime: RankRuntime, channel: Channel, hosts: list[str],
                  processes: list[dict[str, Any] | None] | None = None) -> None:
@@ -107,7 +108,7 @@ class LaunchedGroup:
         self.running = False
         self.rejoin_after = ""  # a rank raised in this cell: rebuild the group before the next one
 
-    # the PoolSet interface
+    # Pools, and CellRunner
 
     def get(self, world_size: int) -> "LaunchedGroup":
         """The group, ready for a cell: rebuilt first if a rank raised in the last one (as a local pool
@@ -122,6 +123,9 @@ class LaunchedGroup:
         if self.stopping:
             raise GroupLost(f"the launcher stopped the run ({self.stopping})")
         return self
+
+    def prepare(self) -> None:
+        """Nothing to load ahead: the launcher's processes are the ranks, and imported what they run."""
 
     def close(self, *, graceful: bool = True) -> None:
         """Nothing to do here: the launch command ends the group with the run's status (finish)."""
@@ -222,14 +226,7 @@ class LaunchedGroup:
 
     def _take(self, outcome: CellOutcome, pending: set[int], rank: int, message: Any, spec: CellSpec) -> None:
         pending.discard(rank)
-        wrong = protocol_fault(rank, message, spec.cell_id)
-        if wrong is not None:
-            outcome.faults.append(wrong)
-            return
-        result: RankResult = message
-        outcome.results[rank] = result
-        if result.outcome == RankOutcome.RAISED:
-            outcome.faults.append(RankFault(rank, FaultKind.RAISED, result.detail))
+        take_result(outcome, rank, message, spec.cell_id)
 
     def _lost(self, rank: int, why: str) -> RankFault:
         return RankFault(rank, FaultKind.LOST, f"{why}: the process died, or its host did (its exit status and "

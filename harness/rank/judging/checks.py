@@ -80,17 +80,22 @@ class WrongUpdate:
 
 
 def checked(oracle: Oracle, accounting: Accounting | None = None) -> Oracle:
-    """``oracle`` with the checks its ``check_*`` methods call attached, recorded in its recorder."""
-    oracle.checks = Checks(oracle, accounting)
+    """``oracle`` with the checks its ``check_*`` methods call attached, recorded in its recorder (the
+    cell's ``Recorder``, which the oracle holds as the ``Notes`` it writes)."""
+    recorder = oracle.recorder
+    if not isinstance(recorder, Recorder):
+        raise TypeError(f"checked: the oracle's recorder is a {type(recorder).__name__}; the checks record in a "
+                        "harness.rank.judging.recorder.Recorder")
+    oracle.checks = Checks(oracle, recorder, accounting)
     return oracle
 
 
 class Checks:
     """The checks of one rank's state against one oracle, recorded in the oracle's recorder."""
 
-    def __init__(self, oracle: JudgedOracle, accounting: Accounting | None = None) -> None:
+    def __init__(self, oracle: JudgedOracle, recorder: Recorder, accounting: Accounting | None = None) -> None:
         self.oracle = oracle
-        self.recorder: Recorder = oracle.recorder  # type: ignore[assignment]
+        self.recorder = recorder
         self.accounting = accounting
         self.rank = oracle.config.rank
         self.diverged: set[tuple[str, str]] = set()
@@ -129,53 +134,64 @@ class Checks:
             self.recorder.timeline.mark(index, "grad")
             if not shown[name]:
                 self._hidden(index, at, name, observed)
-                continue
-            if name in fused:
-                outcome = oracle.averaging.fused_grads(name, observed.grads)
-                if outcome.passed:
-                    self.recorder.checks += 1
-                    self.recorder.grad_checks += 1
-                    self.recorder.vacuous_checks += not outcome.distinguishable
-                    self.recorder.observe(outcome.max_abs)
-                    continue
-                # a rank's check failed: every rank made the average as for a small model; judged as one
-            synced = anchoring.synced_grads(name)
-            self.recorder.checks += 1
-            self.recorder.grad_checks += 1
-            local_now = oracle.state.local_of(name)
-            if not any_distinguishable((local_now[p], synced[p]) for p in synced):
-                self.recorder.vacuous_checks += 1
-            del local_now
-            local: dict[str, Expectation] | None = None  # the local hypotheses, made for a diagnosis
-            failed = False
-            grads = observed.full_grads()  # a collective when sharded: every rank, before any diagnosis
-            expectations = anchoring.expected_grads(name)
-            parts = oracle.weighting.parts(name)
-            fits: dict[bool, ModelFits] = {}  # by whether fitted to this rank's own partition (``Observed.owned``)
-            pairs = {pname: (_grad_or_zeros(observed, pname), observed.piece_of(pname, full))
-                     for pname, full in expectations.items()}
-            close, max_abs = all_close(list(pairs.values()))
+            elif name not in fused or not self._fused_passed(name, observed):
+                # (a rank's fused check failed: every rank made the average as for a small model; judged as one)
+                self._judge_grads(index, at, name, observed)
+
+    def _counted(self, *, vacuous: bool, max_abs: float | None = None) -> None:
+        """One gradient check counted (``vacuous``: synced and local could not be told apart)."""
+        self.recorder.checks += 1
+        self.recorder.grad_checks += 1
+        self.recorder.vacuous_checks += vacuous
+        if max_abs is not None:
             self.recorder.observe(max_abs)
-            for pname, (actual, expected) in ({} if close else pairs).items():
-                diff = difference(actual, expected)
-                if diff.close:
-                    continue
-                # fitted to the whole model, once, at its first failing tensor; where each rank's partition
-                # holds what that rank reduced (ZeRO-1/2), to this rank's partition of it
-                owned = pname in observed.owned
-                if owned not in fits:
-                    fits[owned] = ModelFits.make(
-                        expectations, grads, parts, low=AUTOCAST_DTYPES.get(oracle.config.precision),
-                        backwards=oracle.weighting.backwards.get(name, 1), held=oracle.weighting.held(name),
-                        partition=owned_cut(observed) if owned else None, owned=observed.owned)
-                local = local if local is not None else anchoring.local_grads(name)
-                self._grad_failure(index, at, name, pname, observed, actual, expected, diff, fits[owned],
-                                   local=local[pname], synced=synced[pname])
-                failed = True
-            del pairs, expectations, local, synced  # the oracle's gradients go as the rank's are adopted
-            anchoring.adopt_grads(name, grads)
-            if failed:
-                anchoring.restart_window(name, grads)
+
+    def _fused_passed(self, name: str, observed: Observed) -> bool:
+        """A large model's gradients judged as its sync is made (harness/rank/numerics/fused_check.py):
+        whether they passed on every rank (counted then)."""
+        outcome = self.oracle.averaging.fused_grads(name, observed.grads)
+        if outcome.passed:
+            self._counted(vacuous=not outcome.distinguishable, max_abs=outcome.max_abs)
+        return outcome.passed
+
+    def _judge_grads(self, index: int, at: str, name: str, observed: Observed) -> None:
+        """``name``'s gradients against the oracle's, each that is not diagnosed; then the oracle carries on
+        from the rank's."""
+        oracle, anchoring = self.oracle, self.oracle.anchoring
+        synced = anchoring.synced_grads(name)
+        local_now = oracle.state.local_of(name)
+        self._counted(vacuous=not any_distinguishable((local_now[p], synced[p]) for p in synced))
+        del local_now
+        local: dict[str, Expectation] | None = None  # the local hypotheses, made for a diagnosis
+        failed = False
+        grads = observed.full_grads()  # a collective when sharded: every rank, before any diagnosis
+        expectations = anchoring.expected_grads(name)
+        parts = oracle.weighting.parts(name)
+        fits: dict[bool, ModelFits] = {}  # by whether fitted to this rank's own partition (``Observed.owned``)
+        pairs = {pname: (_grad_or_zeros(observed, pname), observed.piece_of(pname, full))
+                 for pname, full in expectations.items()}
+        close, max_abs = all_close(list(pairs.values()))
+        self.recorder.observe(max_abs)
+        for pname, (actual, expected) in ({} if close else pairs).items():
+            diff = difference(actual, expected)
+            if diff.close:
+                continue
+            # fitted to the whole model, once, at its first failing tensor; where each rank's partition
+            # holds what that rank reduced (ZeRO-1/2), to this rank's partition of it
+            owned = pname in observed.owned
+            if owned not in fits:
+                fits[owned] = ModelFits.make(
+                    expectations, grads, parts, low=AUTOCAST_DTYPES.get(oracle.config.precision),
+                    backwards=oracle.weighting.backwards.get(name, 1), held=oracle.weighting.held(name),
+                    partition=owned_cut(observed) if owned else None, owned=observed.owned)
+            local = local if local is not None else anchoring.local_grads(name)
+            self._grad_failure(index, at, name, pname, observed, actual, expected, diff, fits[owned],
+                               local=local[pname], synced=synced[pname])
+            failed = True
+        del pairs, expectations, local, synced  # the oracle's gradients go as the rank's are adopted
+        anchoring.adopt_grads(name, grads)
+        if failed:
+            anchoring.restart_window(name, grads)
 
     def _grad_failure(self, index: int, at: str, name: str, pname: str, observed: Observed, actual: torch.Tensor,
                       expected: Expectation, diff: Difference, fit_set: ModelFits, *, local: Expectation,
