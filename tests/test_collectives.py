@@ -153,8 +153,8 @@ def test_only_a_check_before_its_schedules_last_point_waits_for_the_next_collect
     ctx = RankContext(case="c", variant="fp32", params={"precision": "fp32"}, rank=0, world_size=2, seed=1,
                       device=torch.device("cpu"))
     schedule = ctx.schedule(5, epochs=2, num_steps=2)
-    assert [ctx._more_checks(p) for p in schedule] == [True] * (len(schedule) - 1) + [False]
-    assert not ctx._more_checks(1)  # a step given as a number: the case may end after it
+    assert [ctx.made_schedules.more_after(p) for p in schedule] == [True] * (len(schedule) - 1) + [False]
+    assert not ctx.made_schedules.more_after(1)  # a step given as a number: the case may end after it
 
 
 def _fsdp2_reduce_scatter(rank, world_size, dtype_name):

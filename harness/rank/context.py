@@ -75,7 +75,7 @@ class RankContext(RankData):
         self._made: Any = None  # the last Accelerator ctx.accelerator made
         self._scaler_kwargs: dict[str, Any] = {}
         self._oracles: list[Oracle] = []
-        self.windows = Windows()  # the schedules made here: their last micro-step, their windows' lengths
+        self.made_schedules = Windows()  # the schedules made here: their last micro-step, their windows' lengths
         self.at_step = 0  # the micro-step ``epochs`` last gave the case (where a raise happened)
 
     @property
@@ -254,7 +254,7 @@ class RankContext(RankData):
             recorder=self.recorder,
             replay_rng=replay_rng,
             scaler_kwargs=scaler,
-            more_checks=self.windows.more_after,
+            more_checks=self.made_schedules.more_after,
             window_length=self._current_window_length,
             **options,
         ), self.accounting)
@@ -309,11 +309,11 @@ class RankContext(RankData):
 
     def _current_window_length(self) -> int:
         """The micro-batches of the window of the micro-step ``epochs`` last gave the case."""
-        if self.at_step not in self.windows.lengths:
+        if self.at_step not in self.made_schedules.lengths:
             raise ValueError("contract='full_batch' weighs each window by the micro-batches it has, from the "
                              "schedule: make it with ctx.schedule(...) and iterate with ctx.epochs(loader, schedule) "
                              "or ctx.windows(loader, schedule)")
-        return self.windows.lengths[self.at_step]
+        return self.made_schedules.lengths[self.at_step]
 
     def finish(self) -> None:
         """After the case returned, on every rank: the checks its oracles still hold for rank 0's
@@ -343,7 +343,7 @@ class RankContext(RankData):
                                                   given.sync_with_dataloader),
             sync_each_batch=self._given_once("sync_each_batch", sync_each_batch, given.sync_each_batch),
         )
-        self.windows.add(schedule)
+        self.made_schedules.add(schedule)
         return schedule
 
     def accumulation_settings(self) -> Accumulation:

@@ -147,7 +147,7 @@ class ScriptWatch(Watch):
                                     f"{name_of(self.trainer)} divides its loss by them")
         if not self.tokens or not self._opens_window(point):
             return
-        length = self.ctx.windows.lengths[point.index]
+        length = self.ctx.made_schedules.lengths[point.index]
         window = [drawn, *drawn.loader.drawn][:length]
         if len(window) < length:
             raise LoopRefused(f"{WHO}: the token contract weighs each window by the valid label tokens of all its "

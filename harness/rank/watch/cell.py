@@ -26,7 +26,7 @@ class WatchedCell(Protocol):
     world_size: int
     recorder: Recorder
     at_step: int
-    windows: Windows
+    made_schedules: Windows
 
     @property
     def spec(self) -> WrapperSpec: ...

@@ -342,7 +342,7 @@ class Watch:
         if len(self.schedule) <= epoch:  # made once per epoch, for every epoch so far
             schedule = accumulation_schedule(state.expected, epochs=epoch + 1, **self.contract)
             self.schedule = [[p for p in schedule if p.epoch == e] for e in range(epoch + 1)]
-            ctx.windows.add(schedule)
+            ctx.made_schedules.add(schedule)
         point = self.schedule[epoch][batch]
         ctx.at_step = point.index
         return point
