@@ -271,6 +271,46 @@ def test_the_private_member_rule_finds_a_planted_reach():
     assert reached_privates({"planted": planted}) == {"planted": {"a._state"}}
 
 
+def shadowed_methods(trees: dict[str, ast.Module]) -> dict[str, set[str]]:
+    """By class, the methods (its own or a base's among these classes) that an attribute it sets on ``self``
+    shadows: ``self.windows = ...`` hides ``def windows``, a name of the case API, on every instance."""
+    classes: dict[str, list[tuple[set[str], set[str], list[str]]]] = {}
+    for tree in trees.values():
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            methods = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                       and not any("property" in ast.unparse(d) or ast.unparse(d).endswith(".setter")
+                                   for d in n.decorator_list)}
+            attributes = {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+                          and isinstance(n.value, ast.Name) and n.value.id == "self"}
+            classes.setdefault(cls.name, []).append((methods, attributes, [ast.unparse(b).split(".")[-1]
+                                                                          for b in cls.bases]))
+
+    def members(name: str, seen: tuple[str, ...] = ()) -> tuple[set[str], set[str]]:
+        methods: set[str] = set()
+        attributes: set[str] = set()
+        for own, set_here, bases in classes.get(name, []):
+            methods |= own
+            attributes |= set_here
+            for base in (b for b in bases if b not in seen):
+                more = members(base, (*seen, name))
+                methods |= more[0]
+                attributes |= more[1]
+        return methods, attributes
+
+    return {name: found for name in classes if (found := members(name)[0] & members(name)[1])}
+
+
+def test_no_attribute_shadows_a_method_of_its_class():
+    trees = {name: ast.parse(path.read_text(encoding="utf-8")) for name, path in MODULES.items()}
+    assert shadowed_methods(trees) == {}
+
+
+def test_the_shadowing_rule_finds_a_planted_attribute_over_a_base_method():
+    planted = ast.parse("class Base:\n    def windows(self):\n        return []\n\n"
+                        "class Context(Base):\n    def __init__(self):\n        self.windows = None\n")
+    assert shadowed_methods({"planted": planted}) == {"Context": {"windows"}}
+
+
 # A module a newcomer can read in one sitting, a function on one screen (issue 57).
 MAX_MODULE_LINES = 450
 MAX_FUNCTION_LINES = 80
