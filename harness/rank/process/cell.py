@@ -23,6 +23,7 @@ def _declared_raise(info: Any, spec: CellSpec, ctx: Any, exc: Exception) -> Any:
     declared = info.detects_for(Variant(spec.variant, dict(spec.variant_params)))
     return declared_raise(declared, exc, rank=ctx.rank, step=ctx.at_step)
 
+
 def _forget_deepspeed_config() -> None:
     """transformers' process-wide DeepSpeed config (a weak reference that accelerate's DeepSpeed
     plugin and ``TrainingArguments(deepspeed=...)`` set, alive while anything holds the config) goes
@@ -31,6 +32,7 @@ def _forget_deepspeed_config() -> None:
     deepspeed = sys.modules.get("transformers.integrations.deepspeed")
     if deepspeed is not None and hasattr(deepspeed, "unset_hf_deepspeed_config"):
         deepspeed.unset_hf_deepspeed_config()
+
 
 def run_rank_cell(spec: CellSpec, rank: int, device: Any) -> RankResult:
     """Run the cell ``spec`` on this rank (``rank`` on ``device``): its outcome, its failures and its counts."""
@@ -97,12 +99,14 @@ def run_rank_cell(spec: CellSpec, rank: int, device: Any) -> RankResult:
         return RankResult(rank=rank, outcome=outcome, cell_id=spec.cell_id, detail=detail, duration_s=duration)
     return ctx.recorder.result(outcome=outcome, cell_id=spec.cell_id, detail=detail, duration_s=duration)
 
+
 def _compiled_graphs() -> int:
     """The graphs torch.compile has handed to AOT autograd in this process so far (aot_eager and
     inductor both go through it)."""
     from torch._dynamo.utils import counters
 
     return counters["aot_autograd"]["total"]
+
 
 def _restore_environment(saved: dict[str, str]) -> None:
     """Put the process environment back as it was before the cell: what a cell's libraries set
@@ -113,6 +117,7 @@ def _restore_environment(saved: dict[str, str]) -> None:
     for name, value in saved.items():
         if os.environ.get(name) != value:
             os.environ[name] = value
+
 
 def _planted_fault(name: str | None, rank: int) -> ContextManager[None]:
     """The self-check's planted fault, patched in for the cell; fault injection is imported only
@@ -125,6 +130,7 @@ def _planted_fault(name: str | None, rank: int) -> ContextManager[None]:
 
 # The modules imported when the garbage collector last froze what was alive (``_freeze_imports``).
 _frozen_at_modules = 0
+
 
 def freeze_imports() -> None:
     """Keep the garbage collector off what torch, accelerate (and later DeepSpeed, transformers)

@@ -29,9 +29,11 @@ def process_alive(pid: int) -> bool:
 # variant's alone, so ranks drop them all but these.
 KEPT_ACCELERATE_VARIABLES = ("ACCELERATE_DISABLE_RICH", "ACCELERATE_LOG_LEVEL")
 
+
 def launcher_settings() -> list[str]:
     """The names of the ACCELERATE_* settings a launcher or the user's shell left, which ranks drop."""
     return sorted(n for n in os.environ if n.startswith("ACCELERATE_") and n not in KEPT_ACCELERATE_VARIABLES)
+
 
 def drop_launcher_settings() -> list[str]:
     """Remove the ACCELERATE_* settings a launcher or the user's shell left; return their names."""
@@ -40,6 +42,7 @@ def drop_launcher_settings() -> list[str]:
         del os.environ[name]
     os.environ.setdefault("ACCELERATE_DISABLE_RICH", "1")
     return dropped
+
 
 def limit_threads() -> None:
     """One thread a rank on CPU: ranks share the machine's cores with each other and with other pools
@@ -57,6 +60,7 @@ HEAP_TRIMS_BYTES = 1 << 30
 # torch's switch for transparent huge pages under its CPU tensors of 2 MiB and more (c10's alloc_cpu),
 # read once, at a process's first tensor
 TORCH_HUGE_PAGES = "THP_MEM_ALLOC_ENABLE"
+
 
 def keep_large_allocations() -> None:
     """Let the rank's heap keep allocations of up to 32 MiB instead of mapping fresh pages for each,
@@ -81,12 +85,14 @@ def keep_large_allocations() -> None:
     except (OSError, AttributeError):
         pass
 
+
 def record_collectives() -> None:
     """Have torch's flight recorder keep each collective this rank issues (before its process group
     is made), for the collective accounting (harness/rank/numerics/accounting.py)."""
     from harness.rank.numerics.accounting import enable
 
     enable()
+
 
 def set_environment(rank: int, world_size: int, backend: str) -> None:
     # accelerate reads these to learn that it runs distributed; the process group itself is

@@ -23,6 +23,7 @@ DUMP_SIGNAL = signal.SIGUSR1
 
 _PR_SET_PDEATHSIG = 1
 
+
 def _die_with_parent(controller_pid: int) -> None:
     """A rank must never outlive the process that owns its pool, however that process ends.
 
@@ -52,6 +53,7 @@ def _die_with_parent(controller_pid: int) -> None:
 
     threading.Thread(target=watch, name="harness-parent-watch", daemon=True).start()
 
+
 def _release_fork_server() -> None:
     """Close this forked rank's copy of the pipe whose end tells the fork server that its
     controller is gone: while a rank held it, the server (and so the rank) would outlive the run."""
@@ -64,6 +66,7 @@ def _release_fork_server() -> None:
             os.close(fd)
         server._forkserver_alive_fd = None
 
+
 def rank_device(backend: str) -> Any:
     """The device of this rank: with nccl, the GPU of its LOCAL_RANK (never its global rank: on the
     second node of a launch, global rank 8 is local rank 0), made current; else the CPU."""
@@ -74,6 +77,7 @@ def rank_device(backend: str) -> Any:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
+
 
 def collectives_issued() -> int | None:
     """How many collectives this rank's default process group has issued (torch's per-group sequence
@@ -88,6 +92,7 @@ def collectives_issued() -> int | None:
     except Exception:
         return None
 
+
 def _answer_progress(conn: Any) -> None:
     """A thread that tells the pool's controller this rank's progress whenever asked: it answers
     while the main thread is stuck in a case or a collective."""
@@ -97,6 +102,7 @@ def _answer_progress(conn: Any) -> None:
             conn.send(collectives_issued())
         except (EOFError, OSError):
             return
+
 
 def warm_up(device: Any) -> None:
     """Pay the one-time costs at start-up, not in the first cell: importing accelerate, torch's
@@ -115,6 +121,7 @@ def warm_up(device: Any) -> None:
     accounting.probe(str(dist.get_backend()))  # does the flight recorder hold that all-reduce?
     backend_defects.probe()  # does gloo's AVG reduce-scatter sum? (harness/decorator.py)
     freeze_imports()
+
 
 def main(rank: int, world_size: int, backend: str, store_path: str, log_path: str, stack_path: str,
          conn: Any, watch_conn: Any, controller_pid: int, pg_timeout_s: float, environ: dict[str, str]) -> None:
