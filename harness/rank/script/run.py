@@ -197,8 +197,9 @@ class ScriptRun:
         if trainers_plugin and ctx.device.type == "cpu" and ctx.precision != "fp32":
             ctx.skip(DEEPSPEED_LOW_PRECISION)
         if trainer is not None and wrapper is not None and not trainers_plugin and ctx.precision != "fp32":
-            # measured on CPU: the parameters read after a Trainer's first micro-batch under FSDP2 in bf16
-            # are their bf16 roundings, which a plain accelerate loop's are not; until that is understood
+            # measured on CPU: under FSDP2 in bf16 the parameter check of a Trainer's first micro-step reads
+            # an update of the size of a bf16 rounding where the rank's parameters and the oracle's are
+            # bit-equal (a plain accelerate loop's passes); until the check's reading there is understood
             raise LoopRefused(f"{WHO}: the script's {name_of(trainer)} trains under {wrapper.wrapper} in "
                               f"{ctx.precision}; the harness follows a Trainer under FSDP in fp32 (and under DDP "
                               "and DeepSpeed in every precision it models)")
