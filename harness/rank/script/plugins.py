@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 import torch
 
-from harness.rank.script.script_watch import WHO
+from harness.rank.script.loss import WHO
 from harness.rank.watch import LoopRefused
 from harness.wrappers.registry import of_identity, spec
 
@@ -41,6 +41,9 @@ FSDP2_CARRIED = ("auto_wrap_policy", "transformer_cls_names_to_wrap", "min_num_p
 # refuses the broadcast on a CPU host; the oracle starts from the weights the ranks hold after
 # prepare, whatever they are)
 FSDP_FORCED = ("use_orig_params", "sync_module_states", "cpu_ram_efficient_loading")
+# FSDP plugin settings accelerate refuses on a CPU host ("not supported on cpu"), which accelerate launch and
+# Trainer's FSDP1 arguments set: the cell does without them there, and says so
+REFUSED_ON_CPU = ("sync_module_states", "cpu_ram_efficient_loading")
 # FSDP plugin fields read into the cell's wrapper and dtype policy
 FSDP_READ = ("fsdp_version", "mixed_precision_policy")
 # DeepSpeed config keys the script may set: read (the stage, the steps, the clip), or with no effect
@@ -76,7 +79,7 @@ def asked_wrapper(given: dict[str, Any], precision: str) -> Asked | None:
         # accelerate launch's config, as accelerate reads it (state.py): a plugin made of the environment
         import accelerate.utils
 
-        if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        if launched_deepspeed():
             deepspeed = accelerate.utils.DeepSpeedPlugin()
         elif os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
             fsdp, launched = _launched_fsdp()
@@ -93,6 +96,11 @@ def asked_wrapper(given: dict[str, Any], precision: str) -> Asked | None:
     return asked
 
 
+def launched_deepspeed() -> bool:
+    """Whether ``accelerate launch``'s config asks for DeepSpeed (``--use_deepspeed``), as accelerate reads it."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
 def _launched_fsdp() -> tuple[Any, dict[str, tuple[Any, Any]]]:
     """The FSDP plugin ``accelerate launch``'s config makes, and what the harness changes of it:
     ``sync_module_states`` and ``cpu_ram_efficient_loading`` (which asks for the first), which
@@ -101,7 +109,7 @@ def _launched_fsdp() -> tuple[Any, dict[str, tuple[Any, Any]]]:
     import accelerate.utils
 
     forced: dict[str, tuple[Any, Any]] = {}
-    for name in ("sync_module_states", "cpu_ram_efficient_loading"):
+    for name in REFUSED_ON_CPU:
         variable = f"FSDP_{name.upper()}"
         if os.environ.get(variable, "false").lower() in ("true", "1", "yes"):
             os.environ[variable] = "false"  # the script's environment, put back after the cell

@@ -231,10 +231,9 @@ class ScriptWatch(Watch):
                               "(step_scheduler_with_optimizer=False); the harness follows schedulers accelerate "
                               "steps with them")
         self.check_lr = bool(schedulers)
-        if self.clip_in_step:  # the norm DeepSpeed clips to, as its engine was configured (a Trainer fills it late)
-            engines = [getattr(p, "gradient_clipping", None) for p in self.prepared.values()]
-            if len(engines) == 1 and callable(engines[0]):
-                self.clip = float(engines[0]()) or None
+        engine = self._engine()
+        if self.clip_in_step and engine is not None:  # the norm it clips to, as configured (a Trainer fills it late)
+            self.clip = float(engine.gradient_clipping()) or None
         with _plain_forward(self.originals.values()):
             self.oracle = self.ctx.oracle_for(
                 self.originals, weights=self._weights(), num_steps=self.contract["num_steps"],
@@ -304,13 +303,16 @@ class ScriptWatch(Watch):
         if len(self.originals) == 1:
             self.norms.append((self.oracle.norms[next(iter(self.originals))], point))
 
+    def _engine(self) -> Any:
+        """The DeepSpeed engine the script prepared, where it prepared one model (None otherwise)."""
+        models = list(self.prepared.values())
+        return models[0] if len(models) == 1 and callable(getattr(models[0], "get_global_grad_norm", None)) else None
+
     def _engine_norm(self) -> Any:
         """The norm DeepSpeed's step clipped by (its engine's global gradient norm, in its dtype), for the
         oracle to clip by where it is the oracle's within the rounding of its sum; None for several models."""
-        if len(self.prepared) != 1:
-            return None
-        reader = getattr(next(iter(self.prepared.values())), "get_global_grad_norm", None)
-        return reader() if callable(reader) else None
+        engine = self._engine()
+        return engine.get_global_grad_norm() if engine is not None else None
 
     def _clip(self, original: Callable[..., Any]) -> Callable[..., Any]:
         if self.clip_in_step:

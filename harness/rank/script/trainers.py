@@ -18,6 +18,7 @@ import sys
 from typing import Any, Callable, MutableMapping
 
 from harness.decorator import SkipCell
+from harness.rank.script.plugins import REFUSED_ON_CPU, launched_deepspeed
 from harness.rank.watch.patching import after_import, patch
 
 TRAINER_MODULE = "transformers.trainer"
@@ -53,15 +54,16 @@ def on_cpu(forced: MutableMapping[str, str], restore: list[Callable[[], None]]) 
         original = cls.__post_init__
 
         def __post_init__(arguments: Any, *args: Any, **kwargs: Any) -> Any:
-            if _deepspeed(arguments) and (arguments.bf16 or arguments.fp16):
+            deepspeed = bool(arguments.deepspeed) or launched_deepspeed()  # accelerate drops it under use_cpu
+            if deepspeed and (arguments.bf16 or arguments.fp16):
                 raise SkipCell(DEEPSPEED_LOW_PRECISION)
-            if not arguments.use_cpu and not _deepspeed(arguments):
+            if not arguments.use_cpu and not deepspeed:
                 arguments.use_cpu = True
                 forced["TrainingArguments.use_cpu"] = "False -> True"
             made = original(arguments, *args, **kwargs)
             fsdp = getattr(arguments, "fsdp_plugin_args", None) or {}
-            for name in ("sync_module_states", "cpu_ram_efficient_loading"):
-                if fsdp.get(name):  # refused by accelerate on a CPU host; the cell does without (plugins.py)
+            for name in REFUSED_ON_CPU:
+                if fsdp.get(name):  # Trainer's FSDP1 arguments set it; the cell does without (plugins.py)
                     fsdp[name] = False
                     forced[f"fsdp_plugin.{name}"] = "True -> False"
             return made
@@ -69,15 +71,6 @@ def on_cpu(forced: MutableMapping[str, str], restore: list[Callable[[], None]]) 
         patch(cls, "__post_init__", __post_init__, restore)
 
     after_import(ARGUMENTS_MODULE, place, restore)
-
-
-def _deepspeed(arguments: Any) -> bool:
-    """Whether ``arguments`` ask for DeepSpeed (their ``deepspeed`` config, or accelerate launch's): accelerate
-    drops DeepSpeed under ``use_cpu``, and the cell runs it on a CPU host as it is
-    (harness/wrappers/deepspeed_cpu.py)."""
-    import os
-
-    return bool(arguments.deepspeed) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
 
 
 def count_this_host(trainer: Any) -> None:
