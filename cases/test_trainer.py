@@ -140,3 +140,140 @@ def token_averaging_on():
 
     return {"average_tokens_across_devices": True} if takes_parameter(TrainingArguments,
                                                                       "average_tokens_across_devices") else {}
+
+
+# A Trainer subclass that computes its own loss, as users (and TRL's DPO, ORPO, Reward and GKD
+# trainers, trl #2617) write it: ``compute_loss`` returns the model's loss, the mean over the
+# micro-batch's tokens. Trainer divides a loss by the window's micro-batches only where it takes the
+# loss not to be "already scaled": since PR #35651 (4.48.1), whenever the model's forward accepts loss
+# keyword arguments and the batch has labels, whatever compute_loss returns (transformers #35856; 5.x
+# decides the same by ``loss_is_scaled_for_ga``, left None). The window's micro-batch means are summed:
+# every window's gradient is its micro-batches times the token mean's, the logged grad_norm too (the
+# clip at max_grad_norm hides most of it from the update). The data: every sequence of one length, so
+# each micro-batch's mean weighs its tokens as the window's token mean does, and the scale is the
+# window's length alone.
+LENGTH = 8
+
+
+def fixed_length_data(ctx):
+    return sequences(ctx, labelled="tokens", batches=BATCHES, batch_size=BATCH_SIZE, length=LENGTH)
+
+
+def mean_loss_trainer(remedy=None, divisor=None):
+    """A ``Trainer`` whose ``compute_loss`` returns the model's mean loss over the micro-batch (the
+    model is given no ``num_items_in_batch``). ``remedy``: how the subclass asks Trainer to divide it
+    by the window's micro-batches (``loss_is_scaled_for_ga = False``, 5.x's flag for exactly this;
+    ``model_accepts_loss_kwargs = False`` after construction, TRL's fix in trl PR #2615).
+    ``divisor``: the subclass divides the loss itself (and says so, ``loss_is_scaled_for_ga = True``),
+    by the configured steps (``args.gradient_accumulation_steps``) or by the window's own micro-batches
+    (``current_gradient_accumulation_steps``, from 4.55)."""
+    from transformers import Trainer
+
+    class MeanLossTrainer(Trainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if remedy == "model_accepts_loss_kwargs":
+                self.model_accepts_loss_kwargs = False
+
+        def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
+            outputs = model(**inputs)
+            loss = outputs.loss
+            if divisor == "configured_steps":
+                loss = loss / self.args.gradient_accumulation_steps
+            elif divisor == "current_steps":
+                loss = loss / self.current_gradient_accumulation_steps
+            return (loss, outputs) if return_outputs else loss
+
+    if remedy == "loss_is_scaled_for_ga":
+        MeanLossTrainer.loss_is_scaled_for_ga = False
+    elif divisor is not None:
+        MeanLossTrainer.loss_is_scaled_for_ga = True
+    return MeanLossTrainer
+
+
+def train_mean_loss(ctx, trainer_class):
+    trainer = checked_trainer(ctx, hf_model(ctx, causal_lm), train_dataset=fixed_length_data(ctx), data_collator=pad,
+                              loss="tokens", gradient_accumulation_steps=ctx.variant["steps"],
+                              trainer_class=trainer_class, **ARGUMENTS)
+    trainer.train()
+
+
+def trainer_attribute_or_skip(ctx, name):
+    """The cell ``skip`` where this transformers' Trainer has no class attribute ``name``."""
+    import transformers
+
+    if not hasattr(transformers.Trainer, name):
+        ctx.skip(f"transformers {transformers.__version__}'s Trainer has no {name}")
+
+
+def counts_short_windows_or_skip(ctx):
+    """The cell ``skip`` before 4.55, whose Trainer has no ``current_gradient_accumulation_steps``
+    (PR #39659; the loop sets it, so the class does not show it)."""
+    import transformers
+
+    from harness.versions import below
+
+    if below("transformers", "4.55"):
+        ctx.skip(f"transformers {transformers.__version__}'s Trainer has no current_gradient_accumulation_steps "
+                 "(from 4.55)")
+
+
+MEAN_LOSS_NOT_DIVIDED = Diagnosis("wrong_scale", model="model", since={"transformers": "4.46"},
+                                  upstream="huggingface/transformers#35856")
+
+
+@case("trainer_compute_loss_mean", variants=grid(steps=[2, 3]), wrappers=["ddp"],
+      defects={"ddp": MEAN_LOSS_NOT_DIVIDED})
+def test_trainer_compute_loss_mean(ctx):
+    """A ``compute_loss`` override returning the model's mean loss, on a causal LM (its forward takes
+    loss keyword arguments) and batches with labels: each step's gradient must be the token mean's
+    over the window on every rank, the micro-batch means averaged."""
+    train_mean_loss(ctx, mean_loss_trainer())
+
+
+@case("trainer_compute_loss_remedied", variants=grid(remedy=["loss_is_scaled_for_ga", "model_accepts_loss_kwargs"],
+                                                     steps=[2, 3]), wrappers=["ddp"])
+def test_trainer_compute_loss_remedied(ctx):
+    """The same override with the remedy set: Trainer divides each micro-batch's mean by the window's
+    micro-batches, the last window of an epoch by its own (fewer) ones."""
+    transformers_or_skip(ctx)
+    if ctx.variant["remedy"] == "loss_is_scaled_for_ga":
+        trainer_attribute_or_skip(ctx, "loss_is_scaled_for_ga")
+    train_mean_loss(ctx, mean_loss_trainer(remedy=ctx.variant["remedy"]))
+
+
+# A subclass that divides its loss by the configured steps itself: the last window of an epoch,
+# shorter when the epoch's batches are not a multiple of the steps (5 here), weighs its micro-batches
+# by 1/steps where the window's mean is 1/k, k < steps: that window's gradient k/steps of the mean's
+# (Trainer's own, transformers #38837, fixed by PR #39659 in 4.55; the same in a subclass measured by
+# modelscope/ms-swift PR #10084). Dividing by current_gradient_accumulation_steps is right.
+SHORT_WINDOW_BY_THE_STEPS = Diagnosis("wrong_scale", model="model", when={"divisor": "configured_steps"},
+                                      upstream="huggingface/transformers#38837")
+
+
+@case("trainer_compute_loss_own_scale", variants=grid(divisor=["configured_steps", "current_steps"], steps=[2, 3]),
+      wrappers=["ddp"], defects={"ddp": SHORT_WINDOW_BY_THE_STEPS})
+def test_trainer_compute_loss_own_scale(ctx):
+    """A ``compute_loss`` override that divides the model's mean loss by the window's micro-batches
+    itself (``loss_is_scaled_for_ga = True``), by the configured steps or by the window's own count."""
+    transformers_or_skip(ctx)
+    trainer_attribute_or_skip(ctx, "loss_is_scaled_for_ga")
+    if ctx.variant["divisor"] == "current_steps":
+        counts_short_windows_or_skip(ctx)
+    train_mean_loss(ctx, mean_loss_trainer(divisor=ctx.variant["divisor"]))
+
+
+@case("trainer_default_token_averaging", variants=grid(steps=[2, 3]), wrappers=["ddp"],
+      defects={"ddp": Diagnosis("misweighted", model="model", ranks=2, fixed_in={"transformers": "4.54"},
+                                upstream="huggingface/transformers#39392")})
+def test_trainer_default_token_averaging(ctx):
+    """The causal LM trained at Trainer's default arguments (``average_tokens_across_devices`` not
+    given), each sequence's prompt masked from the loss, so that the ranks' counts of valid tokens
+    differ widely: each step must weigh every valid token of the global batch alike. Before 4.54 the
+    default was off (PR #39395 turned it on): each rank divided by its own count and DDP averaged the
+    ranks, a rank with few tokens weighing each of them more."""
+    model = hf_model(ctx, causal_lm)
+    dataset = sequences(ctx, labelled="tokens", batches=BATCHES, batch_size=BATCH_SIZE, prompts=True)
+    trainer = checked_trainer(ctx, model, train_dataset=dataset, data_collator=pad, loss="tokens",
+                              gradient_accumulation_steps=ctx.variant["steps"], **ARGUMENTS)
+    trainer.train()

@@ -71,6 +71,13 @@ EXPECTED_DIAGNOSES = {
     "clip_returns_local_norm": ("accumulate_clip_grad_norm", "steps=2-fp32-wrapper=fsdp2", {"wrong_scale"}),
     "static_graph_syncs_once": ("static_graph", "steps=2-first=synced-fp32", {"not_synced", "comm_missing"}),
     "unused_at_sync_kept_local": ("unused_parameters", "steps=2-pattern=before_sync-fp32", {"not_synced"}),
+    # the Trainer subclass cases' bugs (transformers #35856, #38837, #39392), each put back into the
+    # installed transformers (skip without it)
+    "trainer_loss_flag_ignored": ("trainer_compute_loss_remedied", "remedy=loss_is_scaled_for_ga-steps=2",
+                                  {"wrong_scale"}),
+    "trainer_short_window_full_steps": ("trainer_compute_loss_own_scale", "divisor=current_steps-steps=2",
+                                        {"wrong_scale"}),
+    "trainer_tokens_per_device": ("trainer_default_token_averaging", "steps=2", {"misweighted"}),
 }
 
 
@@ -130,6 +137,8 @@ def fault_cells(catalogue):
 @pytest.mark.parametrize("fault", sorted(EXPECTED_DIAGNOSES))
 def test_each_fault_is_caught_by_its_cell_with_its_diagnosis(fault_cells, fault):
     clean, faulty = fault_cells[fault]
+    if clean.status == Status.SKIP and fault.startswith("trainer_"):
+        pytest.skip(clean.summary)  # transformers not installed (or this release lacks what the case needs)
     assert clean.status == Status.PASS, f"{clean.summary}\n{clean.detail}"
     assert faulty.status == Status.FAIL, f"{faulty.summary}\n{faulty.detail}"
     expected = EXPECTED_DIAGNOSES[fault][2]

@@ -62,16 +62,24 @@ def classifier() -> Any:
     return LlamaForSequenceClassification(tiny_llama_config(num_labels=CLASSES))
 
 
-def sequences(ctx: Any, *, labelled: str, batches: int, batch_size: int) -> list[dict[str, torch.Tensor]]:
+def sequences(ctx: Any, *, labelled: str, batches: int, batch_size: int, length: int | None = None,
+              prompts: bool = False) -> list[dict[str, torch.Tensor]]:
     """Sequences of 2 to 12 tokens, the same on every rank (Trainer's sampler shards them): exactly
     ``batches`` full batches of ``batch_size`` per rank, each sequence labelled by its tokens
-    (``"tokens"``, the LM: every position a label, as a plain LM collator makes them) or by a class."""
+    (``"tokens"``, the LM: every position a label, as a plain LM collator makes them) or by a class.
+
+    ``length``: every sequence that many tokens instead (no padding, so every micro-batch holds the
+    same count of targets and the mean of micro-batch means is the token mean). ``prompts``: each
+    token sequence's first 0 to length - 1 labels -100, a prompt the loss leaves out, as a
+    completion-only collator masks it: the ranks' counts of valid targets then differ widely."""
     gen = torch.Generator().manual_seed(ctx.seed % 2**31)
     items = []
     for _ in range(batches * batch_size * ctx.world_size):
-        length = int(torch.randint(2, 13, (1,), generator=gen))
-        ids = torch.randint(1, VOCAB, (length,), generator=gen)
+        size = length if length is not None else int(torch.randint(2, 13, (1,), generator=gen))
+        ids = torch.randint(1, VOCAB, (size,), generator=gen)
         label = ids.clone() if labelled == "tokens" else torch.randint(0, CLASSES, (), generator=gen)
+        if prompts and labelled == "tokens":
+            label[: int(torch.randint(0, size, (1,), generator=gen))] = IGNORE_INDEX
         items.append({"input_ids": ids, "labels": label})
     return items
 
