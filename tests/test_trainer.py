@@ -149,6 +149,42 @@ def test_the_catalogue_trainer_cells_pass_detect_their_canary_and_their_live_def
     assert bf16["grad_checks"] > 0 and bf16["vacuous_checks"] == 0, bf16["summary"]
 
 
+def test_the_live_bug_cases_catch_their_bug_with_its_factor_and_pass_with_its_remedy(run_pytest):
+    """transformers #35856 (a compute_loss override's mean never divided by the window), #38837 in a
+    subclass (the short last window divided by the configured steps), #39392 (the default token
+    averaging, right from 4.54) and pytorch #154888 (FSDP1 HYBRID_SHARD on nodes of one device)."""
+    session = run_pytest("cases/test_trainer.py", "cases/test_fsdp1_hybrid_shard.py", "-k",
+                         "compute_loss or default_token or (hybrid and fp32)", "--world-sizes", "2")
+    cells = {(case, variant): cell for (case, variant, _), cell in session.cells().items()
+             if "steps=2" in variant or case == "fsdp1_hybrid_shard" and "steps=1" in variant}
+    assert {key: cell["status"] for key, cell in cells.items()} == {
+        ("trainer_compute_loss_mean", "steps=2"): "detected",
+        ("trainer_compute_loss_remedied", "remedy=loss_is_scaled_for_ga-steps=2"): "pass",
+        ("trainer_compute_loss_remedied", "remedy=model_accepts_loss_kwargs-steps=2"): "pass",
+        ("trainer_compute_loss_own_scale", "divisor=configured_steps-steps=2"): "detected",
+        ("trainer_compute_loss_own_scale", "divisor=current_steps-steps=2"): "pass",
+        ("trainer_default_token_averaging", "steps=2"): "pass",
+        ("fsdp1_hybrid_shard", "steps=1-fp32-wrapper=fsdp1"): "detected",
+    }, session.stdout[-3000:]
+
+    def logged_norm_factors(key):
+        return {round(f["factor"], 6) for f in cells[key]["failures"] if f["checked"] == "grad_norm"}
+
+    # every window of two micro-batches twice its mean (the epoch's last window, of one, is right)
+    assert logged_norm_factors(("trainer_compute_loss_mean", "steps=2")) == {2.0}
+    # only the epoch's last window, of one micro-batch, divided by 2
+    assert logged_norm_factors(("trainer_compute_loss_own_scale", "divisor=configured_steps-steps=2")) == {0.5}
+    failing = {f["step"] for f in cells[("trainer_compute_loss_own_scale", "divisor=configured_steps-steps=2")]["failures"]}
+    assert min(failing) == 5  # epoch 0's windows: micro-steps 1-2, 3-4 and 5 alone
+    for key, cell in cells.items():
+        if cell["status"] == "pass":
+            assert cell["grad_checks"] > 0 and cell["vacuous_checks"] == 0, (key, cell["summary"])
+    # each rank's gradient its own: its micro-batch weighs 1, every other rank's 0, from the first step
+    hybrid = cells[("fsdp1_hybrid_shard", "steps=1-fp32-wrapper=fsdp1")]
+    assert min(f["step"] for f in hybrid["failures"]) == 1 and {0, 1} <= {f["rank"] for f in hybrid["failures"]}
+    assert "weights by rank: 1, 0" in hybrid["failures"][0]["message"]
+
+
 def test_a_bf16_trainer_cell_catches_a_forward_run_without_autocast():
     """The planted fault autocast_dropped (accelerate's mixed-precision forward without autocast: bf16
     asked, fp32 computed) on the Trainer's bf16 cell: clean it passes, planted it fails as mismatch,

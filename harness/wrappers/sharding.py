@@ -206,6 +206,12 @@ def fsdp1_reduce_layout(model: nn.Module) -> tuple[list[tuple[int, dict[str, tup
     try:
         if root._comm_hook is not None:
             return "a communication hook reduces FSDP1's gradients"
+        import torch.distributed as dist
+
+        strategy, group = root.sharding_strategy, root.process_group.size()
+        if strategy.name == "NO_SHARD" or group != dist.get_world_size():
+            # HYBRID_SHARD over nodes of one device becomes NO_SHARD over a group of one (pytorch #154888)
+            return f"FSDP1 runs {strategy.name} over a process group of {group} of the {dist.get_world_size()} ranks"
         pre, post = float(root._gradient_predivide_factor), float(root._gradient_postdivide_factor)
         names = {id(p): _clean(n) for n, p in model.named_parameters()}
         handles = []
