@@ -19,6 +19,7 @@ matrix, 2 bad arguments.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -34,15 +35,28 @@ RELEASES = ["4.45.2", "4.46.3", "4.47.1", "4.48.3", "4.49.0", "4.50.3", "4.51.3"
             "5.18.0", "5.19.0", "5.20.2", "5.21.1", "5.22.2", "5.23.0", "5.24.0"]
 # installed alongside: what the interpreter's torch needs as it is
 DROPPED = ("numpy", "numpy.libs", "torch", "bin")
+# what is put beside an older transformers, by the module of this environment that needs it: accelerate
+# imports datasets where it is installed, and transformers from 4.52 imports kernels where it is
+# installed; the environment's own, newer than the release's huggingface_hub, fail to import beside
+# it. Releases of that hub's time (.ci/run puts the same datasets beside transformers 4.57.1), with
+# --no-deps: on this environment's pyarrow and the rest.
+BESIDE = {"datasets": ["datasets==4.4.1", "httpx==0.29.0", "httpcore==1.0.9"], "kernels": ["kernels==0.10.4"]}
 
 
-def install(release: str, targets: Path) -> tuple[Path | None, str]:
-    target = targets / f"transformers-{release}"
-    if (target / "transformers").is_dir():
+def install(release: str, targets: Path, package: str = "transformers") -> tuple[Path | None, str]:
+    """``package==release`` in a folder of its own under ``targets`` (reused when there): transformers
+    with the dependencies it asks for (and BESIDE), deepspeed alone (it is built
+    from source, and what it imports is this environment's)."""
+    target = targets / f"{package}-{release}"
+    if (target / package).is_dir():
         return target, ""
     shutil.rmtree(target, ignore_errors=True)
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--target",
-                           str(target), f"transformers=={release}"], capture_output=True, text=True)
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--target", str(target)]
+    own = ["--no-deps"] if package == "deepspeed" else []
+    done = subprocess.run([*pip, *own, f"{package}=={release}"], capture_output=True, text=True)
+    beside = [r for module, releases in BESIDE.items() if importlib.util.find_spec(module) for r in releases]
+    if done.returncode == 0 and package == "transformers" and beside:
+        done = subprocess.run([*pip, "--no-deps", *beside], capture_output=True, text=True)
     if done.returncode != 0:
         return None, (done.stderr.strip().splitlines() or ["pip failed"])[-1]
     for entry in target.iterdir():
@@ -75,6 +89,40 @@ def row(release: str, matrix: dict) -> str:
     return f"| {release} | {counts} | {'<br>'.join(notes) or 'every cell as declared'} |"
 
 
+def run_releases(package: str, releases: list[str], cases: list[str], *, targets: Path, out: Path,
+                 world_sizes: str, extra: list[str], jobs: str = "0") -> int:
+    """Each release of ``package`` installed and put first on the path of ``pytest CASES``; prints and
+    writes OUT/releases.md, a row per release. 0 when every release wrote its matrix, else 1."""
+    targets.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [f"| {package} | cells | cells that are not as declared: status: diagnoses (what was checked, factors) |",
+            "| --- | --- | --- |"]
+    failed = False
+    for release in releases:
+        target, why = install(release, targets, package)
+        report = out / f"{package}-{release}"
+        if target is None:
+            rows.append(f"| {release} | not installed | {why} |")
+            failed = True
+            print(rows[-1], flush=True)
+            continue
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH")]))}
+        with open(out / f"{package}-{release}.log", "w") as log:
+            subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", jobs, *cases,
+                            "--world-sizes", world_sizes, "--report-dir", str(report), *extra],
+                           cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        matrix_path = report / "matrix.json"
+        if not matrix_path.exists():
+            rows.append(f"| {release} | no matrix | see {out}/{package}-{release}.log |")
+            failed = True
+        else:
+            rows.append(row(release, json.loads(matrix_path.read_text())))
+        print(rows[-1], flush=True)
+    (out / "releases.md").write_text("\n".join(rows) + "\n")
+    print("\n".join(rows))
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -85,34 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("reports") / "trainer-releases")
     parser.add_argument("--targets", type=Path, default=ROOT / ".sweep-venvs" / "transformers")
     args = parser.parse_args(argv)
-    args.targets.mkdir(parents=True, exist_ok=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    rows = ["| transformers | cells | cells that are not as declared: status: diagnoses (what was checked, factors) |",
-            "| --- | --- | --- |"]
-    failed = False
-    for release in args.releases:
-        target, why = install(release, args.targets)
-        report = args.out / f"transformers-{release}"
-        if target is None:
-            rows.append(f"| {release} | not installed | {why} |")
-            failed = True
-            print(rows[-1], flush=True)
-            continue
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH")]))}
-        with open(args.out / f"transformers-{release}.log", "w") as log:
-            subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "cases/test_trainer.py",
-                            "--world-sizes", args.world_sizes, "--report-dir", str(report), *extra],
-                           cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        matrix_path = report / "matrix.json"
-        if not matrix_path.exists():
-            rows.append(f"| {release} | no matrix | see {args.out}/transformers-{release}.log |")
-            failed = True
-        else:
-            rows.append(row(release, json.loads(matrix_path.read_text())))
-        print(rows[-1], flush=True)
-    (args.out / "releases.md").write_text("\n".join(rows) + "\n")
-    print("\n".join(rows))
-    return 1 if failed else 0
+    return run_releases("transformers", args.releases, ["cases/test_trainer.py"], targets=args.targets, out=args.out,
+                        world_sizes=args.world_sizes, extra=extra)
 
 
 if __name__ == "__main__":
