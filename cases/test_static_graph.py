@@ -29,6 +29,12 @@ def sgd(params):
 # loop with DistributedDataParallelKwargs(static_graph=True) raises at its first backward.
 # Past a first synced iteration the delayed all-reduce has run, and every later window syncs right
 # (first=synced passes; the report that it then stops syncing did not reproduce with torch 2.13.0).
+# PR #187732 (open) names that second half: with the assert stepped around, num_bwd_calls_ stays 1, the
+# reducer stays in its first static-graph iteration, counts every micro-batch's hooks and never marks a
+# parameter ready, so the all-reduce stops from the second iteration on, silently. torch 2.13.0 asserts
+# first, so it cannot show here; a fix that removed the assert alone would bring it, and first=no_sync
+# would then end missed (its declared raise gone, not_synced in its place); the self-check's
+# static_graph_syncs_once plants the silent stop, which first=synced catches.
 # (accelerate wraps no model in DDP on one rank: two are the fewest that show it)
 STATIC_GRAPH_NO_SYNC = Diagnosis("raised", when={"first": "no_sync"}, match="expect_autograd_hooks_", ranks=2,
                                  upstream="huggingface/accelerate#3679")
