@@ -124,7 +124,8 @@ class HarnessState:
             except OSError as exc:
                 self.write_error = f"{exc.filename or self.settings.report_dir}: {exc.strerror or exc}"
             for cell in cells:
-                self.progress.cell_done(cell.status, f"{cell.case}[{cell.variant}-ws{cell.world_size}]")
+                self.progress.cell_done(cell.status, f"{cell.case}[{cell.variant}-ws{cell.world_size}]",
+                                        nodeid=report.nodeid, seconds=cell.duration_s)
 
     @pytest.hookimpl(tryfirst=True)  # before pytest writes the header of a new file
     def pytest_runtest_logstart(self, nodeid: str, location: Any) -> None:
@@ -327,7 +328,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     heap.resume(state.collector_paused)  # the collection is over, or failed
     state.collector_paused = False
     state.expected_ids = {i.nodeid for i in session.items if _cell_world_size(i)}
-    state.progress.expect(len(state.expected_ids))
+    state.progress.expect(len(state.expected_ids), state.expected_ids)
 
 
 def _cell_name(nodeid: str) -> str:
@@ -384,7 +385,7 @@ def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
     state = node.config.stash.get(STATE, None)
     if state is not None and not state.expected_ids:
         state.expected_ids = {i for i in ids if _CELL_ID.search(i)}
-        state.progress.expect(len(state.expected_ids))
+        state.progress.expect(len(state.expected_ids), state.expected_ids)
     if state is not None and state.expected_ids:
         _end_on_signals(state)
 

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import LEFT_OUT_RUN, PLANTED, ROOT, killed_if_failing, start_pytest, wait_for_no_processes
 
-from harness.controller.progress import Progress, duration, terminal_writer
+from harness.controller.progress import Progress, cell_kind, duration, terminal_writer
 
 
 class Clock:
@@ -50,6 +50,39 @@ def test_the_line_counts_cells_names_only_the_bad_statuses_there_are_and_estimat
     assert p.line(clock.now) == "gradient-sync: 120/522 cells · 2 fail · 1 error · 56s left"
     p.cell_done("missed", "canary[fp32-ws2]")
     assert p.line(clock.now) == "gradient-sync: 121/522 cells · 2 fail · 1 error · 1 missed · 55s left"
+
+
+def test_the_time_left_weighs_each_cell_by_what_its_kind_has_cost_and_a_kind_not_yet_run_by_its_prior():
+    ids = ([f"cases/test_a.py::test_a[steps={i}-fp32-ws2]" for i in range(10)]
+           + [f"cases/test_a.py::test_a[steps={i}-fp32-wrapper=fsdp2-ws2]" for i in range(10)]
+           + [f"cases/test_c.py::test_c[steps={i}-fp32-compile=eager-ws2]" for i in range(4)])
+    clock, lines = Clock(), []
+    p = Progress(lines.append, clock=clock)
+    p.expect(len(ids), ids)
+    assert [cell_kind(i) for i in ids[::10]] == [("ddp", 2), ("fsdp2", 2), ("compiled", 2)]
+    assert cell_kind("t.py::test_trainer_causal_lm[steps=2-fp32-wrapper=deepspeed-z1-ws4]") == ("trainer", 4)
+    assert cell_kind("t.py::test_a[steps=2-fp32-wrapper=fsdp2-mesh=hsdp-ws4]") == ("fsdp2 mesh", 4)
+    clock.now += 8
+    p.cell_done("pass", "a", nodeid=ids[0], seconds=0.5)  # the first: its time is the pools' start-up
+    for i in ids[1:10]:  # the DDP cells, 0.5 s each on one worker: 4.5 s
+        clock.now += 0.5
+        p.cell_done("pass", "a", nodeid=i, seconds=0.5)
+    # 10 fsdp2 cells never measured, at the prior's 1.9 a DDP cell (0.5 s), and 4 compiled at 8.7:
+    # 9.5 + 17.4 s of cells, at the pace of 4.5 s of cells in 4.5 s
+    assert p.left(clock.now) == pytest.approx(9.5 + 17.4)
+    for i in ids[10:20]:  # fsdp2 measured at 2 s a cell: its own cost replaces the prior's
+        clock.now += 2
+        p.cell_done("pass", "a", nodeid=i, seconds=2.0)
+    # the compiled prior scaled to what was measured: (4.5 + 0.5 + 20) s of cells over 10 + 19 of prior
+    scale = 25.0 / (10 * 1.0 + 10 * 1.9)
+    assert p.left(clock.now) == pytest.approx(4 * 8.7 * scale)
+    assert p.line(clock.now).endswith(f"{duration(4 * 8.7 * scale)} left")
+    # without the ids (or the cells' times) every cell costs the same, as before
+    plain, plain_clock, _ = progress(total=24)
+    plain.cell_done("pass", "a", nodeid=ids[0], seconds=1.0)
+    plain_clock.now += 1
+    plain.cell_done("pass", "a", nodeid=ids[10], seconds=5.0)
+    assert plain.left(plain_clock.now) == 22
 
 
 def test_an_unknown_total_shows_the_cells_done_and_no_time():
