@@ -192,3 +192,65 @@ def transformers_loss(accelerator, window):
         return outputs.loss * accelerator.gradient_accumulation_steps * accelerator.num_processes
 
     return loss
+
+
+# TRL's GRPO (trl issue #5619, fixed by PR #6024 in 1.9.1): a generation batch of steps_per_generation
+# micro-batches is made at once and its valid tokens counted over every rank, and the dapo, cispo and
+# vespo losses divided each micro-batch's summed token loss by that count, while an optimizer step
+# accumulates only gradient_accumulation_steps of them: each update weighs its tokens by
+# steps / steps_per_generation of their share (half here). The pattern itself, in a plain accelerate
+# loop, with a generation batch of two windows (the oracle holds the loop to the window's token mean;
+# GRPOTrainer's own loss, from completions it samples and their rewards, is beyond what the oracle
+# models: docs/catalogue.md, "Reports looked at that are not cases").
+GENERATION_WINDOWS = 2  # steps_per_generation = GENERATION_WINDOWS * STEPS micro-batches
+
+
+def generation_batch_train(ctx, normaliser):
+    """Two epochs in windows of ``STEPS`` micro-batches, without the dataloader's end forcing a sync
+    (``sync_with_dataloader=False``, as Trainer's own loop): the windows of a generation batch
+    (``GENERATION_WINDOWS`` of them) are all drawn before the first of them runs, their valid tokens
+    counted over every rank; each micro-batch's summed token loss is divided by the window's count
+    (``normaliser="window"``) or by the generation batch's (``"generation_batch"``), times the steps
+    and the number of processes (accelerate divides by the one, DDP averages over the other)."""
+    accelerator = ctx.accelerator(**ctx.gradient_accumulation(STEPS, sync_with_dataloader=False))
+    model = token_model(ctx)
+    dataset, per_rank = ctx.token_dataset(batches=BATCHES, batch_size=BATCH_SIZE)
+    oracle = ctx.oracle({"model": model}, optimizer=sgd)
+    optimizer = sgd(model.parameters())
+    loader = DataLoader(dataset, batch_size=BATCH_SIZE, collate_fn=pad_tokens)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    models = {"model": model}
+    windows = ctx.windows(loader, ctx.schedule(per_rank, epochs=EPOCHS))
+    scale = STEPS * accelerator.num_processes
+    while True:
+        generation = [window for _, window in zip(range(GENERATION_WINDOWS), windows)]
+        if not generation:
+            break
+        generated = accelerator.gather(sum(valid_tokens(b) for window in generation for _, b in window)).sum().item()
+        for window in generation:
+            batches = [batch for _, batch in window]
+            oracle.token_window(batch["labels"] for batch in batches)
+            count = (accelerator.gather(sum(valid_tokens(b) for b in batches)).sum().item()
+                     if normaliser == "window" else generated)
+            for point, batch in window:
+                with accelerator.accumulate(model):
+                    accelerator.backward(token_loss_sum(model, batch) * scale / count)
+                    oracle.check_sync_flag(point, accelerator.sync_gradients)
+                    oracle.backward(lambda m: token_loss_sum(m["model"], batch), sync=point.sync)
+                    oracle.check_grads(point, models)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                oracle.step(point)
+                oracle.check_params(point, models, {"model": optimizer})
+
+
+@case("accumulate_token_generation_batch", variants=grid(normaliser=["window", "generation_batch"],
+                                                         precision=PRECISIONS),
+      canary=Diagnosis("misweighted", model="model", when={"normaliser": "generation_batch"}))
+def test_accumulate_token_generation_batch(ctx):
+    """Canary at ``normaliser=generation_batch``: the token loss divided by the valid tokens of a
+    generation batch of two windows, drawn and counted at once (TRL GRPO's dapo loss before PR #6024):
+    each window weighs its tokens by about half their share, ``misweighted``. ``normaliser=window``
+    (the lead variant, which every wrapper runs), the same loop dividing by each window's own count,
+    passes."""
+    generation_batch_train(ctx, ctx.variant["normaliser"])

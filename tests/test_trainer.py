@@ -152,11 +152,15 @@ def test_the_catalogue_trainer_cells_pass_detect_their_canary_and_their_live_def
 def test_the_live_bug_cases_catch_their_bug_with_its_factor_and_pass_with_its_remedy(run_pytest):
     """transformers #35856 (a compute_loss override's mean never divided by the window), #38837 in a
     subclass (the short last window divided by the configured steps), #39392 (the default token
-    averaging, right from 4.54) and pytorch #154888 (FSDP1 HYBRID_SHARD on nodes of one device)."""
-    session = run_pytest("cases/test_trainer.py", "cases/test_fsdp1_hybrid_shard.py", "-k",
-                         "compute_loss or default_token or (hybrid and fp32)", "--world-sizes", "2")
+    averaging, right from 4.54), pytorch #154888 (FSDP1 HYBRID_SHARD on nodes of one device) and trl
+    #5619 (a generation batch's token count for each of its windows)."""
+    session = run_pytest("cases/test_trainer.py", "cases/test_fsdp1_hybrid_shard.py", "cases/test_token_loss.py", "-k",
+                         "compute_loss or default_token or (hybrid and fp32) or generation_batch", "--wrappers", "ddp,fsdp1",
+                         "--world-sizes", "2")
     cells = {(case, variant): cell for (case, variant, _), cell in session.cells().items()
-             if "steps=2" in variant or case == "fsdp1_hybrid_shard" and "steps=1" in variant}
+             if case.startswith("trainer_") and "steps=2" in variant
+             or case == "fsdp1_hybrid_shard" and "steps=1" in variant
+             or case == "accumulate_token_generation_batch" and variant.endswith("fp32")}
     assert {key: cell["status"] for key, cell in cells.items()} == {
         ("trainer_compute_loss_mean", "steps=2"): "detected",
         ("trainer_compute_loss_remedied", "remedy=loss_is_scaled_for_ga-steps=2"): "pass",
@@ -165,6 +169,8 @@ def test_the_live_bug_cases_catch_their_bug_with_its_factor_and_pass_with_its_re
         ("trainer_compute_loss_own_scale", "divisor=current_steps-steps=2"): "pass",
         ("trainer_default_token_averaging", "steps=2"): "pass",
         ("fsdp1_hybrid_shard", "steps=1-fp32-wrapper=fsdp1"): "detected",
+        ("accumulate_token_generation_batch", "normaliser=window-fp32"): "pass",
+        ("accumulate_token_generation_batch", "normaliser=generation_batch-fp32"): "detected",
     }, session.stdout[-3000:]
 
     def logged_norm_factors(key):
@@ -183,6 +189,10 @@ def test_the_live_bug_cases_catch_their_bug_with_its_factor_and_pass_with_its_re
     hybrid = cells[("fsdp1_hybrid_shard", "steps=1-fp32-wrapper=fsdp1")]
     assert min(f["step"] for f in hybrid["failures"]) == 1 and {0, 1} <= {f["rank"] for f in hybrid["failures"]}
     assert "weights by rank: 1, 0" in hybrid["failures"][0]["message"]
+    # TRL GRPO's count of a generation batch of two windows (trl #5619): each window's tokens weigh
+    # about half their share, from the first micro-batch on every rank
+    generation = cells[("accumulate_token_generation_batch", "normaliser=generation_batch-fp32")]
+    assert {f["kind"] for f in generation["failures"] if f["step"] == 1} == {"misweighted"}
 
 
 def test_a_bf16_trainer_cell_catches_a_forward_run_without_autocast():
