@@ -169,8 +169,7 @@ class HarnessState:
             "python": platform.python_version(),
             "torch": _installed_version("torch"),
             "accelerate": _installed_version("accelerate"),
-            "backend": self.settings.backend,
-            "device": self.settings.device,
+            "backend": self.settings.backend, "device": self.settings.device,
             "world_sizes": list(self.settings.world_sizes),
             "wrappers": self.settings.wrappers if isinstance(self.settings.wrappers, str)
             else ",".join(self.settings.wrappers),
