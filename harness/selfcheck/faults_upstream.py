@@ -150,33 +150,37 @@ def _unused_at_sync_kept_local(ddp: Any) -> Any:
 
     return hook
 
+
 # The Trainer subclass cases (cases/test_trainer.py): each fault is the bug of a transformers release
 # put back into the installed one, where the case passes.
 
 _UNSET = object()
 
 
-def _transformers() -> Any:
-    """transformers, or None where it is not installed (a Trainer fault then changes nothing: the cells
-    it runs on have no Trainer to catch it with, and say NOT CAUGHT)."""
-    try:
-        import transformers
-    except ImportError:
-        return None
-    return transformers
+def _with_transformers(patch: Any) -> Any:
+    """A fault's patch of a rank made of ``patch(transformers)``; where transformers is not installed it
+    changes nothing (the cells it runs on have no Trainer to catch it with, and say NOT CAUGHT)."""
+
+    @contextlib.contextmanager
+    def patched(rank: int) -> Iterator[None]:
+        try:
+            import transformers
+        except ImportError:
+            yield
+            return
+        with patch(transformers):
+            yield
+
+    return patched
 
 
 @contextlib.contextmanager
-def _trainer_loss_flag_ignored(rank: int) -> Iterator[None]:
+def _trainer_loss_flag_ignored(transformers: Any) -> Iterator[None]:
     # transformers #35856: Trainer takes the loss compute_loss returns to be scaled for the window
     # already, whatever the subclass set (loss_is_scaled_for_ga = False, or model_accepts_loss_kwargs =
     # False): a micro-batch's mean reaches backward undivided by the window's micro-batches. Put in
     # through the flag 5.x decides by (loss_is_scaled_for_ga, on the instance for each training_step);
     # a release without it is left as it is, and the self-check reports the fault not caught there.
-    transformers = _transformers()
-    if transformers is None:
-        yield
-        return
     Trainer = transformers.Trainer
     original = Trainer.training_step
 
@@ -198,14 +202,10 @@ def _trainer_loss_flag_ignored(rank: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _trainer_short_window_full_steps(rank: int) -> Iterator[None]:
+def _trainer_short_window_full_steps(transformers: Any) -> Iterator[None]:
     # transformers #38837 (fixed by PR #39659 in 4.55): the short last window of an epoch divided by the
     # configured steps: Trainer's current_gradient_accumulation_steps, which its loop sets to the
     # window's micro-batches, reads the configured steps whatever the loop set
-    transformers = _transformers()
-    if transformers is None:
-        yield
-        return
     Trainer = transformers.Trainer
 
     def configured(self: Any) -> int:
@@ -214,21 +214,21 @@ def _trainer_short_window_full_steps(rank: int) -> Iterator[None]:
     def ignored(self: Any, value: int) -> None:
         pass
 
+    own = vars(Trainer).get("current_gradient_accumulation_steps", _UNSET)  # a class attribute of its own, if any
     Trainer.current_gradient_accumulation_steps = property(configured, ignored)
     try:
         yield
     finally:
-        del Trainer.current_gradient_accumulation_steps
+        if own is _UNSET:
+            del Trainer.current_gradient_accumulation_steps
+        else:
+            Trainer.current_gradient_accumulation_steps = own
 
 
 @contextlib.contextmanager
-def _trainer_tokens_per_device(rank: int) -> Iterator[None]:
+def _trainer_tokens_per_device(transformers: Any) -> Iterator[None]:
     # transformers #39392 (PR #39395 turned the default on in 4.54): TrainingArguments'
     # average_tokens_across_devices off, each rank's loss divided by its own window's tokens
-    transformers = _transformers()
-    if transformers is None:
-        yield
-        return
     TrainingArguments = transformers.TrainingArguments
     original = TrainingArguments.__post_init__
 
@@ -255,11 +255,11 @@ register(Fault("unused_at_sync_kept_local", "with find_unused_parameters, a para
                _ddp_hooked(lambda ddp: ddp.find_unused_parameters, _unused_at_sync_kept_local),
                diagnoses=("not_synced",)))
 register(Fault("trainer_loss_flag_ignored", "Trainer takes a compute_loss override's mean loss as scaled for the "
-               "window already, whatever the subclass set (transformers #35856)", _trainer_loss_flag_ignored,
-               diagnoses=("wrong_scale", "misweighted")))
+               "window already, whatever the subclass set (transformers #35856)",
+               _with_transformers(_trainer_loss_flag_ignored), diagnoses=("wrong_scale", "misweighted")))
 register(Fault("trainer_short_window_full_steps", "Trainer divides the short last window of an epoch by the "
-               "configured steps (transformers #38837)", _trainer_short_window_full_steps,
+               "configured steps (transformers #38837)", _with_transformers(_trainer_short_window_full_steps),
                diagnoses=("wrong_scale", "misweighted")))
 register(Fault("trainer_tokens_per_device", "Trainer divides each rank's loss by its own window's tokens "
                "(average_tokens_across_devices off, the default before transformers 4.54)",
-               _trainer_tokens_per_device, diagnoses=("misweighted",)))
+               _with_transformers(_trainer_tokens_per_device), diagnoses=("misweighted",)))
