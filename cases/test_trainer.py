@@ -145,9 +145,10 @@ def token_averaging_on():
 # A Trainer subclass that computes its own loss, as users (and TRL's DPO, ORPO, Reward and GKD
 # trainers, trl #2617) write it: ``compute_loss`` returns the model's loss, the mean over the
 # micro-batch's tokens. Trainer divides a loss by the window's micro-batches only where it takes the
-# loss not to be "already scaled": since PR #35651 (4.48.1), whenever the model's forward accepts loss
-# keyword arguments and the batch has labels, whatever compute_loss returns (transformers #35856; 5.x
-# decides the same by ``loss_is_scaled_for_ga``, left None). The window's micro-batch means are summed:
+# loss not to be "already scaled": whenever the model's forward accepts loss keyword arguments and the
+# batch has labels (num_items_in_batch counted), whatever compute_loss returns (transformers #35856,
+# reported after PR #35651 extended it, in 4.48.1, to batches without labels, DPO's; with labels it is
+# so from 4.46, measured; 5.x decides the same by ``loss_is_scaled_for_ga``, left None). The window's micro-batch means are summed:
 # every window's gradient is its micro-batches times the token mean's, the logged grad_norm too (the
 # clip at max_grad_norm hides most of it from the update). The data: every sequence of one length, so
 # each micro-batch's mean weighs its tokens as the window's token mean does, and the scale is the
@@ -191,10 +192,13 @@ def mean_loss_trainer(remedy=None, divisor=None):
     return MeanLossTrainer
 
 
-def train_mean_loss(ctx, trainer_class):
-    trainer = checked_trainer(ctx, hf_model(ctx, causal_lm), train_dataset=fixed_length_data(ctx), data_collator=pad,
-                              loss="tokens", gradient_accumulation_steps=ctx.variant["steps"],
-                              trainer_class=trainer_class, **ARGUMENTS)
+def train_mean_loss(ctx, **subclass):
+    """The causal LM on sequences of one length, trained by ``mean_loss_trainer(**subclass)`` (made once
+    transformers is known to be there: the cell is ``skip`` without it)."""
+    model = hf_model(ctx, causal_lm)
+    trainer = checked_trainer(ctx, model, train_dataset=fixed_length_data(ctx), data_collator=pad, loss="tokens",
+                              gradient_accumulation_steps=ctx.variant["steps"],
+                              trainer_class=mean_loss_trainer(**subclass), **ARGUMENTS)
     trainer.train()
 
 
@@ -228,7 +232,7 @@ def test_trainer_compute_loss_mean(ctx):
     """A ``compute_loss`` override returning the model's mean loss, on a causal LM (its forward takes
     loss keyword arguments) and batches with labels: each step's gradient must be the token mean's
     over the window on every rank, the micro-batch means averaged."""
-    train_mean_loss(ctx, mean_loss_trainer())
+    train_mean_loss(ctx)
 
 
 @case("trainer_compute_loss_remedied", variants=grid(remedy=["loss_is_scaled_for_ga", "model_accepts_loss_kwargs"],
@@ -239,7 +243,7 @@ def test_trainer_compute_loss_remedied(ctx):
     transformers_or_skip(ctx)
     if ctx.variant["remedy"] == "loss_is_scaled_for_ga":
         trainer_attribute_or_skip(ctx, "loss_is_scaled_for_ga")
-    train_mean_loss(ctx, mean_loss_trainer(remedy=ctx.variant["remedy"]))
+    train_mean_loss(ctx, remedy=ctx.variant["remedy"])
 
 
 # A subclass that divides its loss by the configured steps itself: the last window of an epoch,
@@ -260,7 +264,7 @@ def test_trainer_compute_loss_own_scale(ctx):
     trainer_attribute_or_skip(ctx, "loss_is_scaled_for_ga")
     if ctx.variant["divisor"] == "current_steps":
         counts_short_windows_or_skip(ctx)
-    train_mean_loss(ctx, mean_loss_trainer(divisor=ctx.variant["divisor"]))
+    train_mean_loss(ctx, divisor=ctx.variant["divisor"])
 
 
 @case("trainer_default_token_averaging", variants=grid(steps=[2, 3]), wrappers=["ddp"],
