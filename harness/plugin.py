@@ -6,7 +6,6 @@ import datetime
 import importlib.metadata
 import os
 import platform
-import re
 import signal
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ import pytest
 
 from harness import heap
 from harness.catalogue import CaseRef
-from harness.controller.cells import cell_id, run_cell
+from harness.controller.cells import CELL_ID_END, cell_id, run_cell
 from harness.controller.options import DEFAULT_CASE_TIMEOUT_S, DEFAULT_SEED, OptionError, Settings, resolve
 from harness.controller.pool import Pools, PoolSet
 from harness.controller.progress import TICK_S, Progress, terminal_writer
@@ -36,7 +35,6 @@ LAUNCH_PLUGIN = "harness-launch"
 SETTINGS = pytest.StashKey[Settings]()
 STATE = pytest.StashKey["HarnessState"]()
 CELL_PROPERTY = "harness_cell"
-_CELL_ID = re.compile(r"-ws(\d+)\]$")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -357,7 +355,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     class WorldSizeScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            match = _CELL_ID.search(nodeid)
+            match = CELL_ID_END.search(nodeid)
             if match and one_scope:
                 return "gpus"
             return f"world-size-{match.group(1)}" if match else nodeid
@@ -379,11 +377,11 @@ def _stop_below_range(config: pytest.Config) -> None:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
-    if any(_CELL_ID.search(i) for i in ids):
+    if any(CELL_ID_END.search(i) for i in ids):
         _stop_below_range(node.config)
     state = node.config.stash.get(STATE, None)
     if state is not None and not state.expected_ids:
-        state.expected_ids = {i for i in ids if _CELL_ID.search(i)}
+        state.expected_ids = {i for i in ids if CELL_ID_END.search(i)}
         state.progress.expect(len(state.expected_ids), state.expected_ids)
     if state is not None and state.expected_ids:
         _end_on_signals(state)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import re
 import shlex
 import time
 import traceback
@@ -36,6 +37,10 @@ _sequence = itertools.count(1)
 def cell_id(variant: str, world_size: int) -> str:
     """The id pytest gives a cell among its case's cells: ``fp32-ws2``."""
     return f"{variant}-ws{world_size}"
+
+
+# how a cell's test id ends (``test_case[fp32-ws2]``, ``cell_id``): its world size
+CELL_ID_END = re.compile(r"-ws(\d+)\]$")
 
 
 def nodeid(case: CaseRef, variant: str, world_size: int) -> str:

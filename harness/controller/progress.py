@@ -11,6 +11,7 @@ import time
 from collections import defaultdict
 from typing import Any, Callable, ContextManager, Iterable, Optional
 
+from harness.controller.cells import CELL_ID_END
 from harness.records import BAD_STATUSES, Status
 
 # How often a line is written while cells pass (a cell that ends bad is written at once): often
@@ -34,7 +35,6 @@ _BAD_ORDER = (Status.FAIL, Status.ERROR, Status.MISSED)
 KIND_COST = {"ddp": 1.0, "fsdp2": 1.9, "fsdp1": 1.7, "deepspeed-z1": 1.7, "deepspeed-z2": 1.6,
              "deepspeed-z3": 2.4, "compiled": 8.7, "trainer": 4.8}
 WORLD_SIZE_COST = {1: 0.7, 2: 1.0, 3: 1.5, 4: 2.1}
-_WORLD_SIZE = re.compile(r"(?:^|-)ws(\d+)\]$")  # the end of a cell's parameters
 # a variant's ``key=value`` parts, a value running to the next ``-key=`` (``wrapper=deepspeed-z1``)
 _PARAM = re.compile(r"(?:^|-)([a-z_]+)=(.*?)(?=-[a-z_]+=|$)")
 
@@ -44,9 +44,9 @@ def cell_kind(nodeid: str) -> tuple[str, int]:
     case), for the estimate of the time left: ``("fsdp2", 4)``, ``("trainer", 2)``. A mesh's cell is a
     kind of its own (``"fsdp2 mesh"``): skip below four ranks, a four-rank pool above."""
     function, _, parameters = nodeid.split("::")[-1].partition("[")
-    found = _WORLD_SIZE.search(parameters)
+    found = CELL_ID_END.search(parameters)
     world_size = int(found.group(1)) if found else 0
-    params = dict(_PARAM.findall(_WORLD_SIZE.sub("", parameters)))
+    params = dict(_PARAM.findall(parameters[: found.start()] if found else parameters))
     kind = params.get("wrapper", "ddp")
     if "trainer" in function:
         kind = "trainer"
