@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
-from harness.selfcheck.planted import Fault, _patched, register
+from harness.selfcheck.planted import Fault, _on_instance, _patched, register
 from harness.wrappers.registry import of_family
 
 ZERO = tuple(s.name for s in of_family("deepspeed"))  # every ZeRO stage's wrapper
@@ -31,20 +31,13 @@ def _boundary_ignored(rank: int) -> Iterator[None]:
 
     def backward(self: Any, loss: Any, sync_gradients: bool = True, **kwargs: Any) -> Any:
         engine = self.engine
-        own = vars(engine).get("set_gradient_accumulation_boundary")
         setter = engine.set_gradient_accumulation_boundary
 
         def always_a_boundary(is_boundary: bool) -> Any:
             return setter(True)
 
-        engine.set_gradient_accumulation_boundary = always_a_boundary
-        try:
+        with _on_instance(engine, "set_gradient_accumulation_boundary", always_a_boundary):
             return original(self, loss, sync_gradients=sync_gradients, **kwargs)
-        finally:
-            if own is None:
-                del engine.set_gradient_accumulation_boundary
-            else:
-                engine.set_gradient_accumulation_boundary = own
 
     with _patched(DeepSpeedEngineWrapper, "backward", backward):
         yield

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
-from harness.selfcheck.planted import Fault, _patched, register
+from harness.selfcheck.planted import Fault, _on_instance, _patched, register
 
 
 @contextlib.contextmanager
@@ -154,9 +154,6 @@ def _unused_at_sync_kept_local(ddp: Any) -> Any:
 # The Trainer subclass cases (cases/test_trainer.py): each fault is the bug of a transformers release
 # put back into the installed one, where the case passes.
 
-_UNSET = object()
-
-
 def _with_transformers(patch: Any) -> Any:
     """A fault's patch of a rank made of ``patch(transformers)``; where transformers is not installed it
     changes nothing (the cells it runs on have no Trainer to catch it with, and say NOT CAUGHT)."""
@@ -187,15 +184,8 @@ def _trainer_loss_flag_ignored(transformers: Any) -> Iterator[None]:
     def training_step(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not hasattr(Trainer, "loss_is_scaled_for_ga"):
             return original(self, *args, **kwargs)
-        own = vars(self).get("loss_is_scaled_for_ga", _UNSET)
-        self.loss_is_scaled_for_ga = True
-        try:
+        with _on_instance(self, "loss_is_scaled_for_ga", True):
             return original(self, *args, **kwargs)
-        finally:
-            if own is _UNSET:
-                del self.loss_is_scaled_for_ga
-            else:
-                self.loss_is_scaled_for_ga = own
 
     with _patched(Trainer, "training_step", training_step):
         yield
@@ -214,15 +204,8 @@ def _trainer_short_window_full_steps(transformers: Any) -> Iterator[None]:
     def ignored(self: Any, value: int) -> None:
         pass
 
-    own = vars(Trainer).get("current_gradient_accumulation_steps", _UNSET)  # a class attribute of its own, if any
-    Trainer.current_gradient_accumulation_steps = property(configured, ignored)
-    try:
+    with _on_instance(Trainer, "current_gradient_accumulation_steps", property(configured, ignored)):
         yield
-    finally:
-        if own is _UNSET:
-            del Trainer.current_gradient_accumulation_steps
-        else:
-            Trainer.current_gradient_accumulation_steps = own
 
 
 @contextlib.contextmanager

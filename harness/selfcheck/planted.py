@@ -55,6 +55,22 @@ def _patched(owner: object, attribute: str, replacement: object) -> Iterator[Non
 FAULTS: dict[str, Fault] = {}
 
 
+@contextlib.contextmanager
+def _on_instance(obj: object, attribute: str, value: object) -> Iterator[None]:
+    """``obj.attribute`` set in ``obj``'s own namespace for the duration (an instance's, or a class's),
+    what it inherits left alone; what it held of its own before is put back, or the attribute removed
+    (looked up where it is inherited from again)."""
+    own = vars(obj).get(attribute, _ABSENT)
+    setattr(obj, attribute, value)
+    try:
+        yield
+    finally:
+        if own is _ABSENT:
+            delattr(obj, attribute)
+        else:
+            setattr(obj, attribute, own)
+
+
 def register(fault: Fault) -> Fault:
     if fault.name in FAULTS:
         raise ValueError(f"fault {fault.name!r} is registered twice")
