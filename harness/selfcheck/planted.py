@@ -36,30 +36,10 @@ class Fault:
 
 
 @contextlib.contextmanager
-def _patched(owner: object, attribute: str, replacement: object) -> Iterator[None]:
-    """Set ``owner.attribute`` for the duration; restore exactly what the owner's own ``__dict__``
-    held (a staticmethod or property object stays one), or remove the attribute if it was inherited."""
-    original = vars(owner).get(attribute, _ABSENT)
-    if original is _ABSENT and not hasattr(owner, attribute):
-        raise AttributeError(f"{getattr(owner, '__qualname__', owner)!r} has no attribute {attribute!r} to patch")
-    setattr(owner, attribute, replacement)
-    try:
-        yield
-    finally:
-        if original is _ABSENT:
-            delattr(owner, attribute)
-        else:
-            setattr(owner, attribute, original)
-
-
-FAULTS: dict[str, Fault] = {}
-
-
-@contextlib.contextmanager
 def _on_instance(obj: object, attribute: str, value: object) -> Iterator[None]:
     """``obj.attribute`` set in ``obj``'s own namespace for the duration (an instance's, or a class's),
-    what it inherits left alone; what it held of its own before is put back, or the attribute removed
-    (looked up where it is inherited from again)."""
+    what it inherits left alone; what it held of its own before is put back exactly (a staticmethod or
+    property object stays one), or the attribute removed (looked up where it is inherited from again)."""
     own = vars(obj).get(attribute, _ABSENT)
     setattr(obj, attribute, value)
     try:
@@ -69,6 +49,19 @@ def _on_instance(obj: object, attribute: str, value: object) -> Iterator[None]:
             delattr(obj, attribute)
         else:
             setattr(obj, attribute, own)
+
+
+@contextlib.contextmanager
+def _patched(owner: object, attribute: str, replacement: object) -> Iterator[None]:
+    """``_on_instance`` for an attribute the owner has (its own or inherited): a fault replaces what is
+    there, and a name that is not (a release that renamed it) fails here rather than patch nothing."""
+    if attribute not in vars(owner) and not hasattr(owner, attribute):
+        raise AttributeError(f"{getattr(owner, '__qualname__', owner)!r} has no attribute {attribute!r} to patch")
+    with _on_instance(owner, attribute, replacement):
+        yield
+
+
+FAULTS: dict[str, Fault] = {}
 
 
 def register(fault: Fault) -> Fault:
