@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib.metadata
 import os
 import platform
@@ -18,6 +19,7 @@ from harness.controller.cells import CELL_ID_END, cell_id, run_cell
 from harness.controller.options import DEFAULT_CASE_TIMEOUT_S, DEFAULT_SEED, OptionError, Settings, resolve
 from harness.controller.pool import Pools, PoolSet
 from harness.controller.progress import TICK_S, Progress, terminal_writer
+from harness.controller.scheduling import work_left, world_size_scheduler
 from harness.decorator import case_info
 from harness.matrix.diff import selection_id
 from harness.matrix.schema import Cell, Matrix, merge_cells, with_unavailable_checks
@@ -123,7 +125,7 @@ class HarnessState:
                 self.write_error = f"{exc.filename or self.settings.report_dir}: {exc.strerror or exc}"
             for cell in cells:
                 self.progress.cell_done(cell.status, f"{cell.case}[{cell.variant}-ws{cell.world_size}]",
-                                        nodeid=report.nodeid, seconds=cell.duration_s)
+                                        nodeid=report.nodeid, seconds=cell.duration_s, worker=_worker_of(report))
 
     @pytest.hookimpl(tryfirst=True)  # before pytest writes the header of a new file
     def pytest_runtest_logstart(self, nodeid: str, location: Any) -> None:
@@ -333,6 +335,11 @@ def _cell_name(nodeid: str) -> str:
     return nodeid.split("::", 1)[-1]
 
 
+def _worker_of(report: pytest.TestReport) -> str:
+    """The xdist worker that ran the report's test (``gw0``; xdist sets ``report.node``), "" in a serial run."""
+    return str(getattr(getattr(getattr(report, "node", None), "gateway", None), "id", ""))
+
+
 def _cell_world_size(item: pytest.Item) -> int:
     """The world size of a harness cell; 0 for any other test (the plugin is loaded in every pytest
     run of an environment where it is installed: a user's own test whose id ends in ``-ws2]`` is
@@ -344,23 +351,15 @@ def _cell_world_size(item: pytest.Item) -> int:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Send all cells of one world size to one worker, so that no worker starts a pool it barely uses."""
+    """Send all cells of one world size to one worker (harness/controller/scheduling.py); the progress
+    line's estimate reads what each worker has left from it."""
     if config.getoption("dist", "load") != "load":
         return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    # With nccl a local pool's rank r uses GPU r, so pools must not overlap: every cell goes to one
-    # worker, which runs one world size's pool at a time (harness/controller/pool.py).
-    one_scope = config.stash[SETTINGS].backend == "nccl"
-
-    class WorldSizeScheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            match = CELL_ID_END.search(nodeid)
-            if match and one_scope:
-                return "gpus"
-            return f"world-size-{match.group(1)}" if match else nodeid
-
-    return WorldSizeScheduling(config, log)
+    scheduler = world_size_scheduler(config, log, one_scope=config.stash[SETTINGS].backend == "nccl")
+    state = config.stash.get(STATE, None)
+    if state is not None:
+        state.progress.queues = functools.partial(work_left, scheduler)
+    return scheduler
 
 
 def _stop_below_range(config: pytest.Config) -> None:

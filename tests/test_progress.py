@@ -14,7 +14,8 @@ from types import SimpleNamespace
 import pytest
 from conftest import LEFT_OUT_RUN, PLANTED, ROOT, killed_if_failing, start_pytest, wait_for_no_processes
 
-from harness.controller.progress import Progress, cell_kind, duration, terminal_writer
+from harness.controller.cell_costs import cell_kind, prior_cost
+from harness.controller.progress import Progress, duration, terminal_writer
 
 
 class Clock:
@@ -62,27 +63,122 @@ def test_the_time_left_weighs_each_cell_by_what_its_kind_has_cost_and_a_kind_not
     assert [cell_kind(i) for i in ids[::10]] == [("ddp", 2), ("fsdp2", 2), ("compiled", 2)]
     assert cell_kind("t.py::test_trainer_causal_lm[steps=2-fp32-wrapper=deepspeed-z1-ws4]") == ("trainer", 4)
     assert cell_kind("t.py::test_a[steps=2-fp32-wrapper=fsdp2-mesh=hsdp-ws4]") == ("fsdp2 mesh", 4)
+    # a kind that skips (FSDP on one rank) costs nothing; at a world size not measured, its cost at two
+    # times a DDP cell's growth
+    assert prior_cost(("fsdp2", 1)) == 0.0 and prior_cost(("fsdp2", 3)) == pytest.approx(1.8 * 1.45)
     clock.now += 8
     p.cell_done("pass", "a", nodeid=ids[0], seconds=0.5)  # the first: its time is the pools' start-up
     for i in ids[1:10]:  # the DDP cells, 0.5 s each on one worker: 4.5 s
         clock.now += 0.5
         p.cell_done("pass", "a", nodeid=i, seconds=0.5)
-    # 10 fsdp2 cells never measured, at the prior's 1.9 a DDP cell (0.5 s), and 4 compiled at 8.7:
-    # 9.5 + 17.4 s of cells, at the pace of 4.5 s of cells in 4.5 s
-    assert p.left(clock.now) == pytest.approx(9.5 + 17.4)
+    # 10 fsdp2 cells never measured, at the prior's 1.8 a DDP cell (0.5 s), and 4 compiled at 6.9:
+    # 9 + 13.8 s of cells, at the pace of 4.5 s of cells in 4.5 s
+    assert p.left(clock.now) == pytest.approx(9.0 + 13.8)
     for i in ids[10:20]:  # fsdp2 measured at 2 s a cell: its own cost replaces the prior's
         clock.now += 2
         p.cell_done("pass", "a", nodeid=i, seconds=2.0)
-    # the compiled prior scaled to what was measured: (4.5 + 0.5 + 20) s of cells over 10 + 19 of prior
-    scale = 25.0 / (10 * 1.0 + 10 * 1.9)
-    assert p.left(clock.now) == pytest.approx(4 * 8.7 * scale)
-    assert p.line(clock.now).endswith(f"{duration(4 * 8.7 * scale)} left")
+    # the compiled prior scaled to what was measured: (4.5 + 0.5 + 20) s of cells over 10 + 18 of prior
+    scale = 25.0 / (10 * 1.0 + 10 * 1.8)
+    assert p.left(clock.now) == pytest.approx(4 * 6.9 * scale)
+    assert p.line(clock.now).endswith(f"{duration(4 * 6.9 * scale)} left")
     # without the ids (or the cells' times) every cell costs the same, as before
     plain, plain_clock, _ = progress(total=24)
     plain.cell_done("pass", "a", nodeid=ids[0], seconds=1.0)
     plain_clock.now += 1
     plain.cell_done("pass", "a", nodeid=ids[10], seconds=5.0)
     assert plain.left(plain_clock.now) == 22
+
+
+def test_a_case_that_cost_more_than_its_kind_at_one_world_size_is_expected_to_at_the_next():
+    def ids(case, world_size):
+        return [f"cases/test_{case}.py::test_{case}[steps={i}-fp32-ws{world_size}]" for i in range(4)]
+
+    clock = Clock()
+    p = Progress([].append, clock=clock)
+    p.expect(16, ids("a", 2) + ids("b", 2) + ids("a", 4) + ids("b", 4))
+    clock.now += 8
+    for test, seconds in [(t, 1.0) for t in ids("a", 2)] + [(t, 3.0) for t in ids("b", 2)] + [(t, 2.0) for t in ids("a", 4)]:
+        p.cell_done("pass", "c", nodeid=test, seconds=seconds)
+        clock.now += seconds
+    clock.now -= 1.0  # the first cell's end starts the clock: the pace is one cell-second a second
+    # at two ranks b cost three times a: a DDP cell at two ranks costs 2 s for a case of average cost,
+    # a 0.5 of it and b 1.5; a's four-rank cells (2 s) make a four-rank cell of average cost 4 s, so
+    # b's four left cost 6 s each, not the 2 s of the four-rank cells run so far
+    assert p.left(clock.now) == pytest.approx(4 * 6.0, rel=1e-3)  # (the fit settles within its rounds)
+
+
+def test_under_xdist_the_time_left_is_the_last_workers_from_what_each_was_given_and_what_is_not_given_yet():
+    ws2 = [f"cases/test_a.py::test_a[steps={i}-fp32-ws2]" for i in range(12)]
+    ws4 = [f"cases/test_a.py::test_a[steps={i}-fp32-ws4]" for i in range(6)]
+    ws1 = [f"cases/test_a.py::test_a[steps={i}-fp32-ws1]" for i in range(4)]
+    clock, queues = Clock(), {"given": {}, "queued": []}
+    p = Progress([].append, clock=clock)
+    p.expect(len(ws2 + ws4 + ws1), ws2 + ws4 + ws1)
+    p.queues = lambda: (queues["given"], queues["queued"])
+    clock.now += 8
+    p.cell_done("pass", "a", nodeid=ws2[0], seconds=1.0, worker="gw0")
+    p.cell_done("pass", "a", nodeid=ws4[0], seconds=3.0, worker="gw1")
+    for n in range(1, 3):  # gw0: a 1 s cell every 1.25 s; gw1: a 3 s cell every 3.25 s (0.25 s between cells)
+        clock.now += 3.75
+        for i in range(3 * n - 2, 3 * n + 1):
+            p.cell_done("pass", "a", nodeid=ws2[i], seconds=1.0, worker="gw0")
+        p.cell_done("pass", "a", nodeid=ws4[n], seconds=3.0, worker="gw1")
+    # what passes between cells: the workers' wall time (7.5 s each) less their cells' (6 s each), a cell
+    between = (1.5 + 1.5) / (6 + 2)
+    # the ws1 cells, none measured: their prior (0.6 of a ws2 cell's) scaled to the cells measured
+    ws1_cell = 0.6 * (7 * 1.0 + 3 * 3.0) / (7 * 1.0 + 3 * 1.9)
+    # gw0 has 5 ws2 cells left, gw1 3 ws4 cells, the longer; the ws1 unit goes to gw0, which has the
+    # least left, and makes it the last to end
+    queues["given"] = {"gw0": ws2[7:], "gw1": ws4[3:]}
+    queues["queued"] = [ws1]
+    assert 5 * (1.0 + between) < 3 * (3.0 + between) < 5 * (1.0 + between) + 4 * (ws1_cell + between)
+    assert p.left(clock.now) == pytest.approx(5 * (1.0 + between) + 4 * (ws1_cell + between))
+    # with gw1 at its last cell, the ws1 unit goes to gw1, which then ends last
+    queues["given"] = {"gw0": ws2[7:], "gw1": ws4[5:]}
+    assert p.left(clock.now) == pytest.approx(3.0 + between + 4 * (ws1_cell + between))
+    queues["queued"] = []  # and with nothing left to give, the worker with the most
+    assert p.left(clock.now) == pytest.approx(5 * (1.0 + between))
+    # where the scheduler cannot be read (xdist changing it under the reading thread), the estimate by
+    # the cells left shared evenly among the workers, as without xdist's scheduler
+    def changing():
+        raise RuntimeError("dictionary changed size during iteration")
+
+    p.queues = changing
+    cell = {2: 1.0, 4: 3.0, 1: ws1_cell}  # by world size
+    left = sum(cell[world_size] for _, world_size in p.left_by_id.values())
+    assert p.left(clock.now) == pytest.approx((clock.now - 1008) * left / (6 * 1.0 + 3 * 3.0))  # the cells after the first
+
+
+def test_what_xdists_scheduler_has_left_is_read_by_worker_and_by_world_size_not_yet_given():
+    """harness/controller/scheduling.py's reading of xdist's own LoadScopeScheduling (the plugin's scheduler,
+    the real class), driven as xdist's controller drives it, with two stand-in workers."""
+    from harness.controller.scheduling import work_left, world_size_scheduler
+
+    class Worker:
+        def __init__(self, name):
+            self.gateway, self.shutting_down, self.sent = SimpleNamespace(id=name), False, []
+
+        def send_runtest_some(self, indices):
+            self.sent += indices
+
+        def shutdown(self):
+            self.shutting_down = True
+
+    config = SimpleNamespace(getvalue=lambda name: ["2*popen"], option=SimpleNamespace(loadscopereorder=True))
+    scheduler = world_size_scheduler(config, None, one_scope=False)
+    ids = [f"cases/test_a.py::test_a[steps={i}-fp32-ws{w}]" for w, n in [(1, 3), (2, 5), (4, 4)] for i in range(n)]
+    workers = [Worker("gw0"), Worker("gw1")]
+    for worker in workers:
+        scheduler.add_node(worker)
+        scheduler.add_node_collection(worker, ids)
+    scheduler.schedule()
+    ws1, ws2, ws4 = ids[:3], ids[3:8], ids[8:]
+    # the largest world sizes first, one to each worker; the third waits for the first worker near its end
+    assert work_left(scheduler) == ({"gw0": ws2, "gw1": ws4}, [ws1])
+    for index in range(3, 6):
+        scheduler.mark_test_complete(workers[0], index)
+    given, queued = work_left(scheduler)
+    assert given == {"gw0": ws2[3:] + ws1, "gw1": ws4} and queued == []
 
 
 def test_an_unknown_total_shows_the_cells_done_and_no_time():

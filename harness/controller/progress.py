@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import threading
 import time
 from collections import defaultdict
 from typing import Any, Callable, ContextManager, Iterable, Optional
 
-from harness.controller.cells import CELL_ID_END
+from harness.controller.cell_costs import COST_FIT_ROUNDS, case_of, cell_kind, prior_cost, ratios
 from harness.records import BAD_STATUSES, Status
 
 # How often a line is written while cells pass (a cell that ends bad is written at once): often
@@ -22,45 +21,6 @@ INTERVAL_S = 10.0
 LONG_CELL_S = 10.0
 TICK_S = 1.0  # how often the controller looks for one
 _BAD_ORDER = (Status.FAIL, Status.ERROR, Status.MISSED)
-
-
-# What a cell costs before the run has timed one of its kind, relative to a DDP cell at world size 2:
-# the default catalogue's cells measured on 2 cores (torch 2.13.0, accelerate 1.16.0, deepspeed 0.19.8;
-# a DDP cell at world size 2 took 0.38 s), by what runs the cell, and by its world size. Each is only
-# a start: a kind's own measured cells replace it as they end, and its scale is fitted to every cell
-# measured so far (``Progress.left``), so the machine's speed never enters. The heavy kinds come last
-# in the catalogue's order (the Trainer's file, four ranks, the compiled variants): a pace from the
-# cells done alone, every cell alike, promised 3m41s at 317 of 1491 cells where six minutes were left
-# (issue 76).
-KIND_COST = {"ddp": 1.0, "fsdp2": 1.9, "fsdp1": 1.7, "deepspeed-z1": 1.7, "deepspeed-z2": 1.6,
-             "deepspeed-z3": 2.4, "compiled": 8.7, "trainer": 4.8}
-WORLD_SIZE_COST = {1: 0.7, 2: 1.0, 3: 1.5, 4: 2.1}
-# a variant's ``key=value`` parts, a value running to the next ``-key=`` (``wrapper=deepspeed-z1``)
-_PARAM = re.compile(r"(?:^|-)([a-z_]+)=(.*?)(?=-[a-z_]+=|$)")
-
-
-def cell_kind(nodeid: str) -> tuple[str, int]:
-    """What runs a cell, as its test id says (its world size, its ``wrapper=``, ``compile=``, a Trainer's
-    case), for the estimate of the time left: ``("fsdp2", 4)``, ``("trainer", 2)``. A mesh's cell is a
-    kind of its own (``"fsdp2 mesh"``): skip below four ranks, a four-rank pool above."""
-    function, _, parameters = nodeid.split("::")[-1].partition("[")
-    found = CELL_ID_END.search(parameters)
-    world_size = int(found.group(1)) if found else 0
-    params = dict(_PARAM.findall(parameters[: found.start()] if found else parameters))
-    kind = params.get("wrapper", "ddp")
-    if "trainer" in function:
-        kind = "trainer"
-    elif "compile" in params:
-        kind = "compiled"
-    if "mesh" in params:
-        kind += " mesh"
-    return kind, world_size
-
-
-def prior_cost(kind: tuple[str, int]) -> float:
-    """A kind's cost before one of its cells is measured, relative to a DDP cell at world size 2."""
-    name, world_size = kind
-    return KIND_COST.get(name.split(" ")[0], 1.0) * WORLD_SIZE_COST.get(world_size, max(world_size, 1) / 2)
 
 
 def duration(seconds: float) -> str:
@@ -111,7 +71,14 @@ class Progress:
         # after the first (what the wall time since the first cell bought)
         self.left_by_id: dict[str, tuple[str, int]] = {}
         self.measured: dict[tuple[str, int], list[float]] = defaultdict(list)
+        # (case, kind, seconds, whether it ran: not skip or unsupported) of each cell done
+        self.cells_timed: list[tuple[str, tuple[str, int], float, bool]] = []
         self.seconds_after_first = 0.0
+        # under xdist, what each worker has left and what no worker has been given yet (the plugin's
+        # scheduler: harness/controller/scheduling.py, ``work_left``); and by worker, the clock at its
+        # first and last cell's end, and the seconds and the count of its cells after the first
+        self.queues: Callable[[], tuple[dict[str, list[str]], list[list[str]]]] | None = None
+        self.workers: dict[str, list[float]] = {}
 
     def expect(self, total: int, ids: Iterable[str] = ()) -> None:
         """The run's cell count is known: its cells start now (the clock starts at the first call).
@@ -164,20 +131,28 @@ class Progress:
         while not self._stop.wait(self.tick_s):
             self.tick()
 
-    def cell_done(self, status: str, name: str = "", *, nodeid: str = "", seconds: float | None = None) -> None:
+    def cell_done(self, status: str, name: str = "", *, nodeid: str = "", seconds: float | None = None,
+                  worker: str = "") -> None:
         """A cell ended with ``status``; ``nodeid`` and ``seconds``, its test id and how long it ran,
-        teach the estimate what its kind costs."""
+        teach the estimate what its kind costs; ``worker``, the xdist worker that ran it, that worker's pace."""
         with self._lock:
             self._cell_done(status, name)
-            self._learn(nodeid, seconds)
+            self._learn(nodeid, seconds, worker, ran=status not in (Status.SKIP, Status.UNSUPPORTED))
 
-    def _learn(self, nodeid: str, seconds: float | None) -> None:
+    def _learn(self, nodeid: str, seconds: float | None, worker: str, *, ran: bool) -> None:
         kind = self.left_by_id.pop(nodeid, None)
         if kind is None or seconds is None:
             return
         self.measured[kind].append(seconds)
+        self.cells_timed.append((case_of(nodeid), kind, seconds, ran))
         if self.done > 1:
             self.seconds_after_first += seconds
+        now = self.clock()
+        if worker not in self.workers:
+            self.workers[worker] = [now, now, 0.0, 0]
+        else:
+            _, _, before, cells = self.workers[worker]
+            self.workers[worker][1:] = [now, before + seconds, cells + 1]
 
     def _cell_done(self, status: str, name: str) -> None:
         self.done += 1
@@ -219,18 +194,77 @@ class Progress:
 
     def left(self, now: float) -> float:
         """The time left: the wall time since the first cell ended (the wait for it is the pools'
-        start-up, paid once) times what the cells left cost over what the cells done since cost. Each
-        cell left costs its kind's mean so far; a kind not yet measured, its ``prior_cost`` scaled to
-        the cells measured (their seconds over their priors). Without the cells' ids or times, every
-        cell costs the same."""
+        start-up, paid once) times what the cells left cost over what the cells done since cost (under
+        xdist, ``_left_by_worker``). A cell left costs its kind's cost so far (``_costs``); a kind not yet
+        measured, its ``prior_cost`` scaled to the cells measured (their seconds over their priors).
+        Without the cells' ids or times, every cell costs the same."""
         elapsed = now - self.first_done
         if not self.left_by_id or self.seconds_after_first <= 0:
             return elapsed / (self.done - 1) * (self.total - self.done)
         measured = [(kind, s) for kind, times in self.measured.items() for s in times]
         scale = sum(s for _, s in measured) / max(sum(prior_cost(kind) for kind, _ in measured), 1e-9)
-        means = {kind: sum(times) / len(times) for kind, times in self.measured.items() if times}
-        cost = sum(means[kind] if kind in means else prior_cost(kind) * scale for kind in self.left_by_id.values())
-        return elapsed * cost / self.seconds_after_first
+        kinds, cases = self._costs()
+
+        def cost(test: str) -> float:
+            kind = self.left_by_id[test]
+            # a kind not yet measured: its prior, the mean of its own cases (a case met only in its kind, a
+            # Trainer's, would be counted twice with its factor)
+            return kinds[kind] * cases.get(case_of(test), 1.0) if kind in kinds else prior_cost(kind) * scale
+
+        by_worker = self._left_by_worker(cost)
+        if by_worker is not None:
+            return by_worker
+        return elapsed * sum(cost(test) for test in self.left_by_id) / self.seconds_after_first
+
+    def _costs(self) -> tuple[dict[tuple[str, int], float], dict[str, float]]:
+        """What the cells done say a cell costs: by kind, for a case of average cost; and by case, how many
+        times its kinds' cost its cells took. A case's cells cost alike relative to their kind whatever
+        their wrapper and world size (a Trainer's causal LM against the catalogue's regressor), and the
+        catalogue runs its cheap cases first: a kind's mean from its first cells promised 27% too little
+        of the four-rank cells left (issue 76). The two are fitted to the cells' seconds together, each
+        in turn from the other (a few rounds settle them) on the cells that ran (one that skips on one
+        rank says nothing of its case's cost on two, and a kind whose cells mostly skip would make the
+        one case that runs there look costly); the cases' factors average 1 over those cells, as a case
+        not yet run is taken to. A kind's cost is then its cells' seconds over their cases' factors, those
+        that skip too (its cells left skip alike)."""
+        timed = self.cells_timed
+        ran = [cell for cell in timed if cell[3]]
+        cases: dict[str, float] = {}
+        for _ in range(COST_FIT_ROUNDS if ran else 0):
+            kinds = ratios([(kind, s, cases.get(case, 1.0)) for case, kind, s, _ in ran], empty=0.0)
+            cases = ratios([(case, s, kinds[kind]) for case, kind, s, _ in ran], empty=1.0)
+            mean = sum(cases[case] for case, *_ in ran) / len(ran)
+            cases = {case: factor / mean for case, factor in cases.items()} if mean > 0 else cases
+        return ratios([(kind, s, cases.get(case, 1.0)) for case, kind, s, _ in timed], empty=0.0), cases
+
+    def _left_by_worker(self, cost: Callable[[str], float]) -> float | None:
+        """Under xdist's scheduler (``queues``): the time until the last worker is done. Each worker runs
+        the cells it was given one after another, and each unit not yet given goes to the worker with
+        the least left, as xdist hands them out; a cell costs its kind's seconds and what passes on a
+        worker between two cells (the workers' wall time less their cells' seconds, a cell: pytest's own
+        work, a pool's start). The cells left divided among the workers as if they shared them evenly
+        misread a run whose last world size is left to one worker while the other has finished (issue
+        76). None where it cannot be told."""
+        timed = [w for w in self.workers.values() if w[3] > 0]
+        if self.queues is None or not timed:
+            return None
+        try:
+            given, queued = self.queues()
+        except (RuntimeError, AttributeError, KeyError):  # read while xdist changed it, or another xdist
+            return None
+        if not given:
+            return None
+        between = max(0.0, sum(last - first - seconds for first, last, seconds, _ in timed)
+                      / sum(cells for *_, cells in timed))
+
+        def seconds(tests: list[str]) -> float:
+            return sum(cost(t) + between for t in tests if t in self.left_by_id)
+
+        left = {worker: seconds(tests) for worker, tests in given.items()}
+        for unit in queued:
+            least = min(left, key=left.__getitem__)
+            left[least] += seconds(unit)
+        return max(left.values())
 
     def _write(self, line: str, now: float, *, urgent: bool = False) -> None:
         assert self.write is not None
