@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+from session_costs import busy_s  # (bench/, this script's own folder, is on its path)
+
 FORK_SERVER = "multiprocessing.forkserver"
 # an xdist worker's command line, whose ';' is also py-spy's frame separator
 XDIST_WORKER = "import sys;exec(eval(sys.stdin.readline()))"
@@ -163,9 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     if spy is None and not args.busy_only:
         parser.error("py-spy not found: pip install py-spy")
     if args.busy_only:
-        busy, started = _busy(), time.monotonic()
+        busy, started = busy_s(), time.monotonic()
         run = subprocess.run(command)
-        wall, used = time.monotonic() - started, _busy() - busy
+        wall, used = time.monotonic() - started, busy_s() - busy
         cores = os.cpu_count() or 1
         print(f"the command ended with {run.returncode} after {wall:.0f} s wall; the machine was busy {used:.0f} "
               f"CPU-seconds of the {cores * wall:.0f} its {cores} cores had ({100 * used / (cores * wall):.0f}%)")
@@ -179,11 +181,6 @@ def main(argv: list[str] | None = None) -> int:
     report(raw, args.rate)
     return 0
 
-
-def _busy() -> float:
-    """The CPU-seconds every core of the machine has been busy since boot (/proc/stat: all but idle and iowait)."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
 if __name__ == "__main__":
