@@ -7,7 +7,6 @@ import contextlib
 import os
 import threading
 import time
-from collections import defaultdict
 from typing import Any, Callable, ContextManager, Iterable, Optional
 
 from harness.controller.cell_costs import COST_FIT_ROUNDS, case_of, cell_kind, prior_cost, ratios
@@ -67,11 +66,10 @@ class Progress:
         self.expected = False
         self.finished = False
         # the estimate by kind (``cell_kind``), where the run's cells are known by id: the kind of each
-        # cell not yet done, each kind's measured cell durations, and the seconds of the cells done
-        # after the first (what the wall time since the first cell bought)
+        # cell not yet done; each cell done, timed (its case, kind, seconds and whether it ran: not skip
+        # or unsupported); and the seconds of the cells done after the first (what the wall time since
+        # the first cell bought)
         self.left_by_id: dict[str, tuple[str, int]] = {}
-        self.measured: dict[tuple[str, int], list[float]] = defaultdict(list)
-        # (case, kind, seconds, whether it ran: not skip or unsupported) of each cell done
         self.cells_timed: list[tuple[str, tuple[str, int], float, bool]] = []
         self.seconds_after_first = 0.0
         # under xdist, what each worker has left and what no worker has been given yet (the plugin's
@@ -143,7 +141,6 @@ class Progress:
         kind = self.left_by_id.pop(nodeid, None)
         if kind is None or seconds is None:
             return
-        self.measured[kind].append(seconds)
         self.cells_timed.append((case_of(nodeid), kind, seconds, ran))
         if self.done > 1:
             self.seconds_after_first += seconds
@@ -201,8 +198,8 @@ class Progress:
         elapsed = now - self.first_done
         if not self.left_by_id or self.seconds_after_first <= 0:
             return elapsed / (self.done - 1) * (self.total - self.done)
-        measured = [(kind, s) for kind, times in self.measured.items() for s in times]
-        scale = sum(s for _, s in measured) / max(sum(prior_cost(kind) for kind, _ in measured), 1e-9)
+        timed = self.cells_timed
+        scale = sum(s for _, _, s, _ in timed) / max(sum(prior_cost(kind) for _, kind, _, _ in timed), 1e-9)
         kinds, cases = self._costs()
 
         def cost(test: str) -> float:
