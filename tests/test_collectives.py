@@ -106,6 +106,28 @@ def test_digests_name_every_rank_that_differs_from_rank0_on_every_rank():
     assert run_on_ranks(_digests, 3) == [([], [2])] * 3
 
 
+def test_a_digest_tells_apart_what_a_sum_of_the_words_cannot():
+    """Bytes alike give one digest; two words swapped, one bit changed, a reshape, another dtype of the
+    same bytes, and a difference past the first chunk each give another."""
+    from harness.rank.numerics.collectives import DIGEST_CHUNK, digest
+
+    values = torch.randn(2 * DIGEST_CHUNK + 3)  # a chunk of 64-bit words, a second of one word, 4 bytes over
+    base = digest([values])
+    assert digest([values.clone()]) == base
+    swapped = values.clone()
+    swapped[[10, 11]] = swapped[[11, 10]]
+    swapped_words = values.clone()
+    swapped_words[[2 * 10, 2 * 10 + 1, 2 * 12, 2 * 12 + 1]] = values[[2 * 12, 2 * 12 + 1, 2 * 10, 2 * 10 + 1]]
+    one_bit = values.clone()
+    one_bit.view(torch.int32)[2 * DIGEST_CHUNK] ^= 1  # the second chunk's word
+    tail = values.clone()
+    tail[-1] = torch.nextafter(tail[-1], torch.tensor(float("inf")))
+    others = [digest([t]) for t in (swapped, swapped_words, one_bit, tail)]
+    others += [digest([values[:-3].reshape(2, -1)]), digest([values[:-3]]), digest([values[:-3].view(torch.int32)])]
+    assert base not in others[:4] and len({tuple(d) for d in others}) == len(others)
+    assert all(0 <= word < 1 << 16 for word in base) and len(base) == 6  # 16-bit words, exact in fp32
+
+
 def _rank0_values(rank: int, world_size: int) -> tuple[bool, list[float], bool]:
     from harness.rank.numerics.collectives import Collectives
 

@@ -341,17 +341,48 @@ class Collectives:
         return pieces(received, {k: t.detach() for k, t in tensors.items()})
 
 
+# The digest's words a chunk (8 MiB of int64) and their weights: odd, so that a difference in any one
+# word changes the weighted sum; pseudo-random (a splitmix64-like mix of the index, made with torch's
+# own integer arithmetic, the same on every rank and machine), so that no pattern of differences a
+# model's values could make cancels out in it but by chance (2^-64).
+DIGEST_CHUNK = 1 << 20
+_digest_weights: dict[torch.device, torch.Tensor] = {}
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _weights(device: torch.device) -> torch.Tensor:
+    if device not in _digest_weights:
+        z = torch.arange(1, DIGEST_CHUNK + 1, dtype=torch.int64, device=device) * _signed(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> 30)) * _signed(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> 27)) * _signed(0x94D049BB133111EB)
+        _digest_weights[device] = (z ^ (z >> 31)) | 1
+    return _digest_weights[device]
+
+
 def digest(tensors: Iterable[torch.Tensor]) -> list[int]:
-    """A digest of the tensors' dtypes and bytes, as 16-bit words (each exact in fp32): their CRC-32
-    and the wrapping sum of their 64-bit words. 96 bits, position-sensitive, a few GB/s."""
-    crc, total = 0, 0
+    """A digest of the tensors' dtypes, shapes and bytes, as 16-bit words (each exact in fp32): a CRC-32
+    of the dtypes and shapes, and the wrapping sum of the tensors' 64-bit words, each times a weight
+    of its place in its chunk (``_weights``) and each chunk's times an odd number of its place among
+    all the chunks. 96 bits, position-sensitive, at the speed of a multiply and a sum (the CRC-32 of the
+    bytes it replaced took three times as long: at 2e7 parameters, 50 ms of a step's 110 ms parameter
+    check)."""
+    crc, total, chunk = 0, 0, 0
     for t in tensors:
-        crc = zlib.crc32(str(t.dtype).encode(), crc)
-        data = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        for start in range(0, data.numel(), 1 << 26):
-            part = data[start:start + (1 << 26)].cpu()
-            crc = zlib.crc32(part.numpy(), crc)
-            whole = part.numel() // 8 * 8
-            total += int(part[:whole].view(torch.int64).sum()) + int(part[whole:].sum())
+        crc = zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode(), crc)
+        data = t.detach().contiguous().reshape(-1).view(torch.uint8)  # (on its device: nothing is copied)
+        weights = _weights(data.device)
+        whole = data.numel() // 8 * 8
+        words = data[:whole].view(torch.int64)
+        for start in range(0, words.numel(), DIGEST_CHUNK):
+            part = words[start:start + DIGEST_CHUNK]
+            total += (2 * chunk + 1) * int(torch.mul(part, weights[:part.numel()]).sum())
+            chunk += 1
+        if whole < data.numel():  # the last bytes, weighed as one chunk of their own
+            tail = data[whole:].to(torch.int64)
+            total += (2 * chunk + 1) * int(torch.mul(tail, weights[:tail.numel()]).sum())
+            chunk += 1
     value = (crc << 64) | (total % (1 << 64))
     return [(value >> (16 * i)) & 0xFFFF for i in range(6)]
