@@ -173,10 +173,16 @@ def _values(collectives: Collectives, units: list[_Unit], aliased: bool,
     regions = 1 if aliased else 3
     counts = [u.sample.numel() for u in units]
     close, best, same = True, 0.0, True
-    for index, batch in enumerate(batches(units)):
-        size = sum(n for _, _, n in batch)
-        extra = regions * sum(counts) if index == 0 else 0
-        buffer = torch.empty(size + extra, dtype=dtype)
+    cut = batches(units)
+    sizes = [sum(n for _, _, n in batch) for batch in cut]
+    extras = [regions * sum(counts) if index == 0 else 0 for index in range(len(cut))]
+    # one buffer for the pass, each batch in its front: a buffer this large is mapped fresh from the
+    # kernel (above the heap's 32 MiB, harness/rank/process/environment.py), and each new one paid its
+    # page faults again (a third of the pass's time at 2e7 parameters, three buffers a pass)
+    whole = torch.empty(max(size + extra for size, extra in zip(sizes, extras)), dtype=dtype)
+    for index, batch in enumerate(cut):
+        size, extra = sizes[index], extras[index]
+        buffer = whole[:size + extra]
         offset = 0
         for unit, start, n in batch:
             buffer[offset:offset + n] = unit.values[start:start + n]
@@ -193,7 +199,7 @@ def _values(collectives: Collectives, units: list[_Unit], aliased: bool,
         offset = 0
         for unit, start, n in batch:
             average = unit.average.reshape(-1)[start:start + n]
-            average.copy_(buffer[offset:offset + n]).div_(world_size)
+            torch.div(buffer[offset:offset + n], world_size, out=average)  # (one dtype: ``fusable``)
             rank = unit.actual[start:start + n]
             equal = torch.equal(rank, average)
             same = same and equal
