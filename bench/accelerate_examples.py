@@ -99,9 +99,9 @@ WORDS = ("the", "court", "said", "shares", "rose", "fell", "company", "percent",
          "analysts", "expected", "profit", "quarter", "bank", "deal", "price", "investors", "report")
 
 
-def tiny_bert(directory: Path) -> None:
-    """A BERT sequence classifier small enough for CPU, and its tokenizer, as ``from_pretrained`` reads
-    a checkpoint (config, weights, vocabulary)."""
+def tiny_bert(directory: Path, *, hidden: int = 32, layers: int = 2, heads: int = 2, intermediate: int = 64) -> None:
+    """A BERT sequence classifier small enough for CPU (two layers of width 32 unless told), and its
+    tokenizer, as ``from_pretrained`` reads a checkpoint (config, weights, vocabulary)."""
     import string
 
     import torch
@@ -114,8 +114,8 @@ def tiny_bert(directory: Path) -> None:
     tokenizer = BertTokenizerFast(vocab_file=str(directory / "vocab.txt"), do_lower_case=False, model_max_length=48)
     tokenizer.save_pretrained(directory)
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=64)
+    config = BertConfig(vocab_size=len(vocab), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                        intermediate_size=intermediate, max_position_embeddings=64)
     BertForSequenceClassification(config).save_pretrained(directory)
 
 
