@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import LEFT_OUT_RUN, PLANTED, ROOT, killed_if_failing, start_pytest, wait_for_no_processes
 
-from harness.controller.cell_costs import cell_kind, prior_cost
+from harness.controller.cell_costs import CASE_PRIOR, PRIOR_CELLS, PRIOR_COST, cell_kind, prior_cost
 from harness.controller.progress import Progress, duration, terminal_writer
 
 
@@ -53,7 +53,9 @@ def test_the_line_counts_cells_names_only_the_bad_statuses_there_are_and_estimat
     assert p.line(clock.now) == "gradient-sync: 121/522 cells · 2 fail · 1 error · 1 missed · 55s left"
 
 
-def test_the_time_left_weighs_each_cell_by_what_its_kind_has_cost_and_a_kind_not_yet_run_by_its_prior():
+def test_the_time_left_weighs_each_cell_by_what_its_kind_has_cost_and_a_kind_not_yet_run_by_its_prior(monkeypatch):
+    monkeypatch.setattr("harness.controller.progress.PRIOR_CELLS", 0.0)  # a kind measured: its cells alone
+    fsdp2, compiled = PRIOR_COST[("fsdp2", 2)], PRIOR_COST[("compiled", 2)]
     ids = ([f"cases/test_a.py::test_a[steps={i}-fp32-ws2]" for i in range(10)]
            + [f"cases/test_a.py::test_a[steps={i}-fp32-wrapper=fsdp2-ws2]" for i in range(10)]
            + [f"cases/test_c.py::test_c[steps={i}-fp32-compile=eager-ws2]" for i in range(4)])
@@ -65,22 +67,22 @@ def test_the_time_left_weighs_each_cell_by_what_its_kind_has_cost_and_a_kind_not
     assert cell_kind("t.py::test_a[steps=2-fp32-wrapper=fsdp2-mesh=hsdp-ws4]") == ("fsdp2 mesh", 4)
     # a kind that skips (FSDP on one rank) costs nothing; at a world size not measured, its cost at two
     # times a DDP cell's growth
-    assert prior_cost(("fsdp2", 1)) == 0.0 and prior_cost(("fsdp2", 3)) == pytest.approx(1.8 * 1.45)
+    assert prior_cost(("fsdp2", 1)) == 0.0 and prior_cost(("fsdp2", 3)) == pytest.approx(fsdp2 * 1.45)
     clock.now += 8
     p.cell_done("pass", "a", nodeid=ids[0], seconds=0.5)  # the first: its time is the pools' start-up
     for i in ids[1:10]:  # the DDP cells, 0.5 s each on one worker: 4.5 s
         clock.now += 0.5
         p.cell_done("pass", "a", nodeid=i, seconds=0.5)
-    # 10 fsdp2 cells never measured, at the prior's 1.8 a DDP cell (0.5 s), and 4 compiled at 6.9:
-    # 9 + 13.8 s of cells, at the pace of 4.5 s of cells in 4.5 s
-    assert p.left(clock.now) == pytest.approx(9.0 + 13.8)
+    # 10 fsdp2 cells never measured, at the prior's cost of a DDP cell (0.5 s) each, and 4 compiled at
+    # theirs, at the pace of 4.5 s of cells in 4.5 s (the cases, not in the catalogue, of average cost)
+    assert p.left(clock.now) == pytest.approx(10 * fsdp2 * 0.5 + 4 * compiled * 0.5)
     for i in ids[10:20]:  # fsdp2 measured at 2 s a cell: its own cost replaces the prior's
         clock.now += 2
         p.cell_done("pass", "a", nodeid=i, seconds=2.0)
     # the compiled prior scaled to what was measured: (4.5 + 0.5 + 20) s of cells over 10 + 18 of prior
-    scale = 25.0 / (10 * 1.0 + 10 * 1.8)
-    assert p.left(clock.now) == pytest.approx(4 * 6.9 * scale)
-    assert p.line(clock.now).endswith(f"{duration(4 * 6.9 * scale)} left")
+    scale = 25.0 / (10 * 1.0 + 10 * fsdp2)
+    assert p.left(clock.now) == pytest.approx(4 * compiled * scale)
+    assert p.line(clock.now).endswith(f"{duration(4 * compiled * scale)} left")
     # without the ids (or the cells' times) every cell costs the same, as before
     plain, plain_clock, _ = progress(total=24)
     plain.cell_done("pass", "a", nodeid=ids[0], seconds=1.0)
@@ -89,7 +91,8 @@ def test_the_time_left_weighs_each_cell_by_what_its_kind_has_cost_and_a_kind_not
     assert plain.left(plain_clock.now) == 22
 
 
-def test_a_case_that_cost_more_than_its_kind_at_one_world_size_is_expected_to_at_the_next():
+def test_a_case_that_cost_more_than_its_kind_at_one_world_size_is_expected_to_at_the_next(monkeypatch):
+    monkeypatch.setattr("harness.controller.progress.PRIOR_CELLS", 0.0)
     def ids(case, world_size):
         return [f"cases/test_{case}.py::test_{case}[steps={i}-fp32-ws{world_size}]" for i in range(4)]
 
@@ -107,7 +110,48 @@ def test_a_case_that_cost_more_than_its_kind_at_one_world_size_is_expected_to_at
     assert p.left(clock.now) == pytest.approx(4 * 6.0, rel=1e-3)  # (the fit settles within its rounds)
 
 
-def test_under_xdist_the_time_left_is_the_last_workers_from_what_each_was_given_and_what_is_not_given_yet():
+def test_a_case_not_yet_run_costs_its_prior_factor_and_a_kinds_first_cells_are_weighed_with_its_prior():
+    """The catalogue's costly cases come late (a Trainer's, the transformers token loss): one not yet run
+    costs its measured factor over the catalogue (CASE_PRIOR), not an average case's; and a kind's cost
+    is its cells' with its prior counted as PRIOR_CELLS more, so that a pool's first cells of a kind
+    (which pay what the pool had not warmed) do not stand for all of them."""
+    dear = max(CASE_PRIOR, key=CASE_PRIOR.__getitem__)
+    cheap = min(CASE_PRIOR, key=CASE_PRIOR.__getitem__)
+    cheap_ids = [f"cases/x.py::{cheap}[steps={i}-fp32-ws2]" for i in range(10)]
+    dear_ids = [f"cases/x.py::{dear}[steps={i}-fp32-ws2]" for i in range(5)]
+    clock = Clock()
+    p = Progress([].append, clock=clock)
+    p.expect(15, cheap_ids + dear_ids)
+    clock.now += 8
+    p.cell_done("pass", "a", nodeid=cheap_ids[0], seconds=1.0)
+    for test in cheap_ids[1:]:
+        clock.now += 1.0
+        p.cell_done("pass", "a", nodeid=test, seconds=1.0)
+    # the cheap case's cells cost 1 s at its factor: a DDP cell of a catalogue-average case costs
+    # 1 / factor, blended with its prior scaled to the same cells (the same here: the scale is fitted
+    # to them), and the dear case's cells that times theirs
+    average = 1.0 / CASE_PRIOR[cheap]
+    assert p.left(clock.now) == pytest.approx(5 * average * CASE_PRIOR[dear])
+    assert CASE_PRIOR[dear] > 2 * CASE_PRIOR[cheap]  # (what the old estimate, at a factor of 1, missed)
+    # a new kind's first cell took four times its prior: with the prior as PRIOR_CELLS cells beside it,
+    # the kind's cells left cost (4 + PRIOR_CELLS) / (1 + PRIOR_CELLS) times the prior (scaled), not 4
+    # (a case of the user's own: of average cost)
+    plain = [f"cases/x.py::test_mine[steps={i}-fp32-ws2]" for i in range(10)]
+    ids = [f"cases/x.py::test_mine[steps={i}-fp32-wrapper=fsdp1-ws2]" for i in range(6)]
+    prior = PRIOR_COST[("fsdp1", 2)]  # an fsdp1 cell, where a DDP cell costs 1 s
+    q = Progress([].append, clock=clock)
+    q.expect(16, plain + ids)
+    q.cell_done("pass", "a", nodeid=plain[0], seconds=1.0)
+    for test, seconds in [(t, 1.0) for t in plain[1:]] + [(ids[0], 4 * prior)]:
+        clock.now += seconds
+        q.cell_done("pass", "a", nodeid=test, seconds=seconds)
+    scale = (10 * 1.0 + 4 * prior) / (10 * 1.0 + prior)  # every cell measured over every prior
+    expected = (4 * prior + PRIOR_CELLS * prior * scale) / (1 + PRIOR_CELLS)
+    assert q.left(clock.now) == pytest.approx(5 * expected, rel=1e-6)
+
+
+def test_under_xdist_the_time_left_is_the_last_workers_from_what_each_was_given_and_what_is_not_given_yet(monkeypatch):
+    monkeypatch.setattr("harness.controller.progress.PRIOR_CELLS", 0.0)
     ws2 = [f"cases/test_a.py::test_a[steps={i}-fp32-ws2]" for i in range(12)]
     ws4 = [f"cases/test_a.py::test_a[steps={i}-fp32-ws4]" for i in range(6)]
     ws1 = [f"cases/test_a.py::test_a[steps={i}-fp32-ws1]" for i in range(4)]

@@ -9,7 +9,7 @@ import threading
 import time
 from typing import Any, Callable, ContextManager, Iterable, Optional
 
-from harness.controller.cell_costs import COST_FIT_ROUNDS, case_of, cell_kind, prior_cost, ratios
+from harness.controller.cell_costs import PRIOR_CELLS, case_of, case_prior, cell_kind, fit, prior_cost
 from harness.records import BAD_STATUSES, Status
 
 # How often a line is written while cells pass (a cell that ends bad is written at once): often
@@ -192,47 +192,42 @@ class Progress:
     def left(self, now: float) -> float:
         """The time left: the wall time since the first cell ended (the wait for it is the pools'
         start-up, paid once) times what the cells left cost over what the cells done since cost (under
-        xdist, ``_left_by_worker``). A cell left costs its kind's cost so far (``_costs``); a kind not yet
-        measured, its ``prior_cost`` scaled to the cells measured (their seconds over their priors).
-        Without the cells' ids or times, every cell costs the same."""
+        xdist, ``_left_by_worker``). Without the cells' ids or times, every cell costs the same.
+
+        A cell left costs its kind's cost for a case of average cost times its case's factor
+        (cell_costs.fit, over the cells done). A kind not yet measured costs its ``prior_cost`` scaled to
+        the cells measured (their seconds over their priors); a case not yet run, its ``case_prior``.
+        The catalogue runs its cheap cases first: a case met later at its factor of 1 (an average case)
+        promised a third too little in the run's first quarter (issue 76). Measured factors average 1
+        over the cells that ran, the priors over the whole catalogue: each is taken to the latter,
+        by the mean prior of the cells that ran (``norm``)."""
         elapsed = now - self.first_done
         if not self.left_by_id or self.seconds_after_first <= 0:
             return elapsed / (self.done - 1) * (self.total - self.done)
         timed = self.cells_timed
-        scale = sum(s for _, _, s, _ in timed) / max(sum(prior_cost(kind) for _, kind, _, _ in timed), 1e-9)
-        kinds, cases = self._costs()
+        scale = sum(s for _, _, s, _ in timed) / max(
+            sum(prior_cost(kind) * case_prior(case) for case, kind, _, _ in timed), 1e-9)
+        kinds, cases = fit(timed)
+        ran = [case for case, _, _, ran in timed if ran]
+        norm = sum(case_prior(case) for case in ran) / len(ran) if ran else 1.0
+
+        # a kind's cost: its cells' seconds so far over their cases' factors, with its prior (scaled) as
+        # PRIOR_CELLS more cells of an average case
+        units: dict[tuple[str, int], float] = {}  # the factors of a kind's cells, as the priors' are
+        for case, kind, _, _ in timed:
+            units[kind] = units.get(kind, 0.0) + cases.get(case, 1.0) * norm
+        kind_cost = {kind: (kinds[kind] / norm * units[kind] + PRIOR_CELLS * prior_cost(kind) * scale)
+                     / (units[kind] + PRIOR_CELLS) for kind in kinds}
 
         def cost(test: str) -> float:
-            kind = self.left_by_id[test]
-            # a kind not yet measured: its prior, the mean of its own cases (a case met only in its kind, a
-            # Trainer's, would be counted twice with its factor)
-            return kinds[kind] * cases.get(case_of(test), 1.0) if kind in kinds else prior_cost(kind) * scale
+            kind, case = self.left_by_id[test], case_of(test)
+            factor = cases[case] * norm if case in cases else case_prior(case)
+            return (kind_cost[kind] if kind in kind_cost else prior_cost(kind) * scale) * factor
 
         by_worker = self._left_by_worker(cost)
         if by_worker is not None:
             return by_worker
         return elapsed * sum(cost(test) for test in self.left_by_id) / self.seconds_after_first
-
-    def _costs(self) -> tuple[dict[tuple[str, int], float], dict[str, float]]:
-        """What the cells done say a cell costs: by kind, for a case of average cost; and by case, how many
-        times its kinds' cost its cells took. A case's cells cost alike relative to their kind whatever
-        their wrapper and world size (a Trainer's causal LM against the catalogue's regressor), and the
-        catalogue runs its cheap cases first: a kind's mean from its first cells promised 27% too little
-        of the four-rank cells left (issue 76). The two are fitted to the cells' seconds together, each
-        in turn from the other (a few rounds settle them) on the cells that ran (one that skips on one
-        rank says nothing of its case's cost on two, and a kind whose cells mostly skip would make the
-        one case that runs there look costly); the cases' factors average 1 over those cells, as a case
-        not yet run is taken to. A kind's cost is then its cells' seconds over their cases' factors, those
-        that skip too (its cells left skip alike)."""
-        timed = self.cells_timed
-        ran = [cell for cell in timed if cell[3]]
-        cases: dict[str, float] = {}
-        for _ in range(COST_FIT_ROUNDS if ran else 0):
-            kinds = ratios([(kind, s, cases.get(case, 1.0)) for case, kind, s, _ in ran], empty=0.0)
-            cases = ratios([(case, s, kinds[kind]) for case, kind, s, _ in ran], empty=1.0)
-            mean = sum(cases[case] for case, *_ in ran) / len(ran)
-            cases = {case: factor / mean for case, factor in cases.items()} if mean > 0 else cases
-        return ratios([(kind, s, cases.get(case, 1.0)) for case, kind, s, _ in timed], empty=0.0), cases
 
     def _left_by_worker(self, cost: Callable[[str], float]) -> float | None:
         """Under xdist's scheduler (``queues``): the time until the last worker is done. Each worker runs
