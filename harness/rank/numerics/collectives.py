@@ -372,7 +372,7 @@ def digest(tensors: Iterable[torch.Tensor]) -> list[int]:
     crc, total, chunk = 0, 0, 0
     for t in tensors:
         crc = zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode(), crc)
-        data = t.detach().contiguous().reshape(-1).view(torch.uint8)  # (on its device: nothing is copied)
+        data = t.detach().contiguous().reshape(-1).view(torch.uint8)  # (on its device: none goes to the host)
         weights = _weights(data.device)
         whole = data.numel() // 8 * 8
         words = data[:whole].view(torch.int64)
