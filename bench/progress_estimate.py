@@ -175,14 +175,14 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     stamped: list[tuple[float, int, int, float]] = []
     ended_cells: list[float] = []  # when each cell's own line came (-v)
-    with open(args.out / "pytest.log", "w") as log:
+    # pytest.log: the run's output; stamps.tsv: every line with its time, for --replay
+    with open(args.out / "pytest.log", "w") as log, open(args.out / "stamps.tsv", "w") as stamps:
         # unbuffered: a line is stamped when pytest writes it, not when a pipe's buffer fills
         process = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--report-dir",
                                     str(args.out / "reports"), *extra], cwd=ROOT, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True, bufsize=1,
                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
         assert process.stdout is not None
-        stamps = open(args.out / "stamps.tsv", "w")  # every line with its time, for --replay
         for line in process.stdout:
             now = time.monotonic() - started
             log.write(line)
@@ -197,7 +197,6 @@ def main(argv: list[str] | None = None) -> int:
                     stamped.append((now, int(counts.group(1)), int(counts.group(2)), left))
         process.wait()
         stamps.write(f"{time.monotonic() - started:.3f}\t(ended)\n")
-        stamps.close()
     ended = time.monotonic() - started
     rows = ["| cells done | at (s) | promised left (s) | really left (s) | error | every cell alike (s) | its error |",
             "| --- | --- | --- | --- | --- | --- | --- |"]
