@@ -132,7 +132,8 @@ class Progress:
     def cell_done(self, status: str, name: str = "", *, nodeid: str = "", seconds: float | None = None,
                   worker: str = "") -> None:
         """A cell ended with ``status``; ``nodeid`` and ``seconds``, its test id and how long it ran,
-        teach the estimate what its kind costs; ``worker``, the xdist worker that ran it, that worker's pace."""
+        teach the estimate what its kind and its case cost; ``worker``, the xdist worker that ran it, the
+        time that passes on a worker between two cells."""
         with self._lock:
             self._cell_done(status, name)
             self._learn(nodeid, seconds, worker, ran=status not in (Status.SKIP, Status.UNSUPPORTED))
@@ -207,17 +208,19 @@ class Progress:
         timed = self.cells_timed
         scale = sum(s for _, _, s, _ in timed) / max(
             sum(prior_cost(kind) * case_prior(case) for case, kind, _, _ in timed), 1e-9)
-        kinds, cases = fit(timed)
+        _, cases = fit(timed)
         ran = [case for case, _, _, ran in timed if ran]
         norm = sum(case_prior(case) for case in ran) / len(ran) if ran else 1.0
 
-        # a kind's cost: its cells' seconds so far over their cases' factors, with its prior (scaled) as
-        # PRIOR_CELLS more cells of an average case
-        units: dict[tuple[str, int], float] = {}  # the factors of a kind's cells, as the priors' are
-        for case, kind, _, _ in timed:
+        # a kind's cost: its cells' seconds so far over their cases' factors (on the priors' scale), with
+        # its prior (scaled) as PRIOR_CELLS more cells of an average case
+        seconds: dict[tuple[str, int], float] = {}
+        units: dict[tuple[str, int], float] = {}
+        for case, kind, s, _ in timed:
+            seconds[kind] = seconds.get(kind, 0.0) + s
             units[kind] = units.get(kind, 0.0) + cases.get(case, 1.0) * norm
-        kind_cost = {kind: (kinds[kind] / norm * units[kind] + PRIOR_CELLS * prior_cost(kind) * scale)
-                     / (units[kind] + PRIOR_CELLS) for kind in kinds}
+        kind_cost = {kind: (seconds[kind] + PRIOR_CELLS * prior_cost(kind) * scale) / (units[kind] + PRIOR_CELLS)
+                     for kind in units}
 
         def cost(test: str) -> float:
             kind, case = self.left_by_id[test], case_of(test)
