@@ -26,6 +26,7 @@ wrote none.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -34,6 +35,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the harness of this checkout, for --replay and --priors
 SECONDS = re.compile(r"(?:(\d+)h(\d+)m)|(?:(\d+)m(\d+)s)|(?:(\d+)s)")
 
 
@@ -53,7 +55,9 @@ def promised(text: str) -> float | None:
     return float(s)
 
 
-CELL_LINE = re.compile(r" (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) ")
+# a test's own line under -v: how it ended
+OUTCOMES = "PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS"
+CELL_LINE = re.compile(rf" ({OUTCOMES}) ")
 
 
 def even_pace(ended_cells: list[float], at: float, total: int) -> float | None:
@@ -66,7 +70,7 @@ def even_pace(ended_cells: list[float], at: float, total: int) -> float | None:
 
 
 STARTED = re.compile(r"^(\S+::\S+\]) $")
-ENDED = re.compile(r"^\[(gw\d+)\] \[ *\d+%\] (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) (\S+::\S+\])")
+ENDED = re.compile(rf"^\[(gw\d+)\] \[ *\d+%\] ({OUTCOMES}) (\S+::\S+\])")
 
 
 def replay(out: Path) -> str:
@@ -75,9 +79,6 @@ def replay(out: Path) -> str:
     seconds; a world size's cells given to the worker that ran them from when its first cell started
     (xdist's scheduler hands them out whole), the world sizes not started yet queued; the estimate read
     where the run wrote a progress line, set against the time the run then took."""
-    import json
-
-    sys.path.insert(0, str(ROOT))
     from harness.controller.cells import CELL_ID_END
     from harness.controller.progress import Progress
 
@@ -131,9 +132,6 @@ def priors(matrices: list[Path]) -> str:
     """``PRIOR_COST`` (by kind, relative to a DDP cell at world size 2) and ``CASE_PRIOR`` (by case, over
     the catalogue's cells that ran) fitted as the progress line fits the cells done (cell_costs.fit),
     to every cell of ``matrices`` together."""
-    import json
-
-    sys.path.insert(0, str(ROOT))
     from harness.controller.cell_costs import case_of, cell_kind, fit
 
     timed = []
